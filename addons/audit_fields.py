@@ -1,0 +1,34 @@
+"""Audit-line fields taken from mitmproxy flows, in one place so every guard logs the same shape."""
+
+from __future__ import annotations
+
+from gateway.decision import Decision
+from gateway.engine import Pin
+
+from .state import ConnectionState
+
+
+def flow_fields(flow, conn: ConnectionState | None) -> dict:
+    request = flow.request
+    return {
+        "client": conn.client if conn else None,
+        "mode": conn.mode if conn else None,
+        "sni": flow.client_conn.sni,
+        "host_header": request.host_header if request is not None else None,
+        "method": request.method if request is not None else None,
+        "scheme": request.scheme if request is not None else None,
+        "path": request.path if request is not None else None,
+    }
+
+
+def decision_fields(decision: Decision, pin: Pin | None = None, host: str | None = None, port: int | None = None) -> dict:
+    return {
+        "decision": "allow" if decision.allowed else "deny",
+        "reason": decision.reason,
+        "status": None if decision.allowed else decision.status,
+        "rule": decision.rule,
+        "message": decision.message,
+        "host": pin.host.value if pin else host,
+        "port": pin.port if pin else port,
+        "address": str(pin.address) if pin else None,
+    }

@@ -1,0 +1,58 @@
+"""CONNECT: decide the tunnel's destination once, resolve it, check every address, pin it.
+
+After this hook the tunnel's upstream address is the checked IP and its upstream SNI the
+canonical name; nothing the sandbox sends later can change either.
+"""
+
+from __future__ import annotations
+
+from mitmproxy import http
+
+from gateway.decision import Decision
+from gateway.hostnames import HostError, parse_authority
+
+from .audit_fields import decision_fields, flow_fields
+from .failclosed import fail_closed
+from .respond import refuse
+from .state import GatewayState
+
+
+def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
+    refuse(flow, Decision.deny("internal_error", "the gateway failed while deciding this CONNECT"))
+    self.state.audit.record(event="connect", decision="deny", reason="internal_error", status=500)
+
+
+class ConnectGuard:
+    def __init__(self, state: GatewayState):
+        self.state = state
+
+    @fail_closed(_deny_on_error)
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        conn = self.state.connection(flow.client_conn.id)
+        engine = self.state.require_engine()
+        raw = flow.request.data.authority.decode("utf-8", "surrogateescape")
+        pin = None
+        host = port = None
+        if conn.tunnel is not None:
+            decision = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused")
+        else:
+            try:
+                host, port = parse_authority(raw)
+            except HostError as exc:
+                decision = Decision.deny("bad_host", f"bad CONNECT authority: {exc}")
+            else:
+                decision = engine.check_destination(host, port)
+                if decision.allowed:
+                    addresses, pin = await engine.pin(host, port)
+                    if not addresses.allowed:
+                        decision = addresses
+        fields = flow_fields(flow, conn) | decision_fields(decision, pin, host and host.value, port)
+        fields["path"] = None
+        self.state.audit.record(event="connect", **fields)
+        if not decision.allowed or pin is None:
+            refuse(flow, decision)
+            return
+        flow.request.data.host = str(pin.address)
+        flow.request.data.port = pin.port
+        flow.server_conn.sni = pin.sni or str(pin.address)
+        conn.tunnel = pin

@@ -1,0 +1,139 @@
+"""Options, policy loading and the safety settings that mitmproxy must run with.
+
+mitmproxy's defaults are wrong for a gateway (eager upstream connections, raw TCP relaying,
+host-based passthrough): this addon forces them on every configure, so neither `--set` nor a
+later change can switch them back, and refuses proxy modes whose pinning is not implemented.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+
+from mitmproxy import ctx, exceptions
+from mitmproxy.proxy import mode_specs
+
+from gateway.audit import AuditLog
+from gateway.engine import Engine
+from gateway.localaddrs import local_addresses
+from gateway.policy import PolicyError, load_default_policy, load_policy
+from gateway.resolver import Resolver
+
+from .state import GatewayState
+
+logger = logging.getLogger("egress")
+
+# option -> value the gateway needs, and why.
+FORCED_OPTIONS: dict[str, tuple[object, str]] = {
+    "connection_strategy": ("lazy", "no upstream connection may open before the policy decided"),
+    "rawtcp": (False, "bytes the gateway cannot parse are refused, not relayed"),
+    "ssl_insecure": (False, "upstream TLS is always verified"),
+    "ignore_hosts": ([], "passthrough would skip every check"),
+    "allow_hosts": ([], "passthrough would skip every check"),
+    "tcp_hosts": ([], "raw TCP relaying would skip every check"),
+    "udp_hosts": ([], "raw UDP relaying would skip every check"),
+    "http3": (False, "QUIC is not inspected"),
+    "validate_inbound_headers": (True, "malformed headers are refused"),
+}
+SUPPORTED_MODES = (mode_specs.RegularMode,)
+
+
+class EgressCore:
+    """Declares the egress_* options and owns the shared state."""
+
+    def __init__(self, state: GatewayState):
+        self.state = state
+        self.self_addresses = local_addresses()
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_policy", str, "",
+            "Path of the egress policy YAML file. Empty: the embedded default policy.",
+        )
+        loader.add_option(
+            "egress_audit_log", str, "",
+            "Where to append audit lines (JSON, one per decision): a path, '-' for stdout, empty for none.",
+        )
+        loader.add_option(
+            "egress_dns_timeout", float, 5.0, "Seconds to wait for DNS when the gateway resolves a destination.",
+        )
+
+    def configure(self, updated: set[str]):
+        self._force_safe_options(updated)
+        if "mode" in updated:
+            self._check_modes()
+        if updated & {"egress_policy", "mode", "egress_dns_timeout"} or self.state.engine is None:
+            self._load_policy()
+        if "egress_audit_log" in updated:
+            self.state.audit.close()
+            target = ctx.options.egress_audit_log or None
+            try:
+                self.state.audit = AuditLog(target)
+            except OSError as exc:
+                raise exceptions.OptionsError(f"cannot open audit log {target}: {exc.strerror}") from None
+
+    def _force_safe_options(self, updated: set[str]) -> None:
+        changes = {}
+        for name, (value, why) in FORCED_OPTIONS.items():
+            if not hasattr(ctx.options, name):
+                continue
+            current = getattr(ctx.options, name)
+            if (list(current) if isinstance(value, list) else current) != value:
+                if name in updated and ctx.options.default(name) != current:
+                    logger.warning("egress gateway: ignoring %s=%r: %s", name, current, why)
+                changes[name] = value
+        if changes:
+            ctx.options.update(**changes)
+
+    def _check_modes(self) -> None:
+        for spec in ctx.options.mode:
+            mode = mode_specs.ProxyMode.parse(spec)
+            if not isinstance(mode, SUPPORTED_MODES):
+                raise exceptions.OptionsError(
+                    f"mode {spec!r} is not supported by the egress gateway (supported: regular)"
+                )
+
+    def _listeners(self) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+        found = []
+        for spec in ctx.options.mode:
+            mode = mode_specs.ProxyMode.parse(spec)
+            port = mode.listen_port(ctx.options.listen_port)
+            host = mode.listen_host(ctx.options.listen_host) or "0.0.0.0"
+            if port is None:
+                continue
+            for text in (host, "::" if host == "0.0.0.0" else None):
+                if text:
+                    try:
+                        found.append((ipaddress.ip_address(text), port))
+                    except ValueError:
+                        found.append((ipaddress.ip_address("0.0.0.0"), port))
+        return found
+
+    def _load_policy(self) -> None:
+        path = ctx.options.egress_policy
+        try:
+            policy = load_policy(path) if path else load_default_policy()
+        except PolicyError as exc:
+            raise exceptions.OptionsError(f"invalid egress policy:\n{exc}") from None
+        listeners = self._listeners()
+        resolver = Resolver(policy.static_hosts, timeout=ctx.options.egress_dns_timeout)
+        self.state.engine = Engine.build(policy, self.self_addresses, listeners, resolver)
+        logger.info(
+            "egress gateway: policy %s loaded (sha256 %s, %d rules)", policy.source, policy.sha256, len(policy.rules)
+        )
+
+    def running(self):
+        confdir = os.path.expanduser(ctx.options.confdir)
+        logger.info("egress gateway: CA certificate for sandboxes: %s", os.path.join(confdir, "mitmproxy-ca-cert.pem"))
+
+    def client_connected(self, client):
+        peer = f"{client.peername[0]}:{client.peername[1]}" if client.peername else "?"
+        mode = type(client.proxy_mode).__name__.removesuffix("Mode").lower() if client.proxy_mode else "?"
+        self.state.connection(client.id, peer, mode)
+
+    def client_disconnected(self, client):
+        self.state.forget(client.id)
+
+    def done(self):
+        self.state.audit.close()

@@ -1,0 +1,38 @@
+"""All gateway addons, in the order they must run; the file `mitmdump -s` loads.
+
+    mitmdump -s addons/egress.py --set egress_policy=policies/default.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+try:
+    import addons.core  # noqa: F401
+except ImportError:
+    # Loaded by path from a checkout (mitmdump -s addons/egress.py): make the project importable.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from addons.connect_guard import ConnectGuard  # noqa: E402
+from addons.core import EgressCore  # noqa: E402
+from addons.layer_guard import LayerGuard  # noqa: E402
+from addons.request_guard import RequestGuard  # noqa: E402
+from addons.state import GatewayState  # noqa: E402
+from addons.tls_guard import TlsGuard  # noqa: E402
+from addons.upstream_guard import UpstreamGuard  # noqa: E402
+
+
+def make_addons(state: GatewayState | None = None) -> list:
+    state = state or GatewayState()
+    return [
+        EgressCore(state),
+        LayerGuard(state),
+        ConnectGuard(state),
+        TlsGuard(state),
+        RequestGuard(state),
+        UpstreamGuard(state),
+    ]
+
+
+addons = make_addons()

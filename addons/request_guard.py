@@ -1,0 +1,121 @@
+"""Every HTTP request, before any upstream byte: restated destinations, header sanity, the rules.
+
+Two shapes reach this hook:
+- inside a CONNECT tunnel: the destination is the pin; Host, :authority and any absolute-form
+  authority must name it (421 otherwise), then method, path and scheme go to the rules;
+- an absolute-form request on the proxy port: the URL names the destination (per request),
+  the Host header must agree with it (400), then the rules, resolution and address checks run
+  and the request is pinned to the checked address.
+Only a request that passed everything admits its (address, port) for the upstream guard.
+"""
+
+from __future__ import annotations
+
+from mitmproxy import http
+
+from gateway.decision import Decision
+from gateway.engine import Pin, RequestFacts
+from gateway.hostnames import HostError, parse_authority
+from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
+
+from .audit_fields import decision_fields, flow_fields
+from .failclosed import fail_closed
+from .layers import raw_authority, target_form
+from .respond import refuse
+from .state import ConnectionState, GatewayState
+
+
+def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
+    refuse(flow, Decision.deny("internal_error", "the gateway failed while deciding this request"))
+    self.state.audit.record(event="request", decision="deny", reason="internal_error", status=500)
+
+
+def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers.items(multi=True)]
+
+
+class RequestGuard:
+    def __init__(self, state: GatewayState):
+        self.state = state
+
+    @fail_closed(_deny_on_error)
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        conn = self.state.connection(flow.client_conn.id)
+        if conn.tunnel is not None:
+            decision, pin = self._tunnelled(flow, conn, conn.tunnel)
+        else:
+            decision, pin = await self._proxied(flow)
+        fields = flow_fields(flow, conn) | decision_fields(decision, pin)
+        if pin is None and decision.rule is None:
+            fields["host"] = flow.request.pretty_host
+        self.state.audit.record(event="request", **fields)
+        if not decision.allowed or pin is None:
+            refuse(flow, decision)
+            return
+        conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
+        flow.metadata["egress_decision"] = decision
+
+    def _tunnelled(self, flow: http.HTTPFlow, conn: ConnectionState, pin: Pin) -> tuple[Decision, Pin | None]:
+        request = flow.request
+        if conn.poisoned is not None:
+            return conn.poisoned, pin
+        if request.method == "CONNECT":
+            return Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), pin
+        if problem := check_headers(_header_pairs(request)):
+            return problem, pin
+        scheme = request.scheme
+        restated = [("host", v) for v in request.headers.get_all("host")]
+        if request.data.authority:
+            restated.append(("authority", request.data.authority.decode("utf-8", "surrogateescape")))
+        if not restated and request.http_version == "HTTP/1.1":
+            return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), pin
+        if problem := check_restated(restated, scheme, pin.host, pin.port):
+            return problem, pin
+        engine = self.state.require_engine()
+        return engine.check_request(RequestFacts(pin.host, pin.port, scheme, request.method, request.path)), pin
+
+    async def _proxied(self, flow: http.HTTPFlow) -> tuple[Decision, Pin | None]:
+        request = flow.request
+        form = target_form(request)
+        if form != "absolute":
+            return Decision.deny("origin_form", "this is a proxy: send absolute-form requests (http://host/path) or CONNECT"), None
+        if request.scheme != "http":
+            return Decision.deny("https_absolute_form", "https:// URLs must be tunnelled with CONNECT"), None
+        if problem := check_headers(_header_pairs(request)):
+            return problem, None
+        try:
+            host, port = parse_authority(raw_authority(request) or "", DEFAULT_PORTS["http"])
+        except HostError as exc:
+            return Decision.deny("bad_host", f"bad URL authority: {exc}"), None
+        hosts = request.headers.get_all("host")
+        if not hosts and request.http_version == "HTTP/1.1":
+            return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), None
+        if problem := check_restated([("host", v) for v in hosts], "http", host, port):
+            problem = Decision.deny(
+                "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason, problem.message
+            )
+            return problem, None
+        engine = self.state.require_engine()
+        decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path))
+        if not decision.allowed:
+            return decision, None
+        addresses, pin = await engine.pin(host, port)
+        if not addresses.allowed or pin is None:
+            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None
+        request.data.host = pin.address.compressed
+        request.data.port = pin.port
+        return decision, pin
+
+    @fail_closed(lambda self, flow, error: flow.kill())
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        if response is None or response.status_code != 101:
+            return
+        asked = flow.request.headers.get("upgrade", "").strip().lower()
+        answered = response.headers.get("upgrade", "").strip().lower()
+        if asked == "websocket" and answered == "websocket":
+            return
+        conn = self.state.connections.get(flow.client_conn.id)
+        decision = Decision.deny("unsolicited_upgrade", f"upstream answered 101 with Upgrade {answered[:40]!r}")
+        self.state.audit.record(event="response", **(flow_fields(flow, conn) | decision_fields(decision, conn.tunnel if conn else None)))
+        flow.kill()

@@ -1,0 +1,33 @@
+"""How refusals look on the wire: a status, a short text body, and machine-readable headers."""
+
+from __future__ import annotations
+
+from mitmproxy import http
+
+from gateway.decision import REASON_HEADER, RULE_HEADER, Decision
+
+
+def refusal_headers(decision: Decision) -> dict[str, str]:
+    headers = {"Content-Type": "text/plain; charset=utf-8", REASON_HEADER: decision.reason, "Cache-Control": "no-store"}
+    if decision.rule:
+        headers[RULE_HEADER] = decision.rule
+    return headers
+
+
+def refuse(flow: http.HTTPFlow, decision: Decision) -> None:
+    """Answer the flow from the gateway; the request is never sent upstream."""
+    flow.response = http.Response.make(decision.status, decision.body(), refusal_headers(decision))
+    if flow.request is not None:
+        # A streamed request body cannot coexist with a gateway-made response in mitmproxy.
+        flow.request.stream = False
+    flow.metadata["egress_decision"] = decision
+
+
+def raw_http_refusal(decision: Decision) -> bytes:
+    """An HTTP/1.1 refusal as bytes, for connections refused before any HTTP parsing."""
+    body = decision.body().encode("utf-8")
+    reason_phrase = {400: "Bad Request", 403: "Forbidden", 421: "Misdirected Request"}.get(decision.status, "Error")
+    head = [f"HTTP/1.1 {decision.status} {reason_phrase}"]
+    head += [f"{k}: {v}" for k, v in refusal_headers(decision).items()]
+    head += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(head).encode("ascii") + body

@@ -1,0 +1,77 @@
+"""Decisions and the reason codes they carry.
+
+Reason codes are the machine-readable half of every refusal: they go in the `X-Egress-Reason`
+response header, the audit log and metric labels, so the set is closed and documented here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REASON_HEADER = "X-Egress-Reason"
+RULE_HEADER = "X-Egress-Rule"
+
+# code -> (HTTP status, one-line meaning)
+REASONS: dict[str, tuple[int, str]] = {
+    "allowed": (200, "an allow rule matched"),
+    # 403: the policy says no
+    "no_rule": (403, "no rule allows this host"),
+    "port_not_allowed": (403, "a rule covers this host, but not this port"),
+    "scheme_not_allowed": (403, "a rule covers this host, but not this scheme"),
+    "method_not_allowed": (403, "a rule covers this host, but not this method"),
+    "path_not_allowed": (403, "a rule covers this host, but not this path"),
+    "method_forbidden": (403, "TRACE and TRACK are always refused"),
+    "denied_address": (403, "the host resolves to an address in the deny list"),
+    "self_address": (403, "the destination is the gateway itself"),
+    # 421: the sandbox restated its destination after it was pinned
+    "sni_mismatch": (421, "the TLS SNI names another host than the pinned destination"),
+    "host_mismatch": (421, "the Host header names another host than the pinned destination"),
+    "authority_mismatch": (421, "the request authority names another host than the pinned destination"),
+    # 400: malformed or not inspectable
+    "bad_host": (400, "the destination host or port is malformed or ambiguous"),
+    "bad_path": (400, "the request path cannot be normalised safely"),
+    "bad_host_header": (400, "the Host header is missing, duplicated or malformed"),
+    "bad_header": (400, "a header name or value is malformed"),
+    "host_url_mismatch": (400, "the Host header does not match the absolute URL"),
+    "origin_form": (400, "a request to the proxy itself (origin-form) is not proxied"),
+    "https_absolute_form": (400, "https:// URLs must be tunnelled with CONNECT"),
+    "upgrade_refused": (400, "only 'Upgrade: websocket' is allowed"),
+    "nested_connect": (400, "CONNECT inside a tunnel is refused"),
+    "non_http": (400, "the bytes are not HTTP or TLS, so the gateway cannot inspect them"),
+    "h2c_refused": (400, "cleartext HTTP/2 (h2c) is refused"),
+    "unsolicited_upgrade": (502, "the upstream switched protocols without being asked"),
+    # 5xx
+    "resolve_failed": (502, "the host name could not be resolved"),
+    "internal_error": (500, "the gateway failed while deciding; the request was refused"),
+}
+
+
+@dataclass
+class Decision:
+    allowed: bool
+    reason: str
+    message: str
+    rule: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> int:
+        return REASONS[self.reason][0]
+
+    @classmethod
+    def allow(cls, rule: str, message: str = "allowed") -> "Decision":
+        return cls(True, "allowed", message, rule)
+
+    @classmethod
+    def deny(cls, reason: str, message: str, rule: str | None = None, notes: list[str] | None = None) -> "Decision":
+        if reason not in REASONS:
+            raise KeyError(f"unknown reason code {reason!r}")
+        return cls(False, reason, message, rule, notes or [])
+
+    def body(self) -> str:
+        """The short text body of a refusal: what happened, which reason and rule."""
+        lines = [f"egress gateway: {self.message}", f"reason: {self.reason}"]
+        if self.rule:
+            lines.append(f"rule: {self.rule}")
+        lines.extend(self.notes)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,359 @@
+"""Policy file, version 1: the security team's interface.
+
+`load_policy(path)` parses and validates a YAML file and compiles it into a `Policy`: rule globs
+become regexes and host patterns go into a `HostIndex`, so nothing per request depends on the
+number of rules. Every problem is reported with file:line:column and the key path, all at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .addresses import RangeTable, default_deny_table, parse_network
+from .hostnames import Host, HostError, IPAddress, canonical_host
+from .matcher import HostIndex, HostPattern
+from .paths import compile_glob
+from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
+
+SCHEMES = ("http", "https")
+DEFAULT_PORTS = {"https": 443, "http": 80}
+STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+FORBIDDEN_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
+_METHOD_RE = re.compile(r"^[A-Z][A-Z0-9_-]{0,31}$")
+_RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+TOP_KEYS = {"version", "network", "resolver", "rules"}
+NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges"}
+RESOLVER_KEYS = {"static_hosts"}
+RULE_KEYS = {"id", "hosts", "ports", "schemes", "methods", "paths"}
+DEFAULT_POLICY_NAME = "default.yaml"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    index: int
+    hosts: tuple[HostPattern, ...]
+    schemes: frozenset[str]
+    ports: frozenset[int] | None  # None: the scheme's default port
+    methods: frozenset[str] | None  # None: any standard method
+    path_globs: tuple[str, ...] | None  # None: any path
+    path_patterns: tuple[re.Pattern[str], ...] | None
+    location: Location
+
+    def allows_port(self, port: int, scheme: str | None = None) -> bool:
+        """With no scheme (a CONNECT, before the tunnel shows TLS or not): any of the rule's schemes."""
+        schemes = self.schemes if scheme is None else self.schemes & {scheme}
+        if self.ports is not None:
+            return bool(schemes) and port in self.ports
+        return any(DEFAULT_PORTS[s] == port for s in schemes)
+
+    def allows_method(self, method: str) -> bool:
+        if method in FORBIDDEN_METHODS:
+            return False
+        return method in (STANDARD_METHODS if self.methods is None else self.methods)
+
+    def allows_path(self, normalised_path: str) -> bool:
+        if self.path_patterns is None:
+            return True
+        return any(p.match(normalised_path) for p in self.path_patterns)
+
+
+@dataclass
+class Policy:
+    rules: tuple[Rule, ...]
+    index: HostIndex
+    deny_ranges: RangeTable
+    allow_ranges: RangeTable
+    static_hosts: dict[str, tuple[IPAddress, ...]]
+    source: str
+    sha256: str
+    version: int = 1
+    rules_by_id: dict[str, Rule] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rules_by_id = {r.id: r for r in self.rules}
+
+
+class _Validator:
+    """Walks located nodes, collecting every issue instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.issues: list[ConfigIssue] = []
+
+    def error(self, node: Node | Location, path: str, message: str) -> None:
+        location = node.location if isinstance(node, Node) else node
+        self.issues.append(ConfigIssue(location, path, message))
+
+    def mapping(self, node: Node, path: str, allowed: set[str]) -> dict[str, Node] | None:
+        if not isinstance(node.value, dict):
+            self.error(node, path, f"must be a mapping, not {_kind(node.value)}")
+            return None
+        for key in node.value:
+            if key not in allowed:
+                hint = ", ".join(sorted(allowed))
+                self.error(node.key_locations[key], _join(path, key), f"unknown key (allowed: {hint})")
+        return node.value
+
+    def sequence(self, node: Node, path: str, *, non_empty: bool = False) -> list[Node] | None:
+        if not isinstance(node.value, list):
+            self.error(node, path, f"must be a list, not {_kind(node.value)}")
+            return None
+        if non_empty and not node.value:
+            self.error(node, path, "must not be empty")
+        return node.value
+
+    def string(self, node: Node, path: str) -> str | None:
+        if not isinstance(node.value, str) or not node.value:
+            self.error(node, path, f"must be a non-empty string, not {_kind(node.value)}")
+            return None
+        return node.value
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _host_pattern(v: _Validator, node: Node, path: str) -> HostPattern | None:
+    raw = v.string(node, path)
+    if raw is None:
+        return None
+    text = raw.strip()
+    if text in ("*", "*.", "*.*"):
+        v.error(node, path, f"{raw!r}: a wildcard needs a domain (\"*.example.com\")")
+        return None
+    if text.startswith("*."):
+        rest = text[2:]
+        if "*" in rest:
+            v.error(node, path, f"{raw!r}: only one leading \"*.\" is allowed")
+            return None
+        try:
+            domain = canonical_host(rest)
+        except HostError as exc:
+            v.error(node, path, f"{raw!r}: {exc}")
+            return None
+        if domain.is_ip:
+            v.error(node, path, f"{raw!r}: a wildcard cannot cover an IP address")
+            return None
+        return HostPattern.wildcard(domain.value)
+    if "*" in text:
+        v.error(node, path, f"{raw!r}: \"*\" is only allowed as a leading \"*.\" label")
+        return None
+    if "/" in text:
+        try:
+            return HostPattern.network(parse_network(text))
+        except ValueError as exc:
+            v.error(node, path, f"{raw!r}: not a valid CIDR: {exc}")
+            return None
+    try:
+        host = canonical_host(text)
+    except HostError as exc:
+        v.error(node, path, f"{raw!r}: {exc}")
+        return None
+    return HostPattern.exact(host)
+
+
+def _ranges(v: _Validator, node: Node, path: str) -> list[tuple[object, str]]:
+    items = v.sequence(node, path) or []
+    out = []
+    for i, item in enumerate(items):
+        p = f"{path}[{i}]"
+        text = v.string(item, p)
+        if text is None:
+            continue
+        try:
+            out.append((parse_network(text), f"{path} entry {text}"))
+        except ValueError as exc:
+            v.error(item, p, f"{text!r} is not a valid CIDR: {exc}")
+    return out
+
+
+def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location]) -> Rule | None:
+    fields = v.mapping(node, path, RULE_KEYS)
+    if fields is None:
+        return None
+    for required in ("id", "hosts"):
+        if required not in fields:
+            v.error(node, path, f"missing required key {required!r}")
+    rule_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
+    if rule_id is not None:
+        if not _RULE_ID_RE.match(rule_id):
+            v.error(fields["id"], f"{path}.id", f"{rule_id!r}: use letters, digits, '_', '.', '-' (max 63)")
+        elif rule_id in seen:
+            v.error(fields["id"], f"{path}.id", f"duplicate rule id {rule_id!r} (first at {seen[rule_id]})")
+        else:
+            seen[rule_id] = fields["id"].location
+
+    hosts: list[HostPattern] = []
+    if "hosts" in fields:
+        for i, item in enumerate(v.sequence(fields["hosts"], f"{path}.hosts", non_empty=True) or []):
+            pattern = _host_pattern(v, item, f"{path}.hosts[{i}]")
+            if pattern is not None:
+                hosts.append(pattern)
+
+    schemes = frozenset({"https"})
+    if "schemes" in fields:
+        items = v.sequence(fields["schemes"], f"{path}.schemes", non_empty=True) or []
+        values = set()
+        for i, item in enumerate(items):
+            s = v.string(item, f"{path}.schemes[{i}]")
+            if s is not None and s.lower() not in SCHEMES:
+                v.error(item, f"{path}.schemes[{i}]", f"{s!r}: scheme must be one of {', '.join(SCHEMES)}")
+            elif s is not None:
+                values.add(s.lower())
+        schemes = frozenset(values) or schemes
+
+    ports: frozenset[int] | None = None
+    if "ports" in fields:
+        items = v.sequence(fields["ports"], f"{path}.ports", non_empty=True) or []
+        values_p = set()
+        for i, item in enumerate(items):
+            if isinstance(item.value, bool) or not isinstance(item.value, int) or not 1 <= item.value <= 65535:
+                v.error(item, f"{path}.ports[{i}]", f"{item.value!r}: a port is a number from 1 to 65535")
+            else:
+                values_p.add(item.value)
+        ports = frozenset(values_p)
+
+    methods: frozenset[str] | None = None
+    if "methods" in fields:
+        items = v.sequence(fields["methods"], f"{path}.methods", non_empty=True) or []
+        values_m = set()
+        for i, item in enumerate(items):
+            m = v.string(item, f"{path}.methods[{i}]")
+            if m is None:
+                continue
+            if not _METHOD_RE.match(m):
+                v.error(item, f"{path}.methods[{i}]", f"{m!r}: methods are upper-case tokens like GET")
+            elif m in FORBIDDEN_METHODS:
+                v.error(item, f"{path}.methods[{i}]", f"{m!r} is always refused and cannot be allowed")
+            else:
+                values_m.add(m)
+        methods = frozenset(values_m)
+
+    globs: tuple[str, ...] | None = None
+    patterns: tuple[re.Pattern[str], ...] | None = None
+    if "paths" in fields:
+        items = v.sequence(fields["paths"], f"{path}.paths", non_empty=True) or []
+        g_list, p_list = [], []
+        for i, item in enumerate(items):
+            g = v.string(item, f"{path}.paths[{i}]")
+            if g is None:
+                continue
+            try:
+                p_list.append(compile_glob(g))
+                g_list.append(g)
+            except ValueError as exc:
+                v.error(item, f"{path}.paths[{i}]", f"{g!r}: {exc}")
+        globs, patterns = tuple(g_list), tuple(p_list)
+
+    if rule_id is None or not hosts:
+        return None
+    return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location)
+
+
+def compile_policy(text: str, source: str) -> Policy:
+    """Parse, validate and compile policy text; raise PolicyError listing every problem."""
+    root, parse_issues = parse(text, source)
+    v = _Validator()
+    v.issues.extend(parse_issues)
+    top = v.mapping(root, "", TOP_KEYS)
+    if top is None:
+        raise PolicyError(v.issues)
+
+    if "version" not in top:
+        v.error(root, "version", "missing required key 'version' (use: version: 1)")
+    elif top["version"].value != 1 or isinstance(top["version"].value, bool):
+        v.error(top["version"], "version", f"{top['version'].value!r}: only version 1 is supported")
+
+    deny = default_deny_table()
+    allow = RangeTable()
+    if "network" in top:
+        network = v.mapping(top["network"], "network", NETWORK_KEYS) or {}
+        if "deny_ip_ranges" in network:
+            node = network["deny_ip_ranges"]
+            if node.value == "default":
+                pass
+            elif isinstance(node.value, list):
+                deny = RangeTable.of(_ranges(v, node, "network.deny_ip_ranges"))
+            else:
+                v.error(node, "network.deny_ip_ranges", "must be \"default\" or a list of CIDRs")
+        if "allow_ip_ranges" in network:
+            allow = RangeTable.of(_ranges(v, network["allow_ip_ranges"], "network.allow_ip_ranges"))
+
+    static_hosts: dict[str, tuple[IPAddress, ...]] = {}
+    if "resolver" in top:
+        resolver = v.mapping(top["resolver"], "resolver", RESOLVER_KEYS) or {}
+        if "static_hosts" in resolver:
+            node = resolver["static_hosts"]
+            if not isinstance(node.value, dict):
+                v.error(node, "resolver.static_hosts", f"must be a mapping of name to addresses, not {_kind(node.value)}")
+            else:
+                for name, value in node.value.items():
+                    p = f"resolver.static_hosts.{name}"
+                    try:
+                        host = canonical_host(name)
+                    except HostError as exc:
+                        v.error(node.key_locations[name], p, f"{name!r}: {exc}")
+                        continue
+                    if host.is_ip:
+                        v.error(node.key_locations[name], p, "static_hosts maps names, not IP addresses")
+                        continue
+                    addresses = []
+                    for i, item in enumerate(v.sequence(value, p, non_empty=True) or []):
+                        literal = v.string(item, f"{p}[{i}]")
+                        if literal is None:
+                            continue
+                        try:
+                            bracketed = literal if ":" not in literal or literal.startswith("[") else f"[{literal}]"
+                            parsed = canonical_host(bracketed)
+                            if parsed.ip is None:
+                                raise HostError("not an IP address")
+                            addresses.append(parsed.ip)
+                        except HostError as exc:
+                            v.error(item, f"{p}[{i}]", f"{literal!r}: {exc}")
+                    if host.value in static_hosts:
+                        v.error(node.key_locations[name], p, "this name is listed twice (after canonicalisation)")
+                    static_hosts[host.value] = tuple(addresses)
+
+    rules: list[Rule] = []
+    if "rules" in top:
+        seen: dict[str, Location] = {}
+        for i, item in enumerate(v.sequence(top["rules"], "rules") or []):
+            rule = _rule(v, item, f"rules[{i}]", i, seen)
+            if rule is not None:
+                rules.append(rule)
+
+    if v.issues:
+        raise PolicyError(v.issues)
+    index = HostIndex.build((pattern, rule.index) for rule in rules for pattern in rule.hosts)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return Policy(tuple(rules), index, deny, allow, static_hosts, source, digest)
+
+
+def load_policy(path: str | Path) -> Policy:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError([ConfigIssue(Location(str(path), 1, 1), "", f"cannot read policy: {exc}")]) from None
+    return compile_policy(text, str(path))
+
+
+def default_policy_text() -> str:
+    return resources.files("policies").joinpath(DEFAULT_POLICY_NAME).read_text(encoding="utf-8")
+
+
+def load_default_policy() -> Policy:
+    return compile_policy(default_policy_text(), f"<embedded policies/{DEFAULT_POLICY_NAME}>")

@@ -1,0 +1,53 @@
+"""Name resolution done by the gateway itself, once per pin.
+
+`static_hosts` first (like /etc/hosts, from the policy), then the system resolver through
+getaddrinfo with a timeout. The caller checks every address returned and dials one of exactly
+those, so a second lookup (DNS rebinding) never happens between the check and the connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+
+from .hostnames import Host, IPAddress
+
+DEFAULT_TIMEOUT = 5.0
+
+
+class ResolveError(Exception):
+    pass
+
+
+class Resolver:
+    def __init__(self, static_hosts: dict[str, tuple[IPAddress, ...]] | None = None, timeout: float = DEFAULT_TIMEOUT):
+        self.static_hosts = dict(static_hosts or {})
+        self.timeout = timeout
+
+    async def resolve(self, host: Host) -> tuple[IPAddress, ...]:
+        if host.ip is not None:
+            return (host.ip,)
+        if host.value in self.static_hosts:
+            return self.static_hosts[host.value]
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(host.value, None, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP),
+                self.timeout,
+            )
+        except TimeoutError:
+            raise ResolveError(f"resolving {host.value} timed out after {self.timeout:g}s") from None
+        except (OSError, UnicodeError) as exc:
+            raise ResolveError(f"cannot resolve {host.value}: {exc}") from None
+        addresses: list[IPAddress] = []
+        for family, *_rest, sockaddr in infos:
+            if family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            text = sockaddr[0].split("%", 1)[0]
+            address = ipaddress.ip_address(text)
+            if address not in addresses:
+                addresses.append(address)
+        if not addresses:
+            raise ResolveError(f"{host.value} has no IPv4 or IPv6 address")
+        return tuple(addresses)

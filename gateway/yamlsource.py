@@ -1,0 +1,111 @@
+"""YAML that remembers where every value came from.
+
+Policy errors must name the file, line, column and key path; PyYAML's composer keeps marks on
+nodes, so the loader walks nodes instead of plain dicts. Duplicate mapping keys are an error here
+(plain PyYAML silently keeps the last one, which would let a second `hosts:` hide the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Location:
+    file: str
+    line: int  # 1-based
+    column: int  # 1-based
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+@dataclass
+class ConfigIssue:
+    location: Location
+    path: str
+    message: str
+    severity: str = "error"
+
+    def __str__(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        return f"{self.location}: {where}{self.message}"
+
+
+class PolicyError(ValueError):
+    """A policy that does not parse or validate. str() lists every problem found."""
+
+    def __init__(self, issues: list[ConfigIssue]):
+        self.issues = sorted(issues, key=lambda i: (i.location.file, i.location.line, i.location.column))
+        super().__init__("\n".join(str(i) for i in self.issues))
+
+
+@dataclass
+class Node:
+    """A YAML value with its location; mappings keep key locations too."""
+
+    value: object
+    location: Location
+    key_locations: dict[str, Location] = field(default_factory=dict)
+
+
+def _location(file: str, node: yaml.Node) -> Location:
+    return Location(file, node.start_mark.line + 1, node.start_mark.column + 1)
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _convert(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIssue], path: str) -> Node:
+    location = _location(file, node)
+    if isinstance(node, yaml.MappingNode):
+        loader.flatten_mapping(node)
+        result: dict[str, Node] = {}
+        keys: dict[str, Location] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            key_location = _location(file, key_node)
+            if not isinstance(key, str):
+                issues.append(ConfigIssue(key_location, path, f"mapping key {key!r} must be a string"))
+                continue
+            child_path = f"{path}.{key}" if path else key
+            if key in result:
+                issues.append(ConfigIssue(key_location, child_path, "duplicate key"))
+                continue
+            keys[key] = key_location
+            result[key] = _convert(file, value_node, loader, issues, child_path)
+        return Node(result, location, keys)
+    if isinstance(node, yaml.SequenceNode):
+        items = [
+            _convert(file, child, loader, issues, f"{path}[{index}]")
+            for index, child in enumerate(node.value)
+        ]
+        return Node(items, location)
+    return Node(loader.construct_object(node, deep=True), location)
+
+
+def parse(text: str, file: str) -> tuple[Node, list[ConfigIssue]]:
+    """Parse one YAML document into located nodes.
+
+    Syntax errors raise PolicyError; structural issues found on the way (duplicate keys,
+    non-string keys) are returned so the caller can report them with its own findings."""
+    issues: list[ConfigIssue] = []
+    try:
+        loader = _Loader(text)
+        try:
+            root = loader.get_single_node()
+            if root is None:
+                raise PolicyError([ConfigIssue(Location(file, 1, 1), "", "the file is empty")])
+            tree = _convert(file, root, loader, issues, "")
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        location = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file, 1, 1)
+        raise PolicyError([ConfigIssue(location, "", f"YAML syntax error: {exc.problem or exc}")]) from None
+    except yaml.YAMLError as exc:
+        raise PolicyError([ConfigIssue(Location(file, 1, 1), "", f"YAML error: {exc}")]) from None
+    return tree, issues
