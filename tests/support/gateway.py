@@ -1,0 +1,119 @@
+"""The gateway as a real process (`python -m gateway run`), started and stopped by tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float = 20.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port}")
+
+
+@dataclass
+class GatewayProcess:
+    policy: Path | None
+    workdir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    upstream_ca: Path | None = None
+    command_prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "ns"]
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.confdir = self.workdir / "confdir"
+        self.audit_path = self.workdir / "audit.jsonl"
+        self.log_path = self.workdir / "gateway.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "gateway", "run", "--mode", f"regular@{self.host}:{self.port}",
+               "--confdir", str(self.confdir), "--audit-log", str(self.audit_path)]
+        if self.policy is not None:
+            cmd += ["--policy", str(self.policy)]
+        if self.upstream_ca is not None:
+            cmd += ["--set", f"ssl_verify_upstream_trusted_ca={self.upstream_ca}"]
+        return self.command_prefix + cmd + self.extra_args
+
+    def start(self) -> "GatewayProcess":
+        if not self.port:
+            self.port = free_port(self.host)
+        env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), PYTHONUNBUFFERED="1")
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        cwd=PROJECT_ROOT)
+        try:
+            wait_for_port(self.host, self.port, process=self.process) if not self.command_prefix else self._wait_prefixed()
+            deadline = time.monotonic() + 10
+            while not self.ca_cert.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"gateway did not start:\n{self.log()}")
+        return self
+
+    def _wait_prefixed(self) -> None:
+        deadline = time.monotonic() + 20
+        probe = self.command_prefix + [sys.executable, "-c",
+                                       f"import socket; socket.create_connection(({self.host!r}, {self.port}), 0.5)"]
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}")
+            if subprocess.run(probe, capture_output=True).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise TimeoutError("gateway did not listen")
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+        return self.process.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def audit(self) -> list[dict]:
+        if not self.audit_path.exists():
+            return []
+        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
