@@ -83,6 +83,10 @@ class EgressCore:
                 if name in updated and ctx.options.default(name) != current:
                     logger.warning("egress gateway: ignoring %s=%r: %s", name, current, why)
                 changes[name] = value
+        if getattr(ctx.options, "stream_large_bodies", "unset") is None:
+            # Stream big bodies instead of buffering them whole (mitmproxy's default), so memory
+            # stays flat on large downloads; an explicit --set stream_large_bodies wins.
+            changes["stream_large_bodies"] = "1m"
         if changes:
             ctx.options.update(**changes)
 

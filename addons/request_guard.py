@@ -41,13 +41,16 @@ class RequestGuard:
     @fail_closed(_deny_on_error)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.state.connection(flow.client_conn.id)
-        if conn.tunnel is not None:
+        destination: tuple[str | None, int | None] = (None, None)
+        if flow.error is not None:
+            # mitmproxy found the request invalid (e.g. smuggling-prone framing) and will refuse it;
+            # it still fires this hook, so the audit log records the refusal.
+            decision, pin = Decision.deny("malformed_request", f"malformed request: {flow.error.msg[:200]}"), None
+        elif conn.tunnel is not None:
             decision, pin = self._tunnelled(flow, conn, conn.tunnel)
         else:
-            decision, pin = await self._proxied(flow)
-        fields = flow_fields(flow, conn) | decision_fields(decision, pin)
-        if pin is None and decision.rule is None:
-            fields["host"] = flow.request.pretty_host
+            decision, pin, destination = await self._proxied(flow)
+        fields = flow_fields(flow, conn) | decision_fields(decision, pin, *destination)
         self.state.audit.record(event="request", **fields)
         if not decision.allowed or pin is None:
             refuse(flow, decision)
@@ -74,37 +77,39 @@ class RequestGuard:
         engine = self.state.require_engine()
         return engine.check_request(RequestFacts(pin.host, pin.port, scheme, request.method, request.path)), pin
 
-    async def _proxied(self, flow: http.HTTPFlow) -> tuple[Decision, Pin | None]:
+    async def _proxied(self, flow: http.HTTPFlow) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
+        """Returns the decision, the pin when allowed, and the destination named (for the audit line)."""
         request = flow.request
+        unknown = (None, None)
         form = target_form(request)
         if form != "absolute":
-            return Decision.deny("origin_form", "this is a proxy: send absolute-form requests (http://host/path) or CONNECT"), None
+            message = "this is a proxy: send absolute-form requests (http://host/path) or CONNECT"
+            return Decision.deny("origin_form", message), None, unknown
         if request.scheme != "http":
-            return Decision.deny("https_absolute_form", "https:// URLs must be tunnelled with CONNECT"), None
+            return Decision.deny("https_absolute_form", "https:// URLs must be tunnelled with CONNECT"), None, unknown
         if problem := check_headers(_header_pairs(request)):
-            return problem, None
+            return problem, None, unknown
         try:
             host, port = parse_authority(raw_authority(request) or "", DEFAULT_PORTS["http"])
         except HostError as exc:
-            return Decision.deny("bad_host", f"bad URL authority: {exc}"), None
+            return Decision.deny("bad_host", f"bad URL authority: {exc}"), None, unknown
+        named = (host.value, port)
         hosts = request.headers.get_all("host")
         if not hosts and request.http_version == "HTTP/1.1":
-            return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), None
+            return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), None, named
         if problem := check_restated([("host", v) for v in hosts], "http", host, port):
-            problem = Decision.deny(
-                "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason, problem.message
-            )
-            return problem, None
+            reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
+            return Decision.deny(reason, problem.message), None, named
         engine = self.state.require_engine()
         decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path))
         if not decision.allowed:
-            return decision, None
+            return decision, None, named
         addresses, pin = await engine.pin(host, port)
         if not addresses.allowed or pin is None:
-            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None
+            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None, named
         request.data.host = pin.address.compressed
         request.data.port = pin.port
-        return decision, pin
+        return decision, pin, named
 
     @fail_closed(lambda self, flow, error: flow.kill())
     def responseheaders(self, flow: http.HTTPFlow) -> None:

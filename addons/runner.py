@@ -27,7 +27,6 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
             egress_policy=policy_path,
             egress_audit_log=audit_log or "",
             termlog_verbosity="warn" if quiet else "info",
-            stream_large_bodies="1m",
         )
         if set_options:
             opts.set(*set_options)
