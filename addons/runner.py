@@ -19,7 +19,12 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
                  set_options: list[str], quiet: bool) -> int:
     opts = options.Options()
     master = DumpMaster(opts, with_termlog=True, with_dumper=False)
-    master.addons.add(*make_addons())
+    ours = make_addons()
+    master.addons.add(*ours)
+    # Run the gateway's hooks before mitmproxy's built-in addons, exactly as `mitmdump -s` does:
+    # the guards then decide first (next layer, DNS answers) and never race a built-in default.
+    chain = master.addons.chain
+    chain[:] = [a for a in chain if a in ours] + [a for a in chain if a not in ours]
     try:
         opts.update(
             mode=modes,
