@@ -104,11 +104,12 @@ class RangeTable:
             lengths.append(network.prefixlen)
             lengths.sort()
 
-    def lookup(self, address: IPAddress) -> tuple[IPNetwork, str] | None:
-        """The shortest-prefix range holding the address, with its label, or None."""
+    def lookup(self, address: IPAddress, longest: bool = False) -> tuple[IPNetwork, str] | None:
+        """The shortest-prefix (or, with longest=True, most specific) range holding the address."""
         bits = address.max_prefixlen
         value = int(address)
-        for length in self._lengths[address.version]:
+        lengths = self._lengths[address.version]
+        for length in reversed(lengths) if longest else lengths:
             hit = self._by_len[(address.version, length)].get(value >> (bits - length))
             if hit is not None:
                 return hit
@@ -166,15 +167,18 @@ class AddressGuard:
         return False
 
     def check(self, address: IPAddress, port: int | None = None) -> AddressVerdict:
+        candidates = [address, *embedded_ipv4(address)]
+        if any(c.is_unspecified for c in candidates):
+            # Connecting to 0.0.0.0 or :: reaches this host itself on Linux: never exemptable.
+            return AddressVerdict(False, address, "self_address", "is the unspecified address (this host)")
         if self._is_listener(address, port):
             return AddressVerdict(False, address, "self_address", "is the gateway's own listener")
-        candidates = [address, *embedded_ipv4(address)]
         for candidate in candidates:
-            hit = self.allow.lookup(candidate)
+            hit = self.allow.lookup(candidate, longest=True)
             if hit is not None:
                 return AddressVerdict(True, address, "allowed", f"exempted by allow_ip_ranges {hit[0]}")
         for candidate in candidates:
-            hit = self.deny.lookup(candidate)
+            hit = self.deny.lookup(candidate, longest=True)
             if hit is not None:
                 via = "" if candidate == address else f" (embeds {candidate})"
                 return AddressVerdict(
