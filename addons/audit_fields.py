@@ -8,11 +8,19 @@ from gateway.engine import Pin
 from .state import ConnectionState
 
 
-def flow_fields(flow, conn: ConnectionState | None) -> dict:
-    request = flow.request
+def connection_fields(conn: ConnectionState | None, sandbox: str | None = None) -> dict:
+    original = conn.original_destination if conn else None
     return {
         "client": conn.client if conn else None,
+        "sandbox": sandbox,
         "mode": conn.mode if conn else None,
+        "original_destination": f"{original[0]}:{original[1]}" if original else None,
+    }
+
+
+def flow_fields(flow, conn: ConnectionState | None, sandbox: str | None = None) -> dict:
+    request = flow.request
+    return connection_fields(conn, sandbox) | {
         "sni": flow.client_conn.sni,
         "host_header": request.host_header if request is not None else None,
         "method": request.method if request is not None else None,

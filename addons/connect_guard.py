@@ -28,8 +28,9 @@ class ConnectGuard:
 
     @fail_closed(_deny_on_error)
     async def http_connect(self, flow: http.HTTPFlow) -> None:
-        conn = self.state.connection(flow.client_conn.id)
+        conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()
+        scope = self.state.scope(conn)
         raw = flow.request.data.authority.decode("utf-8", "surrogateescape")
         pin = None
         host = port = None
@@ -41,12 +42,12 @@ class ConnectGuard:
             except HostError as exc:
                 decision = Decision.deny("bad_host", f"bad CONNECT authority: {exc}")
             else:
-                decision = engine.check_destination(host, port)
+                decision = engine.check_destination(host, port, scope)
                 if decision.allowed:
                     addresses, pin = await engine.pin(host, port)
                     if not addresses.allowed:
                         decision = addresses
-        fields = flow_fields(flow, conn) | decision_fields(decision, pin, host and host.value, port)
+        fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, host and host.value, port)
         fields["path"] = None
         self.state.audit.record(event="connect", **fields)
         if not decision.allowed or pin is None:

@@ -36,7 +36,7 @@ FORCED_OPTIONS: dict[str, tuple[object, str]] = {
     "http3": (False, "QUIC is not inspected"),
     "validate_inbound_headers": (True, "malformed headers are refused"),
 }
-SUPPORTED_MODES = (mode_specs.RegularMode,)
+SUPPORTED_MODES = (mode_specs.RegularMode, mode_specs.TransparentMode, mode_specs.DnsMode)
 
 
 class EgressCore:
@@ -95,7 +95,7 @@ class EgressCore:
             mode = mode_specs.ProxyMode.parse(spec)
             if not isinstance(mode, SUPPORTED_MODES):
                 raise exceptions.OptionsError(
-                    f"mode {spec!r} is not supported by the egress gateway (supported: regular)"
+                    f"mode {spec!r} is not supported by the egress gateway (supported: regular, transparent, dns)"
                 )
 
     def _listeners(self) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
@@ -132,9 +132,8 @@ class EgressCore:
         logger.info("egress gateway: CA certificate for sandboxes: %s", os.path.join(confdir, "mitmproxy-ca-cert.pem"))
 
     def client_connected(self, client):
-        peer = f"{client.peername[0]}:{client.peername[1]}" if client.peername else "?"
         mode = type(client.proxy_mode).__name__.removesuffix("Mode").lower() if client.proxy_mode else "?"
-        self.state.connection(client.id, peer, mode)
+        self.state.connection(client.id, client.peername, mode)
 
     def client_disconnected(self, client):
         self.state.forget(client.id)

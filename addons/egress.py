@@ -16,6 +16,7 @@ except ImportError:
 
 from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
+from addons.dns_guard import DnsGuard  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
@@ -32,6 +33,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         TlsGuard(state),
         RequestGuard(state),
         UpstreamGuard(state),
+        DnsGuard(state),
     ]
 
 

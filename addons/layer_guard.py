@@ -2,9 +2,11 @@
 the rest at once.
 
 mitmproxy's own next_layer falls back to raw TCP, DNS-over-TCP relaying or passthrough in several
-cases; here, after a CONNECT only TLS or HTTP/1 may follow, after TLS only HTTP (HTTP/2 when ALPN
-said h2), and on the proxy port only HTTP/1 requests. Anything else gets a 400 and a close,
-without waiting for a request head that will never come, and without an upstream connection.
+cases; here, after a CONNECT (or on a transparently redirected connection) only TLS or HTTP/1 may
+follow, after TLS only HTTP (HTTP/2 when ALPN said h2), and on the proxy port only HTTP/1 requests.
+In transparent mode, other bytes are relayed only when a `protocol: tcp` rule allows the original
+destination. Anything else gets a 400 (or a close) at once, without waiting for a request head
+that will never come, and without an upstream connection.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import re
 
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer
-from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, modes
+import ipaddress
+
+from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
 
 from gateway.decision import Decision
 
+from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .layers import RefusalLayer, TargetFormHttpLayer
 from .state import GatewayState
@@ -40,8 +45,11 @@ def _looks_like_http1(data: bytes) -> bool:
 PROXY_PORT = ("proxy",)
 TUNNEL = ("proxy", "http", "stream")
 TUNNEL_TLS = ("proxy", "http", "stream", "server_tls", "client_tls")
+TRANSPARENT = ("transparent",)
+TRANSPARENT_TLS = ("transparent", "server_tls", "client_tls")
 _ROLES = (
     (modes.HttpProxy, "proxy"),
+    (modes.TransparentProxy, "transparent"),
     (HttpLayer, "http"),
     (HttpStream, "stream"),
     (ServerTLSLayer, "server_tls"),
@@ -86,8 +94,10 @@ class LayerGuard:
             self._proxy_port(nextlayer, data)
         elif shape == TUNNEL:
             self._tunnel_start(nextlayer, data)
-        elif shape == TUNNEL_TLS:
+        elif shape in (TUNNEL_TLS, TRANSPARENT_TLS):
             self._inside_tls(nextlayer, data)
+        elif shape == TRANSPARENT:
+            self._transparent_start(nextlayer, data)
         else:
             names = "/".join(type(x).__name__ for x in stack)
             self._refuse(nextlayer, "non_http", f"this connection cannot be inspected ({names})", speak_http=False)
@@ -114,6 +124,51 @@ class LayerGuard:
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
 
+    def _transparent_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
+        context = nextlayer.context
+        conn = self.state.connection(context.client.id, context.client.peername, "transparent")
+        if conn.original_destination is None and context.server.address:
+            conn.original_destination = (str(context.server.address[0]), int(context.server.address[1]))
+        if starts_like_tls_record(data):
+            server_tls = ServerTLSLayer(context)
+            server_tls.child_layer = ClientTLSLayer(context)
+            nextlayer.layer = server_tls
+        elif data[:3] == b"PRI":
+            self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
+        elif _looks_like_http1(data):
+            nextlayer.layer = HttpLayer(context, HTTPMode.transparent)
+        else:
+            self._raw_tcp(nextlayer, conn)
+
+    def _raw_tcp(self, nextlayer: layer.NextLayer, conn) -> None:
+        """Bytes that are neither TLS nor HTTP: relayed only if a `protocol: tcp` rule allows the
+        original destination (by address, or by a name the gateway's DNS gave this client)."""
+        engine = self.state.require_engine()
+        scope = self.state.scope(conn)
+        if conn.original_destination is None:
+            self._refuse(nextlayer, "non_http", "no original destination for raw TCP", speak_http=False)
+            return
+        host, port = conn.original_destination
+        address = ipaddress.ip_address(host)
+        names = self.state.dns_memory.names_for(conn.address, address) if conn.address else set()
+        decision = engine.check_tcp(address, port, names, scope)
+        if decision.allowed:
+            verdict = engine.guard.check(address, port)
+            if not verdict.allowed:
+                decision = Decision.deny(verdict.reason, verdict.describe(), decision.rule)
+        self.state.audit.record(
+            event="connection", **connection_fields(conn, scope.sandbox),
+            decision="allow" if decision.allowed else "deny", reason=decision.reason,
+            status=None if decision.allowed else decision.status, rule=decision.rule,
+            host=address.compressed, port=port, address=address.compressed if decision.allowed else None,
+            message=decision.message, protocol="tcp",
+        )
+        if not decision.allowed:
+            nextlayer.layer = RefusalLayer(nextlayer.context, decision, speak_http=False)
+            return
+        conn.admitted[(address.compressed, port)] = None
+        nextlayer.layer = TCPLayer(nextlayer.context)
+
     def _inside_tls(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         alpn = nextlayer.context.client.alpn
         if alpn == b"h2":
@@ -137,8 +192,7 @@ class LayerGuard:
         pin = conn.tunnel if conn else None
         self.state.audit.record(
             event="connection",
-            client=conn.client if conn else None,
-            mode=conn.mode if conn else None,
+            **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
             decision="deny",
             reason=reason,
             status=decision.status,

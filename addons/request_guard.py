@@ -1,8 +1,11 @@
 """Every HTTP request, before any upstream byte: restated destinations, header sanity, the rules.
 
-Two shapes reach this hook:
-- inside a CONNECT tunnel: the destination is the pin; Host, :authority and any absolute-form
-  authority must name it (421 otherwise), then method, path and scheme go to the rules;
+Three shapes reach this hook:
+- on a pinned connection (a CONNECT tunnel, or a transparent connection pinned by its SNI or by
+  its first request's Host): Host, :authority and any absolute-form authority must name the pin
+  (421 otherwise), then method, path and scheme go to the rules;
+- the first request of a transparent plain-HTTP connection: its Host names the destination,
+  which is decided, resolved and pinned for the rest of the connection;
 - an absolute-form request on the proxy port: the URL names the destination (per request),
   the Host header must agree with it (400), then the rules, resolution and address checks run
   and the request is pinned to the checked address.
@@ -11,11 +14,14 @@ Only a request that passed everything admits its (address, port) for the upstrea
 
 from __future__ import annotations
 
+import ipaddress
+
 from mitmproxy import http
 
 from gateway.decision import Decision
 from gateway.engine import Pin, RequestFacts
 from gateway.hostnames import HostError, parse_authority
+from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
 
 from .audit_fields import decision_fields, flow_fields
@@ -40,17 +46,22 @@ class RequestGuard:
 
     @fail_closed(_deny_on_error)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        conn = self.state.connection(flow.client_conn.id)
+        conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
+        scope = self.state.scope(conn)
         destination: tuple[str | None, int | None] = (None, None)
         if flow.error is not None:
             # mitmproxy found the request invalid (e.g. smuggling-prone framing) and will refuse it;
             # it still fires this hook, so the audit log records the refusal.
             decision, pin = Decision.deny("malformed_request", f"malformed request: {flow.error.msg[:200]}"), None
+        elif conn.poisoned is not None:
+            decision, pin = conn.poisoned, conn.tunnel
         elif conn.tunnel is not None:
-            decision, pin = self._tunnelled(flow, conn, conn.tunnel)
+            decision, pin = self._tunnelled(flow, conn.tunnel, scope)
+        elif conn.mode == "transparent":
+            decision, pin, destination = await self._transparent_first(flow, conn, scope)
         else:
-            decision, pin, destination = await self._proxied(flow)
-        fields = flow_fields(flow, conn) | decision_fields(decision, pin, *destination)
+            decision, pin, destination = await self._proxied(flow, scope)
+        fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, *destination)
         self.state.audit.record(event="request", **fields)
         if not decision.allowed or pin is None:
             refuse(flow, decision)
@@ -58,10 +69,8 @@ class RequestGuard:
         conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
         flow.metadata["egress_decision"] = decision
 
-    def _tunnelled(self, flow: http.HTTPFlow, conn: ConnectionState, pin: Pin) -> tuple[Decision, Pin | None]:
+    def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope) -> tuple[Decision, Pin | None]:
         request = flow.request
-        if conn.poisoned is not None:
-            return conn.poisoned, pin
         if request.method == "CONNECT":
             return Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), pin
         if problem := check_headers(_header_pairs(request)):
@@ -75,9 +84,55 @@ class RequestGuard:
         if problem := check_restated(restated, scheme, pin.host, pin.port):
             return problem, pin
         engine = self.state.require_engine()
-        return engine.check_request(RequestFacts(pin.host, pin.port, scheme, request.method, request.path)), pin
+        return engine.check_request(RequestFacts(pin.host, pin.port, scheme, request.method, request.path), scope), pin
 
-    async def _proxied(self, flow: http.HTTPFlow) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
+    async def _transparent_first(
+        self, flow: http.HTTPFlow, conn: ConnectionState, scope: Scope
+    ) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
+        """Plain HTTP redirected transparently: the first request's Host names the destination, on
+        the port the sandbox dialled; the gateway resolves it (the dialled IP is never used)."""
+        request = flow.request
+        unknown = (None, None)
+        if problem := check_headers(_header_pairs(request)):
+            return problem, None, unknown
+        if conn.original_destination is None:
+            return Decision.deny("bad_host", "no original destination on a transparent connection"), None, unknown
+        original_ip, port = conn.original_destination
+        hosts = request.headers.get_all("host")
+        if request.data.authority:
+            hosts = [*hosts, request.data.authority.decode("utf-8", "surrogateescape")]
+        if not hosts:
+            return Decision.deny("bad_host_header", "a transparent HTTP request needs a Host header"), None, unknown
+        try:
+            host, host_port = parse_authority(hosts[0], port)
+        except HostError as exc:
+            return Decision.deny("bad_host_header", f"malformed Host: {exc}"), None, unknown
+        named = (host.value, port)
+        if conn.named is not None and conn.named != named:
+            message = f"this connection already named {conn.named[0]}:{conn.named[1]}"
+            return Decision.deny("host_mismatch", message), None, named
+        conn.named = named
+        if host_port != port:
+            return Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"), None, named
+        if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
+            return problem, None, named
+        engine = self.state.require_engine()
+        decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path), scope)
+        if not decision.allowed:
+            return decision, None, named
+        addresses, pin = await engine.pin(host, port)
+        if not addresses.allowed or pin is None:
+            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None, named
+        original = ipaddress.ip_address(original_ip)
+        if engine.policy.strict_original_destination and original not in pin.addresses:
+            message = f"the sandbox dialled {original} but {host} resolves elsewhere"
+            return Decision.deny("original_destination_mismatch", message, decision.rule), None, named
+        conn.tunnel = pin
+        request.data.host = pin.address.compressed
+        request.data.port = pin.port
+        return decision, pin, named
+
+    async def _proxied(self, flow: http.HTTPFlow, scope: Scope) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
         """Returns the decision, the pin when allowed, and the destination named (for the audit line)."""
         request = flow.request
         unknown = (None, None)
@@ -101,7 +156,7 @@ class RequestGuard:
             reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
             return Decision.deny(reason, problem.message), None, named
         engine = self.state.require_engine()
-        decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path))
+        decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path), scope)
         if not decision.allowed:
             return decision, None, named
         addresses, pin = await engine.pin(host, port)
@@ -122,5 +177,6 @@ class RequestGuard:
             return
         conn = self.state.connections.get(flow.client_conn.id)
         decision = Decision.deny("unsolicited_upgrade", f"upstream answered 101 with Upgrade {answered[:40]!r}")
-        self.state.audit.record(event="response", **(flow_fields(flow, conn) | decision_fields(decision, conn.tunnel if conn else None)))
+        fields = flow_fields(flow, conn) | decision_fields(decision, conn.tunnel if conn else None)
+        self.state.audit.record(event="response", **fields)
         flow.kill()

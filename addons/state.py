@@ -8,17 +8,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ipaddress
+
 from gateway.audit import AuditLog
 from gateway.decision import Decision
+from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine, Pin
+from gateway.hostnames import IPAddress
+from gateway.policy import Scope
 
 
 @dataclass
 class ConnectionState:
     client: str
     mode: str
-    tunnel: Pin | None = None  # set by an allowed CONNECT; every later request must match it
-    poisoned: Decision | None = None  # set when the TLS SNI restated the destination
+    address: IPAddress | None = None  # the client's IP: names its sandbox
+    tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
+    poisoned: Decision | None = None  # set when the TLS SNI restated or named a refused destination
+    original_destination: tuple[str, int] | None = None  # transparent mode: what the sandbox dialled
+    named: tuple[str, int] | None = None  # transparent plain HTTP: the first request's Host, even if denied
     # (address, port) -> TLS server name the gateway may dial for this client, added only
     # when a request passed every check.
     admitted: dict[tuple[str, int], str | None] = field(default_factory=dict)
@@ -31,12 +39,26 @@ class GatewayState:
         self.engine: Engine | None = None
         self.audit: AuditLog = AuditLog(None)
         self.connections: dict[str, ConnectionState] = {}
+        self.dns_memory = DnsMemory()
 
-    def connection(self, client_id: str, peer: str = "?", mode: str = "regular") -> ConnectionState:
+    def connection(self, client_id: str, peername: tuple | None = None, mode: str = "regular") -> ConnectionState:
         state = self.connections.get(client_id)
         if state is None:
-            state = self.connections[client_id] = ConnectionState(peer, mode)
+            address = None
+            peer = "?"
+            if peername:
+                peer = f"{peername[0]}:{peername[1]}"
+                try:
+                    address = ipaddress.ip_address(str(peername[0]).split("%", 1)[0])
+                except ValueError:
+                    address = None
+            state = self.connections[client_id] = ConnectionState(peer, mode, address)
         return state
+
+    def scope(self, conn: ConnectionState | None) -> Scope:
+        """The rules this client may use under the current policy (looked up per decision, so a
+        reloaded policy applies at once)."""
+        return self.require_engine().policy.scope_for(conn.address if conn else None)
 
     def forget(self, client_id: str) -> None:
         self.connections.pop(client_id, None)

@@ -1,19 +1,25 @@
-"""TLS ClientHello in a tunnel: the SNI may only repeat the pinned name, and the upstream SNI is
-always the pinned name (mitmproxy would otherwise copy the client's, TLS-level domain fronting).
+"""TLS ClientHello: in a CONNECT tunnel the SNI may only repeat the pinned name; on a
+transparently redirected connection the SNI *names* the destination, which is decided, resolved
+and pinned here (the IP the sandbox dialled is recorded, never dialled). Either way the upstream
+SNI is always the pinned name (mitmproxy would otherwise copy the client's: TLS-level fronting).
 
-A mismatching SNI does not get a silent reset: the connection is marked, its upstream is made
-impossible, and every request on it is answered 421 with the reason, so the user sees why.
+A refused ClientHello does not get a silent reset: the connection is marked, its upstream is made
+impossible, and every request on it is answered with the reason (421 or 403), so the user sees why.
 """
 
 from __future__ import annotations
 
+import ipaddress
+
 from mitmproxy import tls
 
 from gateway.decision import Decision
-from gateway.hostnames import HostError, canonical_host
+from gateway.engine import Pin
+from gateway.hostnames import HostError, canonical_host, ip_host
 
+from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .state import GatewayState
+from .state import ConnectionState, GatewayState
 
 ECH_EXTENSION = 0xFE0D
 
@@ -31,8 +37,11 @@ class TlsGuard:
         self.state = state
 
     @fail_closed(_poison_on_error)
-    def tls_clienthello(self, data: tls.ClientHelloData) -> None:
+    async def tls_clienthello(self, data: tls.ClientHelloData) -> None:
         conn = self.state.connections.get(data.context.client.id)
+        if conn is not None and conn.mode == "transparent" and conn.tunnel is None and conn.poisoned is None:
+            await self._pin_from_sni(data, conn)
+            return
         pin = conn.tunnel if conn else None
         if pin is None:
             # TLS where no destination was pinned: nothing to check it against.
@@ -59,8 +68,7 @@ class TlsGuard:
         data.context.server.error = "egress gateway: TLS SNI does not match the pinned destination"
         self.state.audit.record(
             event="tls",
-            client=conn.client,
-            mode=conn.mode,
+            **connection_fields(conn, self.state.scope(conn).sandbox),
             decision="deny",
             reason=decision.reason,
             status=decision.status,
@@ -71,3 +79,48 @@ class TlsGuard:
             message=decision.message,
             ech=has_ech,
         )
+
+    async def _pin_from_sni(self, data: tls.ClientHelloData, conn: ConnectionState) -> None:
+        """Transparent mode: the SNI names the destination (the original IP when there is none)."""
+        engine = self.state.require_engine()
+        scope = self.state.scope(conn)
+        original_host, port = conn.original_destination or (str(data.context.server.address[0]),
+                                                            int(data.context.server.address[1]))
+        original = ipaddress.ip_address(original_host)
+        hello = data.client_hello
+        sni = hello.sni
+        pin: Pin | None = None
+        host = None
+        try:
+            host = canonical_host(sni) if sni else ip_host(original)
+        except HostError as exc:
+            decision = Decision.deny("bad_host", f"bad TLS SNI: {exc}")
+        else:
+            decision = engine.check_destination(host, port, scope)
+            if decision.allowed:
+                addresses, pin = await engine.pin(host, port)
+                if not addresses.allowed:
+                    decision, pin = Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None
+            if pin is not None and sni and engine.policy.strict_original_destination and original not in pin.addresses:
+                decision = Decision.deny(
+                    "original_destination_mismatch",
+                    f"the sandbox dialled {original} but {host} resolves to "
+                    f"{', '.join(a.compressed for a in pin.addresses)}",
+                    decision.rule,
+                )
+                pin = None
+        has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
+        self.state.audit.record(
+            event="tls", **connection_fields(conn, scope.sandbox),
+            decision="allow" if pin is not None else "deny", reason=decision.reason,
+            status=None if pin is not None else decision.status, rule=decision.rule, message=decision.message,
+            host=host.value if host else None, port=port, address=pin.address.compressed if pin else None,
+            sni=sni, ech=has_ech,
+        )
+        if pin is None:
+            conn.poisoned = decision
+            data.context.server.error = "egress gateway: destination refused"
+            return
+        conn.tunnel = pin
+        data.context.server.address = (pin.address.compressed, pin.port)
+        data.context.server.sni = pin.sni or pin.address.compressed

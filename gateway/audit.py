@@ -17,6 +17,7 @@ FIELDS = (
     "time",
     "event",
     "client",
+    "sandbox",
     "mode",
     "decision",
     "reason",

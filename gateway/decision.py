@@ -42,6 +42,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "h2c_refused": (400, "cleartext HTTP/2 (h2c) is refused"),
     "unsolicited_upgrade": (502, "the upstream switched protocols without being asked"),
     # 5xx
+    "original_destination_mismatch": (
+        421, "the address the sandbox dialled is not one of the SNI name's addresses (strict mode)"
+    ),
+    "dns_type_refused": (400, "this DNS query type is refused"),
     "resolve_failed": (502, "the host name could not be resolved"),
     "internal_error": (500, "the gateway failed while deciding; the request was refused"),
 }

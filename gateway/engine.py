@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
-from .hostnames import Host, IPAddress
+from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
 from .paths import PathError, normalise_path
-from .policy import DEFAULT_PORTS, FORBIDDEN_METHODS, Policy, Rule
+from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
 from .resolver import ResolveError, Resolver
 
 
@@ -63,21 +63,31 @@ class Engine:
         guard = AddressGuard(policy.deny_ranges, policy.allow_ranges).with_self(self_addresses, listeners)
         return cls(policy, guard, resolver or Resolver(policy.static_hosts))
 
-    def _candidates(self, host: Host) -> list[Rule]:
-        return [self.policy.rules[i] for i in self.policy.index.candidates(host)]
+    def _candidates(self, host: Host, scope: Scope, protocol: str = "http") -> tuple[list[Rule], list[str]]:
+        """Rules covering the host that this client may use, and notes on those it may not."""
+        found, notes = [], []
+        for i in self.policy.index.candidates(host):
+            rule = self.policy.rules[i]
+            if rule.protocol != protocol:
+                continue
+            if scope.grants(rule):
+                found.append(rule)
+            else:
+                notes.append(f"rule {rule.id}: not granted to sandbox {scope.sandbox or '(none)'}")
+        return found, notes
 
-    def check_destination(self, host: Host, port: int) -> Decision:
+    def check_destination(self, host: Host, port: int, scope: Scope = EVERY_RULE) -> Decision:
         """May anything at all be sent to host:port? (CONNECT, before the tunnel's contents are seen.)"""
-        candidates = self._candidates(host)
+        candidates, notes = self._candidates(host, scope)
         if not candidates:
-            return Decision.deny("no_rule", f"no rule allows {host.authority(port)}")
+            return Decision.deny("no_rule", f"no rule allows {host.authority(port)}{_for(scope)}", notes=notes)
         for rule in candidates:
             if rule.allows_port(port):
                 return Decision.allow(rule.id, f"rule {rule.id} allows {host.authority(port)}")
         notes = [f"rule {r.id}: port {port} not in {_ports_text(r)}" for r in candidates]
         return Decision.deny("port_not_allowed", f"no rule allows port {port} on {host}", candidates[0].id, notes)
 
-    def check_request(self, facts: RequestFacts) -> Decision:
+    def check_request(self, facts: RequestFacts, scope: Scope = EVERY_RULE) -> Decision:
         method = facts.method.upper()
         if method in FORBIDDEN_METHODS:
             return Decision.deny("method_forbidden", f"{method} is always refused")
@@ -85,12 +95,11 @@ class Engine:
             path = normalise_path(facts.target)
         except PathError as exc:
             return Decision.deny("bad_path", f"bad request path: {exc}")
-        candidates = self._candidates(facts.host)
+        candidates, notes = self._candidates(facts.host, scope)
         where = f"{facts.scheme}://{facts.host.authority(facts.port)}"
         if not candidates:
-            return Decision.deny("no_rule", f"no rule allows {where}")
+            return Decision.deny("no_rule", f"no rule allows {where}{_for(scope)}", notes=notes)
         best_stage, best_rule = -1, candidates[0]
-        notes: list[str] = []
         for rule in candidates:
             stage, why = _first_failure(rule, facts, method, path)
             if stage is None:
@@ -100,6 +109,58 @@ class Engine:
                 best_stage, best_rule = stage, rule
         reason = _STAGES[best_stage]
         return Decision.deny(reason, f"no rule allows {method} {where}{path} ({reason.replace('_', ' ')})", best_rule.id, notes)
+
+    def check_tcp(self, address: IPAddress, port: int, names: Iterable[str] = (), scope: Scope = EVERY_RULE) -> Decision:
+        """Raw TCP (transparent mode): a `protocol: tcp` rule must name the address (or a CIDR holding
+        it), or a name that the gateway's own DNS answered with this address for this client."""
+        where = f"tcp://{ip_host(address).authority(port)}"
+        hosts = [ip_host(address)] + [Host(n) for n in names]
+        candidates: list[Rule] = []
+        notes: list[str] = []
+        for host in hosts:
+            found, skipped = self._candidates(host, scope, protocol="tcp")
+            candidates += [r for r in found if r not in candidates]
+            notes += skipped
+        if not candidates:
+            return Decision.deny("no_rule", f"no protocol: tcp rule allows {where}{_for(scope)}", notes=notes)
+        for rule in candidates:
+            if rule.ports is not None and port in rule.ports:
+                return Decision.allow(rule.id, f"rule {rule.id} allows {where}")
+        notes += [f"rule {r.id}: port {port} not in {_ports_text(r)}" for r in candidates]
+        return Decision.deny("port_not_allowed", f"no protocol: tcp rule allows port {port}", candidates[0].id, notes)
+
+    async def answer_dns(self, raw_name: str, query_type: str, scope: Scope = EVERY_RULE) -> DnsAnswer:
+        """Answer A/AAAA only for names some rule this client may use covers, with checked addresses.
+
+        Anything else gets NXDOMAIN (or REFUSED for other query types) *without* looking the name
+        up anywhere: a name like `<secret>.attacker.example` never leaves the gateway."""
+        try:
+            host = canonical_host(raw_name)
+        except HostError as exc:
+            return DnsAnswer("NXDOMAIN", (), Decision.deny("bad_host", f"bad DNS name: {exc}"))
+        if host.is_ip:
+            return DnsAnswer("NXDOMAIN", (), Decision.deny("bad_host", "an IP address is not a DNS name"), host.value)
+        covering = [
+            self.policy.rules[i] for i in self.policy.index.candidates(host) if scope.grants(self.policy.rules[i])
+        ]
+        if not covering:
+            return DnsAnswer("NXDOMAIN", (), Decision.deny("no_rule", f"no rule covers {host}{_for(scope)}"), host.value)
+        rule = covering[0].id
+        if query_type in NODATA_TYPES:
+            return DnsAnswer("NOERROR", (), Decision.allow(rule, f"{query_type} answered empty"), host.value)
+        if query_type not in ADDRESS_TYPES:
+            return DnsAnswer("REFUSED", (), Decision.deny("dns_type_refused", f"{query_type} queries are refused"), host.value)
+        try:
+            addresses = await self.resolver.resolve(host)
+        except ResolveError as exc:
+            return DnsAnswer("SERVFAIL", (), Decision.deny("resolve_failed", str(exc), rule), host.value)
+        refused = [v for v in self.check_addresses(addresses, None) if not v.allowed]
+        if refused:
+            decision = Decision.deny(refused[0].reason, f"{host} resolves to {refused[0].describe()}", rule)
+            return DnsAnswer("NXDOMAIN", (), decision, host.value)
+        version = ADDRESS_TYPES[query_type]
+        matching = tuple(a for a in addresses if a.version == version)
+        return DnsAnswer("NOERROR", matching, Decision.allow(rule, f"rule {rule} covers {host}"), host.value)
 
     def check_addresses(self, addresses: Iterable[IPAddress], port: int) -> list[AddressVerdict]:
         return [self.guard.check(a, port) for a in addresses]
@@ -119,6 +180,24 @@ class Engine:
                 None,
             )
         return Decision.allow("", "addresses checked"), Pin(host, port, addresses[0], tuple(addresses))
+
+
+@dataclass(frozen=True)
+class DnsAnswer:
+    """What the gateway's DNS says: rcode (NOERROR, NXDOMAIN, REFUSED, SERVFAIL) and addresses."""
+
+    rcode: str
+    addresses: tuple[IPAddress, ...]
+    decision: Decision
+    name: str | None = None
+
+
+ADDRESS_TYPES = {"A": 4, "AAAA": 6}
+NODATA_TYPES = frozenset({"HTTPS", "SVCB"})  # answered empty for allowed names: no ECH keys, no hints
+
+
+def _for(scope: Scope) -> str:
+    return f" for sandbox {scope.sandbox}" if scope.sandbox else ""
 
 
 def _ports_text(rule: Rule) -> str:

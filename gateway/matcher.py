@@ -29,7 +29,7 @@ class HostPattern:
         return cls("wildcard", domain)
 
     @classmethod
-    def network(cls, network) -> "HostPattern":
+    def cidr(cls, network) -> "HostPattern":
         return cls("network", str(network), network)
 
     def __str__(self) -> str:

@@ -26,10 +26,14 @@ FORBIDDEN_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
 _METHOD_RE = re.compile(r"^[A-Z][A-Z0-9_-]{0,31}$")
 _RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
-TOP_KEYS = {"version", "network", "resolver", "rules"}
-NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges"}
+TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes"}
+NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destination"}
 RESOLVER_KEYS = {"static_hosts"}
-RULE_KEYS = {"id", "hosts", "ports", "schemes", "methods", "paths"}
+RULE_KEYS = {"id", "hosts", "ports", "schemes", "methods", "paths", "protocol"}
+SANDBOX_KEYS = {"id", "source_ips", "rules"}
+PROTOCOLS = ("http", "tcp")
+HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths")
+DEFAULT_SANDBOX_ID = "default"
 DEFAULT_POLICY_NAME = "default.yaml"
 
 
@@ -44,6 +48,7 @@ class Rule:
     path_globs: tuple[str, ...] | None  # None: any path
     path_patterns: tuple[re.Pattern[str], ...] | None
     location: Location
+    protocol: str = "http"  # http: HTTP(S) requests; tcp: raw TCP (transparent mode)
 
     def allows_port(self, port: int, scheme: str | None = None) -> bool:
         """With no scheme (a CONNECT, before the tunnel shows TLS or not): any of the rule's schemes."""
@@ -63,6 +68,28 @@ class Rule:
         return any(p.match(normalised_path) for p in self.path_patterns)
 
 
+@dataclass(frozen=True)
+class Sandbox:
+    id: str
+    rule_ids: frozenset[str]
+    location: Location
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which rules a client may use: all of them (no `sandboxes` section) or one sandbox's."""
+
+    sandbox: str | None
+    rule_ids: frozenset[str] | None  # None: every rule
+
+    def grants(self, rule: Rule) -> bool:
+        return self.rule_ids is None or rule.id in self.rule_ids
+
+
+EVERY_RULE = Scope(None, None)
+NO_RULE = Scope(None, frozenset())
+
+
 @dataclass
 class Policy:
     rules: tuple[Rule, ...]
@@ -73,10 +100,28 @@ class Policy:
     source: str
     sha256: str
     version: int = 1
+    sandboxes: tuple[Sandbox, ...] | None = None  # None: no `sandboxes` section
+    sandbox_sources: RangeTable = field(default_factory=RangeTable)
+    strict_original_destination: bool = False
     rules_by_id: dict[str, Rule] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rules_by_id = {r.id: r for r in self.rules}
+        self._scopes = {s.id: Scope(s.id, s.rule_ids) for s in self.sandboxes or ()}
+
+    def scope_for(self, client: IPAddress | None = None, sandbox_id: str | None = None) -> Scope:
+        """The rules a client may use, by sandbox id or by source address (most specific range wins);
+        a client no entry names gets the `default` sandbox if there is one, else no rule at all."""
+        if self.sandboxes is None:
+            return EVERY_RULE
+        if sandbox_id is None and client is not None:
+            if client.version == 6 and client.ipv4_mapped is not None:
+                client = client.ipv4_mapped
+            hit = self.sandbox_sources.lookup(client, longest=True)
+            sandbox_id = hit[1] if hit else None
+        if sandbox_id in self._scopes:
+            return self._scopes[sandbox_id]
+        return self._scopes.get(DEFAULT_SANDBOX_ID, NO_RULE)
 
 
 class _Validator:
@@ -153,7 +198,7 @@ def _host_pattern(v: _Validator, node: Node, path: str) -> HostPattern | None:
         return None
     if "/" in text:
         try:
-            return HostPattern.network(parse_network(text))
+            return HostPattern.cidr(parse_network(text))
         except ValueError as exc:
             v.error(node, path, f"{raw!r}: not a valid CIDR: {exc}")
             return None
@@ -258,9 +303,27 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
                 v.error(item, f"{path}.paths[{i}]", f"{g!r}: {exc}")
         globs, patterns = tuple(g_list), tuple(p_list)
 
+    protocol = "http"
+    if "protocol" in fields:
+        value = v.string(fields["protocol"], f"{path}.protocol")
+        if value is not None and value not in PROTOCOLS:
+            v.error(fields["protocol"], f"{path}.protocol", f"{value!r}: protocol must be one of {', '.join(PROTOCOLS)}")
+        elif value is not None:
+            protocol = value
+    if protocol == "tcp":
+        for key in HTTP_ONLY_RULE_KEYS:
+            if key in fields:
+                v.error(fields[key], f"{path}.{key}", f"a protocol: tcp rule cannot restrict {key}")
+        if "ports" not in fields:
+            v.error(node, path, "a protocol: tcp rule needs ports")
+        for i, pattern in enumerate(hosts):
+            if pattern.kind == "wildcard":
+                v.error(fields["hosts"], f"{path}.hosts", f"{pattern}: wildcards are not allowed in protocol: tcp rules")
+        schemes = frozenset()
+
     if rule_id is None or not hosts:
         return None
-    return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location)
+    return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol)
 
 
 def compile_policy(text: str, source: str) -> Policy:
@@ -279,6 +342,7 @@ def compile_policy(text: str, source: str) -> Policy:
 
     deny = default_deny_table()
     allow = RangeTable()
+    strict = False
     if "network" in top:
         network = v.mapping(top["network"], "network", NETWORK_KEYS) or {}
         if "deny_ip_ranges" in network:
@@ -291,6 +355,12 @@ def compile_policy(text: str, source: str) -> Policy:
                 v.error(node, "network.deny_ip_ranges", "must be \"default\" or a list of CIDRs")
         if "allow_ip_ranges" in network:
             allow = RangeTable.of(_ranges(v, network["allow_ip_ranges"], "network.allow_ip_ranges"))
+        if "strict_original_destination" in network:
+            node = network["strict_original_destination"]
+            if not isinstance(node.value, bool):
+                v.error(node, "network.strict_original_destination", "must be true or false")
+            else:
+                strict = node.value
 
     static_hosts: dict[str, tuple[IPAddress, ...]] = {}
     if "resolver" in top:
@@ -335,11 +405,63 @@ def compile_policy(text: str, source: str) -> Policy:
             if rule is not None:
                 rules.append(rule)
 
+    sandboxes: tuple[Sandbox, ...] | None = None
+    sources = RangeTable()
+    if "sandboxes" in top:
+        sandboxes, sources = _sandboxes(v, top["sandboxes"], {r.id for r in rules})
+
     if v.issues:
         raise PolicyError(v.issues)
     index = HostIndex.build((pattern, rule.index) for rule in rules for pattern in rule.hosts)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return Policy(tuple(rules), index, deny, allow, static_hosts, source, digest)
+    return Policy(
+        tuple(rules), index, deny, allow, static_hosts, source, digest,
+        sandboxes=sandboxes, sandbox_sources=sources, strict_original_destination=strict,
+    )
+
+
+def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sandbox, ...], RangeTable]:
+    sandboxes: list[Sandbox] = []
+    sources = RangeTable()
+    seen_ids: dict[str, Location] = {}
+    seen_ranges: dict[object, str] = {}
+    for i, item in enumerate(v.sequence(node, "sandboxes") or []):
+        path = f"sandboxes[{i}]"
+        fields = v.mapping(item, path, SANDBOX_KEYS)
+        if fields is None:
+            continue
+        for required in ("id", "rules"):
+            if required not in fields:
+                v.error(item, path, f"missing required key {required!r}")
+        sandbox_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
+        if sandbox_id is not None:
+            if not _RULE_ID_RE.match(sandbox_id):
+                v.error(fields["id"], f"{path}.id", f"{sandbox_id!r}: use letters, digits, '_', '.', '-' (max 63)")
+            elif sandbox_id in seen_ids:
+                v.error(fields["id"], f"{path}.id", f"duplicate sandbox id {sandbox_id!r} (first at {seen_ids[sandbox_id]})")
+            else:
+                seen_ids[sandbox_id] = fields["id"].location
+        if "source_ips" in fields:
+            for network, _label in _ranges(v, fields["source_ips"], f"{path}.source_ips"):
+                if network in seen_ranges:
+                    v.error(fields["source_ips"], f"{path}.source_ips",
+                            f"{network} is already claimed by sandbox {seen_ranges[network]!r}")
+                elif sandbox_id is not None:
+                    seen_ranges[network] = sandbox_id
+                    sources.add(network, sandbox_id)
+        elif sandbox_id is not None and sandbox_id != DEFAULT_SANDBOX_ID:
+            v.error(item, path, "missing required key 'source_ips' (only the 'default' sandbox may omit it)")
+        granted: set[str] = set()
+        if "rules" in fields:
+            for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or []):
+                name = v.string(rule_node, f"{path}.rules[{j}]")
+                if name is not None and name not in rule_ids:
+                    v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
+                elif name is not None:
+                    granted.add(name)
+        if sandbox_id is not None:
+            sandboxes.append(Sandbox(sandbox_id, frozenset(granted), item.location))
+    return tuple(sandboxes), sources
 
 
 def load_policy(path: str | Path) -> Policy:

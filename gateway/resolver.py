@@ -25,15 +25,24 @@ class Resolver:
         self.static_hosts = dict(static_hosts or {})
         self.timeout = timeout
 
-    async def resolve(self, host: Host) -> tuple[IPAddress, ...]:
+    async def resolve(self, host: Host, version: int | None = None) -> tuple[IPAddress, ...]:
+        """Every address of the host (only IPv4 or IPv6 ones with version=4/6)."""
         if host.ip is not None:
-            return (host.ip,)
-        if host.value in self.static_hosts:
-            return self.static_hosts[host.value]
+            found: tuple[IPAddress, ...] = (host.ip,)
+        elif host.value in self.static_hosts:
+            found = self.static_hosts[host.value]
+        else:
+            found = await self._lookup(host, version)
+        if version is not None:
+            found = tuple(a for a in found if a.version == version)
+        return found
+
+    async def _lookup(self, host: Host, version: int | None) -> tuple[IPAddress, ...]:
+        family = {4: socket.AF_INET, 6: socket.AF_INET6}.get(version, socket.AF_UNSPEC)
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(
-                loop.getaddrinfo(host.value, None, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP),
+                loop.getaddrinfo(host.value, None, family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP),
                 self.timeout,
             )
         except TimeoutError:

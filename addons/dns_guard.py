@@ -1,0 +1,73 @@
+"""DNS mode (`--mode dns@HOST:PORT`): the sandbox's resolver, which only knows allowed names.
+
+A/AAAA questions for names some rule (granted to this client) covers get the gateway's own
+checked addresses; every other name gets NXDOMAIN without being looked up anywhere (so data
+encoded in `<secret>.attacker.example` never leaves); HTTPS/SVCB for allowed names are answered
+empty (no ECH keys, no address hints); other types are REFUSED. Every query gets an answer here,
+so mitmproxy's built-in resolver (which would forward unknown types upstream) never acts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from mitmproxy import dns
+from mitmproxy.net.dns import classes, op_codes, response_codes, types
+
+from .audit_fields import connection_fields
+from .failclosed import fail_closed
+from .state import GatewayState
+
+ANSWER_TTL_SECONDS = 60
+RCODES = {
+    "NXDOMAIN": response_codes.NXDOMAIN,
+    "REFUSED": response_codes.REFUSED,
+    "SERVFAIL": response_codes.SERVFAIL,
+}
+
+
+def _servfail_on_error(self, flow: dns.DNSFlow, error: Exception) -> None:
+    flow.response = flow.request.fail(response_codes.SERVFAIL)
+
+
+class DnsGuard:
+    def __init__(self, state: GatewayState):
+        self.state = state
+
+    @fail_closed(_servfail_on_error)
+    async def dns_request(self, flow: dns.DNSFlow) -> None:
+        request = flow.request
+        conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername, "dns")
+        scope = self.state.scope(conn)
+        question = request.question
+        if not request.query or request.op_code != op_codes.QUERY or question is None or question.class_ != classes.IN:
+            flow.response = request.fail(response_codes.REFUSED)
+            self._audit(conn, scope, None, "?", "deny", "dns_type_refused", "not a single IN query")
+            return
+        query_type = types.to_str(question.type)
+        engine = self.state.require_engine()
+        answer = await engine.answer_dns(question.name, query_type, scope)
+        if answer.rcode == "NOERROR":
+            records = [
+                dns.ResourceRecord.A(question.name, a, ttl=ANSWER_TTL_SECONDS)
+                if isinstance(a, ipaddress.IPv4Address)
+                else dns.ResourceRecord.AAAA(question.name, a, ttl=ANSWER_TTL_SECONDS)
+                for a in answer.addresses
+            ]
+            flow.response = request.succeed(records)
+            if conn.address is not None and answer.name and answer.addresses:
+                self.state.dns_memory.remember(conn.address, answer.name, answer.addresses)
+        else:
+            flow.response = request.fail(RCODES[answer.rcode])
+        decision = answer.decision
+        self._audit(
+            conn, scope, answer.name or question.name[:253], query_type,
+            "allow" if decision.allowed else "deny", decision.reason, decision.message, decision.rule,
+            ",".join(a.compressed for a in answer.addresses) or None, answer.rcode,
+        )
+
+    def _audit(self, conn, scope, name, query_type, verdict, reason, message, rule=None, addresses=None, rcode="REFUSED"):
+        self.state.audit.record(
+            event="dns", **connection_fields(conn, scope.sandbox), decision=verdict, reason=reason,
+            rule=rule, host=name, address=addresses, message=message, dns_type=query_type, rcode=rcode,
+        )
