@@ -173,11 +173,14 @@ class AddressGuard:
             return AddressVerdict(False, address, "self_address", "is the unspecified address (this host)")
         if self._is_listener(address, port):
             return AddressVerdict(False, address, "self_address", "is the gateway's own listener")
+        # Every form of the address (itself and each IPv4 address it embeds) must pass on its own:
+        # an exemption for a Teredo server does not exempt the client address in the same IPv6.
+        exempted = None
         for candidate in candidates:
-            hit = self.allow.lookup(candidate, longest=True)
-            if hit is not None:
-                return AddressVerdict(True, address, "allowed", f"exempted by allow_ip_ranges {hit[0]}")
-        for candidate in candidates:
+            allowed = self.allow.lookup(candidate, longest=True)
+            if allowed is not None:
+                exempted = exempted or allowed
+                continue
             hit = self.deny.lookup(candidate, longest=True)
             if hit is not None:
                 via = "" if candidate == address else f" (embeds {candidate})"
@@ -186,6 +189,8 @@ class AddressGuard:
                 )
             if candidate in self.self_addresses:
                 return AddressVerdict(False, address, "self_address", "is an address of the gateway itself")
+        if exempted is not None:
+            return AddressVerdict(True, address, "allowed", f"exempted by allow_ip_ranges {exempted[0]}")
         return AddressVerdict(True, address, "allowed", "not in any deny range")
 
 

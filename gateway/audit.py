@@ -85,7 +85,9 @@ class AuditLog:
             if key not in entry:
                 entry[key] = _clip(value)
         if self._stream is not None:
-            line = json.dumps(entry, ensure_ascii=False, separators=(",", ":"), default=str)
+            # ensure_ascii: sandbox text cannot carry raw U+2028/U+2029/U+0085, which some log
+            # shippers treat as line breaks.
+            line = json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
             with self._lock:
                 self._stream.write(line + "\n")
                 self._stream.flush()

@@ -26,6 +26,9 @@ MAX_LABEL_LENGTH = 63
 _FORBIDDEN = set("%@\\/?#[]<>\"'`{}|^ ,;=&+*!$()~") | {"\u3002", "\uff0e", "\uff61"}
 _LABEL_RE = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 _NUMERIC_LABEL_RE = re.compile(r"^(?:0[xX][0-9a-fA-F]*|[0-9]+)$")
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]+\Z")
+_OCTAL_DIGITS = re.compile(r"[0-7]+\Z")
+_DECIMAL_DIGITS = re.compile(r"[0-9]+\Z")
 
 
 class HostError(ValueError):
@@ -63,19 +66,15 @@ def parse_ipv4_legacy(text: str) -> ipaddress.IPv4Address:
     for part in parts:
         if not part:
             raise HostError(f"empty part in IPv4 address: {text!r}")
-        try:
-            if part[:2] in ("0x", "0X"):
-                if len(part) == 2:
-                    raise ValueError
-                value = int(part[2:], 16)
-            elif len(part) > 1 and part[0] == "0":
-                value = int(part[1:], 8)
-            else:
-                if not part.isdigit() or not part.isascii():
-                    raise ValueError
-                value = int(part, 10)
-        except ValueError:
-            raise HostError(f"not an IPv4 address: {text!r}") from None
+        # Check the characters first: int() also takes signs, '_', spaces and a second prefix.
+        if part[:2] in ("0x", "0X") and _HEX_DIGITS.match(part, 2):
+            value = int(part[2:], 16)
+        elif len(part) > 1 and part[0] == "0" and _OCTAL_DIGITS.match(part, 1):
+            value = int(part[1:], 8)
+        elif part[0] != "0" and _DECIMAL_DIGITS.match(part) or part == "0":
+            value = int(part, 10)
+        else:
+            raise HostError(f"not an IPv4 address: {text!r}")
         values.append(value)
     *head, last = values
     if any(v > 255 for v in head) or last >= 256 ** (5 - len(values)):

@@ -43,6 +43,11 @@ def normalise_path(target: str) -> str:
     path = target.split("?", 1)[0].split("#", 1)[0]
     if not path.startswith("/"):
         raise PathError("request target must start with '/'")
+    try:
+        # Raw bytes that are not UTF-8 reach here as surrogates (mitmproxy's surrogateescape).
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PathError("path is not valid UTF-8") from None
     path = _decode_fully(path)
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in path):
         raise PathError("control character in path")

@@ -337,7 +337,7 @@ def compile_policy(text: str, source: str) -> Policy:
 
     if "version" not in top:
         v.error(root, "version", "missing required key 'version' (use: version: 1)")
-    elif top["version"].value != 1 or isinstance(top["version"].value, bool):
+    elif type(top["version"].value) is not int or top["version"].value != 1:
         v.error(top["version"], "version", f"{top['version'].value!r}: only version 1 is supported")
 
     deny = default_deny_table()

@@ -62,10 +62,14 @@ class _Loader(yaml.SafeLoader):
 def _convert(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIssue], path: str) -> Node:
     location = _location(file, node)
     if isinstance(node, yaml.MappingNode):
+        explicit = sum(1 for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge")
         loader.flatten_mapping(node)
+        # flatten_mapping puts merged (<<) pairs first: an explicit key may override those.
+        merged_count = len(node.value) - explicit
+        merged_keys: set[str] = set()
         result: dict[str, Node] = {}
         keys: dict[str, Location] = {}
-        for key_node, value_node in node.value:
+        for index, (key_node, value_node) in enumerate(node.value):
             key = loader.construct_object(key_node, deep=True)
             key_location = _location(file, key_node)
             if not isinstance(key, str):
@@ -73,8 +77,15 @@ def _convert(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIss
                 continue
             child_path = f"{path}.{key}" if path else key
             if key in result:
-                issues.append(ConfigIssue(key_location, child_path, "duplicate key"))
-                continue
+                if key in merged_keys and index >= merged_count:
+                    merged_keys.discard(key)  # an explicit key overrides a merged one
+                elif index < merged_count:
+                    continue  # several merge sources: the first one wins
+                else:
+                    issues.append(ConfigIssue(key_location, child_path, "duplicate key"))
+                    continue
+            elif index < merged_count:
+                merged_keys.add(key)
             keys[key] = key_location
             result[key] = _convert(file, value_node, loader, issues, child_path)
         return Node(result, location, keys)
