@@ -19,7 +19,7 @@ from .state import GatewayState
 
 def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
     refuse(flow, Decision.deny("internal_error", "the gateway failed while deciding this CONNECT"))
-    self.state.audit.record(event="connect", decision="deny", reason="internal_error", status=500)
+    self.state.record(event="connect", decision="deny", reason="internal_error", status=500)
 
 
 class ConnectGuard:
@@ -49,7 +49,7 @@ class ConnectGuard:
                         decision = addresses
         fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, host and host.value, port)
         fields["path"] = None
-        self.state.audit.record(event="connect", **fields)
+        self.state.record(event="connect", **fields)
         if not decision.allowed or pin is None:
             refuse(flow, decision)
             return

@@ -122,7 +122,7 @@ class EgressCore:
             raise exceptions.OptionsError(f"invalid egress policy:\n{exc}") from None
         listeners = self._listeners()
         resolver = Resolver(policy.static_hosts, timeout=ctx.options.egress_dns_timeout)
-        self.state.engine = Engine.build(policy, self.self_addresses, listeners, resolver)
+        self.state.install(Engine.build(policy, self.self_addresses, listeners, resolver))
         logger.info(
             "egress gateway: policy %s loaded (sha256 %s, %d rules)", policy.source, policy.sha256, len(policy.rules)
         )

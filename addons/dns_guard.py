@@ -67,7 +67,7 @@ class DnsGuard:
         )
 
     def _audit(self, conn, scope, name, query_type, verdict, reason, message, rule=None, addresses=None, rcode="REFUSED"):
-        self.state.audit.record(
+        self.state.record(
             event="dns", **connection_fields(conn, scope.sandbox), decision=verdict, reason=reason,
             rule=rule, host=name, address=addresses, message=message, dns_type=query_type, rcode=rcode,
         )

@@ -156,7 +156,7 @@ class LayerGuard:
             verdict = engine.guard.check(address, port)
             if not verdict.allowed:
                 decision = Decision.deny(verdict.reason, verdict.describe(), decision.rule)
-        self.state.audit.record(
+        self.state.record(
             event="connection", **connection_fields(conn, scope.sandbox),
             decision="allow" if decision.allowed else "deny", reason=decision.reason,
             status=None if decision.allowed else decision.status, rule=decision.rule,
@@ -190,7 +190,7 @@ class LayerGuard:
         context = nextlayer.context
         conn = self.state.connections.get(context.client.id)
         pin = conn.tunnel if conn else None
-        self.state.audit.record(
+        self.state.record(
             event="connection",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
             decision="deny",

@@ -33,7 +33,7 @@ from .state import ConnectionState, GatewayState
 
 def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
     refuse(flow, Decision.deny("internal_error", "the gateway failed while deciding this request"))
-    self.state.audit.record(event="request", decision="deny", reason="internal_error", status=500)
+    self.state.record(event="request", decision="deny", reason="internal_error", status=500)
 
 
 def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
@@ -62,7 +62,7 @@ class RequestGuard:
         else:
             decision, pin, destination = await self._proxied(flow, scope)
         fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, *destination)
-        self.state.audit.record(event="request", **fields)
+        self.state.record(event="request", **fields)
         if not decision.allowed or pin is None:
             refuse(flow, decision)
             return
@@ -178,5 +178,5 @@ class RequestGuard:
         conn = self.state.connections.get(flow.client_conn.id)
         decision = Decision.deny("unsolicited_upgrade", f"upstream answered 101 with Upgrade {answered[:40]!r}")
         fields = flow_fields(flow, conn) | decision_fields(decision, conn.tunnel if conn else None)
-        self.state.audit.record(event="response", **fields)
+        self.state.record(event="response", **fields)
         flow.kill()

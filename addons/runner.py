@@ -50,7 +50,8 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
 
 
 def run_gateway(*, policy_path: str, modes: list[str], confdir: str, audit_log: str | None,
-                set_options: list[str], quiet: bool, policy_sha256: str) -> int:
+                set_options: list[str], quiet: bool, policy_sha256: str, extra=None) -> int:
+    """`extra` is the parsed command line, for options that later subcommand flags add."""
     logging.getLogger().setLevel(logging.INFO)
     for noisy in ("tornado", "asyncio", "hpack", "quic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import ipaddress
+import logging
+from collections.abc import Callable
+from typing import Any
 
 from gateway.audit import AuditLog
 from gateway.decision import Decision
@@ -40,6 +43,36 @@ class GatewayState:
         self.audit: AuditLog = AuditLog(None)
         self.connections: dict[str, ConnectionState] = {}
         self.dns_memory = DnsMemory()
+        # Called with every recorded decision (the audit entry plus private keys starting with
+        # "_", e.g. "_decision_seconds"); metrics subscribe here.
+        self.decision_listeners: list[Callable[[dict[str, Any]], None]] = []
+        # Told (kind, seconds) for every policy check; see Engine.timings.
+        self.timing_listeners: list[Callable[[str, float], None]] = []
+
+    def install(self, engine: Engine) -> None:
+        """Make `engine` the one every guard uses (one assignment: a request sees old or new)."""
+        engine.timings = self._timing if self.timing_listeners else None
+        self.engine = engine
+
+    def _timing(self, kind: str, seconds: float) -> None:
+        for listener in self.timing_listeners:
+            try:
+                listener(kind, seconds)
+            except Exception:
+                logging.getLogger("egress").exception("egress gateway: timing listener failed")
+
+    def record(self, **fields: Any) -> dict[str, Any]:
+        """Record one decision: one audit line, and every listener told."""
+        private = {k: fields.pop(k) for k in [k for k in fields if k.startswith("_")]}
+        entry = self.audit.record(**fields)
+        if self.decision_listeners:
+            event = entry | private
+            for listener in self.decision_listeners:
+                try:
+                    listener(event)
+                except Exception:  # a metrics bug must never change a decision
+                    logging.getLogger("egress").exception("egress gateway: decision listener failed")
+        return entry
 
     def connection(self, client_id: str, peername: tuple | None = None, mode: str = "regular") -> ConnectionState:
         state = self.connections.get(client_id)

@@ -66,7 +66,7 @@ class TlsGuard:
             return
         conn.poisoned = decision
         data.context.server.error = "egress gateway: TLS SNI does not match the pinned destination"
-        self.state.audit.record(
+        self.state.record(
             event="tls",
             **connection_fields(conn, self.state.scope(conn).sandbox),
             decision="deny",
@@ -110,7 +110,7 @@ class TlsGuard:
                 )
                 pin = None
         has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
-        self.state.audit.record(
+        self.state.record(
             event="tls", **connection_fields(conn, scope.sandbox),
             decision="allow" if pin is not None else "deny", reason=decision.reason,
             status=None if pin is not None else decision.status, rule=decision.rule, message=decision.message,

@@ -8,7 +8,8 @@ resolver, which is what makes `explain` and replay possible.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
@@ -51,6 +52,17 @@ class Engine:
         self.policy = policy
         self.guard = guard
         self.resolver = resolver
+        # Told how long each policy check took (kind, seconds), e.g. for a metrics histogram.
+        self.timings: Callable[[str, float], None] | None = None
+
+    def _timed(self, kind: str, check: Callable[..., Decision], *args) -> Decision:
+        if self.timings is None:
+            return check(*args)
+        started = time.perf_counter()
+        try:
+            return check(*args)
+        finally:
+            self.timings(kind, time.perf_counter() - started)
 
     @classmethod
     def build(
@@ -78,6 +90,9 @@ class Engine:
 
     def check_destination(self, host: Host, port: int, scope: Scope = EVERY_RULE) -> Decision:
         """May anything at all be sent to host:port? (CONNECT, before the tunnel's contents are seen.)"""
+        return self._timed("destination", self._check_destination, host, port, scope)
+
+    def _check_destination(self, host: Host, port: int, scope: Scope) -> Decision:
         candidates, notes = self._candidates(host, scope)
         if not candidates:
             return Decision.deny("no_rule", f"no rule allows {host.authority(port)}{_for(scope)}", notes=notes)
@@ -88,6 +103,10 @@ class Engine:
         return Decision.deny("port_not_allowed", f"no rule allows port {port} on {host}", candidates[0].id, notes)
 
     def check_request(self, facts: RequestFacts, scope: Scope = EVERY_RULE) -> Decision:
+        """May this request (method, path, scheme, port on a host) be sent?"""
+        return self._timed("request", self._check_request, facts, scope)
+
+    def _check_request(self, facts: RequestFacts, scope: Scope) -> Decision:
         method = facts.method.upper()
         if method in FORBIDDEN_METHODS:
             return Decision.deny("method_forbidden", f"{method} is always refused")
