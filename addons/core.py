@@ -15,6 +15,7 @@ from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
 from gateway.audit import AuditLog
+from gateway.credentials import load_placeholder_key
 from gateway.engine import Engine
 from gateway.localaddrs import local_addresses
 from gateway.policy import PolicyError, load_default_policy, load_policy
@@ -56,7 +57,7 @@ class EgressCore:
             "Where to append audit lines (JSON, one per decision): a path, '-' for stdout, empty for none.",
         )
         loader.add_option(
-            "egress_dns_timeout", float, 5.0, "Seconds to wait for DNS when the gateway resolves a destination.",
+            "egress_dns_timeout", int, 5, "Seconds to wait for DNS when the gateway resolves a destination.",
         )
 
     def configure(self, updated: set[str]):
@@ -65,6 +66,8 @@ class EgressCore:
             self._check_modes()
         if updated & {"egress_policy", "mode", "egress_dns_timeout"} or self.state.engine is None:
             self._load_policy()
+        if "confdir" in updated or self.state.placeholder_key is None:
+            self._load_placeholder_key()
         if "egress_audit_log" in updated:
             self.state.audit.close()
             target = ctx.options.egress_audit_log or None
@@ -126,6 +129,14 @@ class EgressCore:
         logger.info(
             "egress gateway: policy %s loaded (sha256 %s, %d rules)", policy.source, policy.sha256, len(policy.rules)
         )
+
+    def _load_placeholder_key(self) -> None:
+        try:
+            self.state.placeholder_key = load_placeholder_key(ctx.options.confdir)
+        except OSError as exc:
+            logger.warning("egress gateway: no placeholder key in %s (%s): placeholders are not swapped",
+                           ctx.options.confdir, exc.strerror)
+            self.state.placeholder_key = None
 
     def running(self):
         confdir = os.path.expanduser(ctx.options.confdir)

@@ -25,7 +25,7 @@ from gateway.decision import Decision
 
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import RefusalLayer, TargetFormHttpLayer
+from .layers import GatewayHttpLayer, RefusalLayer, TargetFormHttpLayer
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -110,7 +110,7 @@ class LayerGuard:
         elif not _looks_like_http1(data):
             self._refuse(nextlayer, "non_http", "the proxy port speaks HTTP/1 only")
         else:
-            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular)
+            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal)
 
     def _tunnel_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         if starts_like_tls_record(data):
@@ -120,7 +120,7 @@ class LayerGuard:
         elif data[:3] == b"PRI":
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused in tunnels")
         elif _looks_like_http1(data):
-            nextlayer.layer = HttpLayer(nextlayer.context, HTTPMode.transparent)
+            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal)
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
 
@@ -136,7 +136,7 @@ class LayerGuard:
         elif data[:3] == b"PRI":
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
         elif _looks_like_http1(data):
-            nextlayer.layer = HttpLayer(context, HTTPMode.transparent)
+            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal)
         else:
             self._raw_tcp(nextlayer, conn)
 
@@ -173,7 +173,7 @@ class LayerGuard:
         alpn = nextlayer.context.client.alpn
         if alpn == b"h2":
             if data.startswith(H2_PREFACE[: len(data)]):
-                nextlayer.layer = HttpLayer(nextlayer.context, HTTPMode.transparent)
+                nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal)
             else:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
@@ -181,9 +181,26 @@ class LayerGuard:
         elif data[:3] == b"PRI":
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 without ALPN negotiation is refused")
         elif _looks_like_http1(data):
-            nextlayer.layer = HttpLayer(nextlayer.context, HTTPMode.transparent)
+            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal)
         else:
             self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
+
+    def _on_refusal(self, context, decision: Decision, request, method: str | None = None) -> None:
+        """A request mitmproxy's HTTP/1 server refused or failed itself (parse errors, upstream
+        failures): one audit line, in the same shape as the guards' lines."""
+        conn = self.state.connections.get(context.client.id)
+        pin = conn.tunnel if conn else None
+        upstream = decision.reason in ("upstream_failed", "response_too_large")
+        method = method or getattr(request, "method", None)
+        self.state.record(
+            event="error" if upstream else "connect" if method == "CONNECT" else "request",
+            **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
+            decision="deny", reason=decision.reason, status=decision.status, message=decision.message,
+            host=pin.host.value if pin else None, port=pin.port if pin else None,
+            address=pin.address.compressed if pin else None, sni=context.client.sni,
+            method=method, path=getattr(request, "path", None),
+            host_header=request.headers.get("host") if request is not None else None,
+        )
 
     def _refuse(self, nextlayer: layer.NextLayer, reason: str, message: str, speak_http: bool = True) -> None:
         decision = Decision.deny(reason, message)

@@ -1,22 +1,51 @@
-"""Two small mitmproxy layers the gateway needs and mitmproxy does not have.
+"""Small mitmproxy layers the gateway needs and mitmproxy does not have.
 
 - `RefusalLayer` answers a connection the gateway will not inspect (raw TCP in a tunnel, h2c
   prior knowledge, TLS to the proxy port) with a short HTTP error and closes it, at once,
   without ever opening an upstream connection.
-- `TargetFormHttpLayer` is mitmproxy's HttpLayer for the explicit proxy port, except that each
-  request remembers the request target as sent. mitmproxy rewrites absolute-form targets to
-  origin-form before any hook sees them, and derives a destination from the Host header for
-  origin-form requests; the gateway needs to tell the two apart and to see the raw authority.
+- `GatewayHttpLayer` is mitmproxy's HttpLayer with a gateway HTTP/1 server under it: requests
+  mitmproxy's parser rejects (a malformed host in the request line, broken framing) and errors
+  mitmproxy answers itself (upstream failures, validation) are answered in the gateway's format
+  (text body, `X-Egress-Reason`) and recorded in the audit log; request heads are size-limited.
+- `TargetFormHttpLayer` (the explicit proxy port) also makes each request remember its target
+  as sent: mitmproxy rewrites absolute-form targets to origin-form before any hook sees them,
+  and derives a destination from Host for origin-form requests; the gateway must tell them apart.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from mitmproxy.net.http import http1
+from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, RequestHeaders
+from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+from mitmproxy.proxy.layers.http._http1 import Http1Server, make_body_reader
+from mitmproxy.proxy.layers.http._http2 import Http2Server
+from mitmproxy.proxy.layers.http._http3 import Http3Server
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http import is_h3_alpn
 
 from gateway.decision import Decision
+from gateway.hostnames import HostError, canonical_host, parse_authority
 
 from .respond import raw_http_refusal
+
+REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+OnRefusal = Callable[[object, Decision, object, str | None], None]  # (context, decision, request, method)
+
+_ERROR_REASONS = {
+    ErrorCode.CONNECT_FAILED: ("upstream_failed", "the upstream connection failed"),
+    ErrorCode.GENERIC_SERVER_ERROR: ("upstream_failed", "the upstream failed"),
+    ErrorCode.RESPONSE_VALIDATION_FAILED: ("upstream_failed", "the upstream response was invalid"),
+    ErrorCode.RESPONSE_TOO_LARGE: ("response_too_large", "the upstream response is too large"),
+    ErrorCode.REQUEST_TOO_LARGE: ("request_too_large", "the request body is too large"),
+    ErrorCode.DESTINATION_UNKNOWN: ("bad_host_header", "the request names no destination"),
+    ErrorCode.GENERIC_CLIENT_ERROR: ("malformed_request", "the request is malformed"),
+    ErrorCode.REQUEST_VALIDATION_FAILED: ("malformed_request", "the request is malformed"),
+}
 
 TARGET_FORM_ATTR = "_egress_target_form"  # "origin" | "absolute" | "authority" | "asterisk"
 RAW_AUTHORITY_ATTR = "_egress_raw_authority"
@@ -36,6 +65,100 @@ class RefusalLayer(layer.Layer):
         if self.speak_http:
             yield commands.SendData(self.context.client, raw_http_refusal(self.decision))
         yield commands.CloseConnection(self.context.client)
+
+
+def _request_method(head: list[bytes]) -> str | None:
+    method = head[0].split(b" ", 1)[0] if head else b""
+    return method.decode("ascii", "replace")[:20] or None
+
+
+def _classify_bad_head(head: list[bytes], error: ValueError) -> Decision:
+    """Why mitmproxy's parser refused a request head, as a gateway decision."""
+    message = str(error)[:300]
+    try:
+        method, target, _version = head[0].split(b" ")
+        if method == b"CONNECT":
+            parse_authority(target.decode("utf-8", "surrogateescape"))
+        elif b"://" in target:
+            authority = target.split(b"://", 1)[1].split(b"/", 1)[0].split(b"?", 1)[0]
+            parse_authority(authority.decode("utf-8", "surrogateescape"), 80)
+    except HostError as exc:
+        return Decision.deny("bad_host", f"bad host in the request line: {exc}")
+    except (ValueError, IndexError):
+        pass
+    return Decision.deny("malformed_request", f"malformed request: {message}")
+
+
+class GatewayHttp1Server(Http1Server):
+    def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES):
+        super().__init__(context)
+        self.on_refusal = on_refusal
+        self.max_head_bytes = max_head_bytes
+
+    def _refuse(self, decision: Decision, request=None, method: str | None = None) -> layer.CommandGenerator[None]:
+        self.on_refusal(self.context, decision, request, method)
+        yield commands.SendData(self.conn, raw_http_refusal(decision))
+        yield commands.CloseConnection(self.conn)
+        self.state = self.done
+
+    def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
+        if not isinstance(event, events.DataReceived):
+            return (yield from super().read_headers(event))
+        request_head = self.buf.maybe_extract_lines()
+        if not request_head:
+            if len(self.buf) > self.max_head_bytes:
+                yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))
+            return
+        if sum(len(line) for line in request_head) > self.max_head_bytes:
+            yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))
+            return
+        head = [bytes(x) for x in request_head]
+        try:
+            self.request = http1.read_request_head(head)
+            expected_body_size = http1.expected_http_body_size(self.request)
+        except ValueError as exc:
+            yield from self._refuse(_classify_bad_head(head, exc), self.request, _request_method(head))
+            return
+        yield ReceiveHttp(RequestHeaders(self.stream_id, self.request, expected_body_size == 0))
+        self.body_reader = make_body_reader(expected_body_size)
+        self.state = self.read_body
+        yield from self.state(event)
+
+    def send(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, ResponseProtocolError) and not self.response:
+            decision = getattr(self.request, REFUSAL_ATTR, None)
+            if decision is None and event.code in _ERROR_REASONS:
+                reason, what = _ERROR_REASONS[event.code]
+                decision = Decision.deny(reason, f"{what}: {event.message[:300]}")
+                self.on_refusal(self.context, decision, self.request, getattr(self.request, "method", None))
+            if decision is not None and event.code.http_status_code() is not None:
+                if self.conn.state & ConnectionState.CAN_WRITE:
+                    yield commands.SendData(self.conn, raw_http_refusal(decision))
+                    yield commands.CloseConnection(self.conn)
+                return
+        yield from super().send(event)
+
+
+class GatewayHttpLayer(HttpLayer):
+    """HttpLayer whose HTTP/1 client side is a `GatewayHttp1Server`."""
+
+    def __init__(self, context, mode, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES):
+        super().__init__(context, mode)
+        self.on_refusal = on_refusal
+        self.max_head_bytes = max_head_bytes
+
+    def _handle_event(self, event: events.Event):
+        if isinstance(event, events.Start):
+            if is_h3_alpn(self.context.client.alpn):
+                server = Http3Server(self.context.fork())
+            elif self.context.client.alpn == b"h2":
+                server = Http2Server(self.context.fork())
+            else:
+                server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes)
+            self.connections.setdefault(self.context.client, server)
+            yield from self.event_to_child(self.connections[self.context.client], event)
+            return
+        yield from super()._handle_event(event)
 
 
 def target_form(request) -> str | None:
@@ -66,7 +189,7 @@ class _TargetFormStream(HttpStream):
         return (yield from super().state_wait_for_request_headers(event))
 
 
-class TargetFormHttpLayer(HttpLayer):
+class TargetFormHttpLayer(GatewayHttpLayer):
     def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:
         ctx = self.context.fork()
         self.streams[stream_id] = _TargetFormStream(ctx, stream_id)

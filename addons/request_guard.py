@@ -25,6 +25,7 @@ from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
 
 from .audit_fields import decision_fields, flow_fields
+from .credentials import CredentialInjector
 from .failclosed import fail_closed
 from .layers import raw_authority, target_form
 from .respond import refuse
@@ -43,13 +44,16 @@ def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
 class RequestGuard:
     def __init__(self, state: GatewayState):
         self.state = state
+        self.credentials = CredentialInjector(state)
 
     @fail_closed(_deny_on_error)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         scope = self.state.scope(conn)
         destination: tuple[str | None, int | None] = (None, None)
-        if flow.error is not None:
+        if flow.request.method == "CONNECT":
+            decision, pin = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), conn.tunnel
+        elif flow.error is not None:
             # mitmproxy found the request invalid (e.g. smuggling-prone framing) and will refuse it;
             # it still fires this hook, so the audit log records the refusal.
             decision, pin = Decision.deny("malformed_request", f"malformed request: {flow.error.msg[:200]}"), None
@@ -61,13 +65,19 @@ class RequestGuard:
             decision, pin, destination = await self._transparent_first(flow, conn, scope)
         else:
             decision, pin, destination = await self._proxied(flow, scope)
+        injected: list[str] = []
+        if decision.allowed and pin is not None:
+            decision, injected = self.credentials.apply(flow, decision, scope, pin)
         fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, *destination)
+        if injected:
+            fields["injected"] = injected
         self.state.record(event="request", **fields)
         if not decision.allowed or pin is None:
             refuse(flow, decision)
             return
         conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
         flow.metadata["egress_decision"] = decision
+        flow.metadata["egress_pin"] = pin
 
     def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope) -> tuple[Decision, Pin | None]:
         request = flow.request
@@ -177,6 +187,7 @@ class RequestGuard:
             return
         conn = self.state.connections.get(flow.client_conn.id)
         decision = Decision.deny("unsolicited_upgrade", f"upstream answered 101 with Upgrade {answered[:40]!r}")
-        fields = flow_fields(flow, conn) | decision_fields(decision, conn.tunnel if conn else None)
+        pin = flow.metadata.get("egress_pin") or (conn.tunnel if conn else None)
+        fields = flow_fields(flow, conn, self.state.scope(conn).sandbox) | decision_fields(decision, pin)
         self.state.record(event="response", **fields)
         flow.kill()

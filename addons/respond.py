@@ -21,12 +21,18 @@ def refuse(flow: http.HTTPFlow, decision: Decision) -> None:
         # A streamed request body cannot coexist with a gateway-made response in mitmproxy.
         flow.request.stream = False
     flow.metadata["egress_decision"] = decision
+    # When mitmproxy answers the request itself (its own validation failed first), the gateway's
+    # HTTP/1 server words that answer with this decision.
+    setattr(flow.request, "_egress_refusal", decision)
 
 
 def raw_http_refusal(decision: Decision) -> bytes:
     """An HTTP/1.1 refusal as bytes, for connections refused before any HTTP parsing."""
     body = decision.body().encode("utf-8")
-    reason_phrase = {400: "Bad Request", 403: "Forbidden", 421: "Misdirected Request"}.get(decision.status, "Error")
+    reason_phrase = {
+        400: "Bad Request", 403: "Forbidden", 413: "Content Too Large", 421: "Misdirected Request",
+        431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
+    }.get(decision.status, "Error")
     head = [f"HTTP/1.1 {decision.status} {reason_phrase}"]
     head += [f"{k}: {v}" for k, v in refusal_headers(decision).items()]
     head += [f"Content-Length: {len(body)}", "Connection: close", "", ""]

@@ -46,6 +46,14 @@ REASONS: dict[str, tuple[int, str]] = {
         421, "the address the sandbox dialled is not one of the SNI name's addresses (strict mode)"
     ),
     "dns_type_refused": (400, "this DNS query type is refused"),
+    "plaintext_credentials": (403, "credentials are never sent over plain http"),
+    "credential_host": (403, "credentials go only to their rule's exact hosts"),
+    "secret_unavailable": (502, "a secret this request needs cannot be read; nothing was sent"),
+    "undecodable_response": (502, "a compressed response could not be decoded to redact credentials"),
+    "request_head_too_large": (431, "the request line and headers exceed the size limit"),
+    "request_too_large": (413, "the request body exceeds body_size_limit"),
+    "response_too_large": (502, "the upstream response exceeds body_size_limit"),
+    "upstream_failed": (502, "the upstream connection or TLS verification failed"),
     "resolve_failed": (502, "the host name could not be resolved"),
     "internal_error": (500, "the gateway failed while deciding; the request was refused"),
 }

@@ -14,6 +14,15 @@ from importlib import resources
 from pathlib import Path
 
 from .addresses import RangeTable, default_deny_table, parse_network
+from .credentials import (
+    FORBIDDEN_INJECT_HEADERS,
+    HEADER_NAME_RE,
+    SECRET_NAME_RE,
+    Injection,
+    SecretSource,
+    Template,
+    TemplateError,
+)
 from .hostnames import Host, HostError, IPAddress, canonical_host
 from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
@@ -26,10 +35,16 @@ FORBIDDEN_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
 _METHOD_RE = re.compile(r"^[A-Z][A-Z0-9_-]{0,31}$")
 _RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
-TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes"}
+TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode"}
 NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destination"}
 RESOLVER_KEYS = {"static_hosts"}
-RULE_KEYS = {"id", "hosts", "ports", "schemes", "methods", "paths", "protocol"}
+RULE_KEYS = {
+    "id", "hosts", "ports", "schemes", "methods", "paths", "protocol", "mode",
+    "inject", "allow_wildcard_credentials", "allow_plaintext_credentials",
+}
+INJECT_KEYS = {"header", "query", "value"}
+SECRET_SOURCE_KEYS = {"env", "file"}
+MODES = ("enforce", "report")
 SANDBOX_KEYS = {"id", "source_ips", "rules"}
 PROTOCOLS = ("http", "tcp")
 HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths")
@@ -49,6 +64,15 @@ class Rule:
     path_patterns: tuple[re.Pattern[str], ...] | None
     location: Location
     protocol: str = "http"  # http: HTTP(S) requests; tcp: raw TCP (transparent mode)
+    injections: tuple[Injection, ...] = ()
+    mode: str | None = None  # enforce | report | None (the policy's mode)
+    allow_wildcard_credentials: bool = False
+    allow_plaintext_credentials: bool = False
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Secrets this rule is bound to (referenced by its inject templates), in order."""
+        return tuple(dict.fromkeys(name for i in self.injections for name in i.template.secrets))
 
     def allows_port(self, port: int, scheme: str | None = None) -> bool:
         """With no scheme (a CONNECT, before the tunnel shows TLS or not): any of the rule's schemes."""
@@ -103,6 +127,8 @@ class Policy:
     sandboxes: tuple[Sandbox, ...] | None = None  # None: no `sandboxes` section
     sandbox_sources: RangeTable = field(default_factory=RangeTable)
     strict_original_destination: bool = False
+    secrets: dict[str, SecretSource] = field(default_factory=dict)
+    mode: str = "enforce"
     rules_by_id: dict[str, Rule] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -225,7 +251,92 @@ def _ranges(v: _Validator, node: Node, path: str) -> list[tuple[object, str]]:
     return out
 
 
-def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location]) -> Rule | None:
+def _mode(v: _Validator, node: Node | None, path: str) -> str | None:
+    if node is None:
+        return None
+    value = v.string(node, path)
+    if value is not None and value not in MODES:
+        v.error(node, path, f"{value!r}: mode must be one of {', '.join(MODES)}")
+        return None
+    return value
+
+
+def _injections(v: _Validator, node: Node, path: str, secret_names: set[str]) -> tuple[Injection, ...]:
+    found: list[Injection] = []
+    seen: set[tuple[str, str]] = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        p = f"{path}[{i}]"
+        fields = v.mapping(item, p, INJECT_KEYS)
+        if fields is None:
+            continue
+        targets = [k for k in ("header", "query") if k in fields]
+        if len(targets) != 1:
+            v.error(item, p, "needs exactly one of 'header' or 'query'")
+            continue
+        target = targets[0]
+        name = v.string(fields[target], f"{p}.{target}")
+        if "value" not in fields:
+            v.error(item, p, "missing required key 'value'")
+            continue
+        raw = v.string(fields["value"], f"{p}.value")
+        if name is None or raw is None:
+            continue
+        if target == "header" and not HEADER_NAME_RE.match(name):
+            v.error(fields[target], f"{p}.header", f"{name!r} is not a valid header name")
+            continue
+        if target == "header" and name.lower() in FORBIDDEN_INJECT_HEADERS:
+            v.error(fields[target], f"{p}.header", f"{name!r} cannot be injected (it changes framing or routing)")
+            continue
+        key = (target, name.lower())
+        if key in seen:
+            v.error(fields[target], f"{p}.{target}", f"{name!r} is injected twice")
+            continue
+        seen.add(key)
+        try:
+            template = Template.parse(raw)
+        except TemplateError as exc:
+            v.error(fields["value"], f"{p}.value", str(exc))
+            continue
+        if not template.secrets:
+            v.error(fields["value"], f"{p}.value", "references no secret (use ${secrets.NAME})")
+            continue
+        missing = [s for s in template.secrets if s not in secret_names]
+        if missing:
+            v.error(fields["value"], f"{p}.value", f"unknown secret {missing[0]!r} (declare it under secrets:)")
+            continue
+        found.append(Injection(target, name, template))
+    return tuple(found)
+
+
+def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
+    found: dict[str, SecretSource] = {}
+    if not isinstance(node.value, dict):
+        v.error(node, "secrets", f"must be a mapping of name to {{env: VAR}} or {{file: PATH}}, not {_kind(node.value)}")
+        return found
+    for name, item in node.value.items():
+        p = f"secrets.{name}"
+        if not SECRET_NAME_RE.match(name):
+            v.error(node.key_locations[name], p, f"{name!r}: secret names are letters, digits and '_'")
+            continue
+        fields = v.mapping(item, p, SECRET_SOURCE_KEYS)
+        if fields is None:
+            continue
+        if len(fields) != 1:
+            v.error(item, p, "needs exactly one of 'env' or 'file'")
+            continue
+        kind, value_node = next(iter(fields.items()))
+        value = v.string(value_node, f"{p}.{kind}")
+        if value is None:
+            continue
+        if kind == "file" and not value.startswith("/"):
+            v.error(value_node, f"{p}.file", "must be an absolute path")
+            continue
+        found[name] = SecretSource(name, env=value if kind == "env" else None, file=value if kind == "file" else None)
+    return found
+
+
+def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location],
+          secret_names: set[str] = frozenset()) -> Rule | None:
     fields = v.mapping(node, path, RULE_KEYS)
     if fields is None:
         return None
@@ -321,9 +432,32 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
                 v.error(fields["hosts"], f"{path}.hosts", f"{pattern}: wildcards are not allowed in protocol: tcp rules")
         schemes = frozenset()
 
+    rule_mode = _mode(v, fields.get("mode"), f"{path}.mode")
+    flags = {}
+    for flag in ("allow_wildcard_credentials", "allow_plaintext_credentials"):
+        flags[flag] = False
+        if flag in fields:
+            if not isinstance(fields[flag].value, bool):
+                v.error(fields[flag], f"{path}.{flag}", "must be true or false")
+            else:
+                flags[flag] = fields[flag].value
+    injections = _injections(v, fields["inject"], f"{path}.inject", secret_names) if "inject" in fields else ()
+    if injections:
+        where = fields["inject"]
+        if protocol == "tcp":
+            v.error(where, f"{path}.inject", "a protocol: tcp rule cannot inject credentials")
+        broad = [str(p) for p in hosts if p.kind != "exact"]
+        if broad and not flags["allow_wildcard_credentials"]:
+            v.error(where, f"{path}.inject", f"credentials bound to {', '.join(broad)} (not an exact host); "
+                    "set allow_wildcard_credentials: true if that is really meant")
+        if "http" in schemes and not flags["allow_plaintext_credentials"]:
+            v.error(where, f"{path}.inject", "credentials would be sent over plain http; "
+                    "set allow_plaintext_credentials: true if that is really meant")
+
     if rule_id is None or not hosts:
         return None
-    return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol)
+    return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol,
+                injections, rule_mode, flags["allow_wildcard_credentials"], flags["allow_plaintext_credentials"])
 
 
 def compile_policy(text: str, source: str) -> Policy:
@@ -397,11 +531,14 @@ def compile_policy(text: str, source: str) -> Policy:
                         v.error(node.key_locations[name], p, "this name is listed twice (after canonicalisation)")
                     static_hosts[host.value] = tuple(addresses)
 
+    secrets = _secrets(v, top["secrets"]) if "secrets" in top else {}
+    policy_mode = _mode(v, top.get("mode"), "mode") or "enforce"
+
     rules: list[Rule] = []
     if "rules" in top:
         seen: dict[str, Location] = {}
         for i, item in enumerate(v.sequence(top["rules"], "rules") or []):
-            rule = _rule(v, item, f"rules[{i}]", i, seen)
+            rule = _rule(v, item, f"rules[{i}]", i, seen, set(secrets))
             if rule is not None:
                 rules.append(rule)
 
@@ -417,6 +554,7 @@ def compile_policy(text: str, source: str) -> Policy:
     return Policy(
         tuple(rules), index, deny, allow, static_hosts, source, digest,
         sandboxes=sandboxes, sandbox_sources=sources, strict_original_destination=strict,
+        secrets=secrets, mode=policy_mode,
     )
 
 
