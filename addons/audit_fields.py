@@ -31,7 +31,7 @@ def flow_fields(flow, conn: ConnectionState | None, sandbox: str | None = None) 
 
 def decision_fields(decision: Decision, pin: Pin | None = None, host: str | None = None, port: int | None = None) -> dict:
     return {
-        "decision": "allow" if decision.allowed else "deny",
+        "decision": decision.verdict,
         "reason": decision.reason,
         "status": None if decision.allowed else decision.status,
         "rule": decision.rule,

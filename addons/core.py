@@ -18,7 +18,7 @@ from gateway.audit import AuditLog
 from gateway.credentials import load_placeholder_key
 from gateway.engine import Engine
 from gateway.localaddrs import local_addresses
-from gateway.policy import PolicyError, load_default_policy, load_policy
+from gateway.policy import Policy, PolicyError, load_default_policy, load_policy
 from gateway.resolver import Resolver
 
 from .state import GatewayState
@@ -117,15 +117,18 @@ class EgressCore:
                         found.append((ipaddress.ip_address("0.0.0.0"), port))
         return found
 
+    def build_engine(self, policy: Policy) -> Engine:
+        """An engine for `policy` with this gateway's own addresses, listeners and DNS timeout."""
+        resolver = Resolver(policy.static_hosts, timeout=ctx.options.egress_dns_timeout)
+        return Engine.build(policy, self.self_addresses, self._listeners(), resolver)
+
     def _load_policy(self) -> None:
         path = ctx.options.egress_policy
         try:
             policy = load_policy(path) if path else load_default_policy()
         except PolicyError as exc:
             raise exceptions.OptionsError(f"invalid egress policy:\n{exc}") from None
-        listeners = self._listeners()
-        resolver = Resolver(policy.static_hosts, timeout=ctx.options.egress_dns_timeout)
-        self.state.install(Engine.build(policy, self.self_addresses, listeners, resolver))
+        self.state.install(self.build_engine(policy))
         logger.info(
             "egress gateway: policy %s loaded (sha256 %s, %d rules)", policy.source, policy.sha256, len(policy.rules)
         )

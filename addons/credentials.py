@@ -18,7 +18,7 @@ from mitmproxy import http
 
 from gateway.credentials import placeholder
 from gateway.decision import Decision
-from gateway.engine import Pin
+from gateway.engine import Engine, Pin
 from gateway.policy import Rule, Scope
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
@@ -33,11 +33,13 @@ class CredentialInjector:
     def __init__(self, state: GatewayState):
         self.state = state
 
-    def apply(self, flow: http.HTTPFlow, decision: Decision, scope: Scope, pin: Pin) -> tuple[Decision, list[str]]:
-        """Inject and swap for the allowed request; returns (decision, secret names used)."""
-        engine = self.state.require_engine()
+    def apply(self, flow: http.HTTPFlow, decision: Decision, scope: Scope, pin: Pin,
+              engine: Engine) -> tuple[Decision, list[str]]:
+        """Inject and swap for the allowed request; returns (decision, secret names used).
+
+        A would_deny request (report mode) is let through without any credential."""
         rule: Rule | None = engine.policy.rules_by_id.get(decision.rule or "")
-        if rule is None or not rule.secrets:
+        if rule is None or not rule.secrets or decision.would_deny:
             return decision, []
         request = flow.request
         if request.scheme != "https" and not rule.allow_plaintext_credentials:
@@ -45,9 +47,8 @@ class CredentialInjector:
         exact_hosts = {p.value for p in rule.hosts if p.kind == "exact"}
         if pin.host.value not in exact_hosts and not rule.allow_wildcard_credentials:
             return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id), []
-        store = self.state.secrets
         try:
-            values = store.values(rule.secrets)
+            values = engine.secrets.values(rule.secrets)
         except SecretUnavailable as exc:
             return Decision.deny("secret_unavailable", str(exc), rule.id), []
         used: list[str] = []
@@ -93,7 +94,7 @@ class ResponseRedactor:
         self._generation = (None, -1)
 
     def redactor(self) -> Redactor | None:
-        store = self.state.secrets
+        store = self.state.engine.secrets if self.state.engine is not None else None
         if store is None or not store.sources:
             return None
         store.known_values()  # refresh file-backed values (cheap: one stat each)

@@ -19,7 +19,7 @@ import ipaddress
 from mitmproxy import http
 
 from gateway.decision import Decision
-from gateway.engine import Pin, RequestFacts
+from gateway.engine import Engine, Pin, RequestFacts
 from gateway.hostnames import HostError, parse_authority
 from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
@@ -49,7 +49,8 @@ class RequestGuard:
     @fail_closed(_deny_on_error)
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
-        scope = self.state.scope(conn)
+        engine = self.state.require_engine()  # once: the whole request is judged by one policy
+        scope = engine.policy.scope_for(conn.address)
         destination: tuple[str | None, int | None] = (None, None)
         if flow.request.method == "CONNECT":
             decision, pin = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), conn.tunnel
@@ -60,14 +61,14 @@ class RequestGuard:
         elif conn.poisoned is not None:
             decision, pin = conn.poisoned, conn.tunnel
         elif conn.tunnel is not None:
-            decision, pin = self._tunnelled(flow, conn.tunnel, scope)
+            decision, pin = self._tunnelled(flow, conn.tunnel, scope, engine)
         elif conn.mode == "transparent":
-            decision, pin, destination = await self._transparent_first(flow, conn, scope)
+            decision, pin, destination = await self._transparent_first(flow, conn, scope, engine)
         else:
-            decision, pin, destination = await self._proxied(flow, scope)
+            decision, pin, destination = await self._proxied(flow, scope, engine)
         injected: list[str] = []
         if decision.allowed and pin is not None:
-            decision, injected = self.credentials.apply(flow, decision, scope, pin)
+            decision, injected = self.credentials.apply(flow, decision, scope, pin, engine)
         fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, *destination)
         if injected:
             fields["injected"] = injected
@@ -79,7 +80,7 @@ class RequestGuard:
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin
 
-    def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope) -> tuple[Decision, Pin | None]:
+    def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope, engine: Engine) -> tuple[Decision, Pin | None]:
         request = flow.request
         if request.method == "CONNECT":
             return Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), pin
@@ -93,11 +94,10 @@ class RequestGuard:
             return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), pin
         if problem := check_restated(restated, scheme, pin.host, pin.port):
             return problem, pin
-        engine = self.state.require_engine()
         return engine.check_request(RequestFacts(pin.host, pin.port, scheme, request.method, request.path), scope), pin
 
     async def _transparent_first(
-        self, flow: http.HTTPFlow, conn: ConnectionState, scope: Scope
+        self, flow: http.HTTPFlow, conn: ConnectionState, scope: Scope, engine: Engine
     ) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
         """Plain HTTP redirected transparently: the first request's Host names the destination, on
         the port the sandbox dialled; the gateway resolves it (the dialled IP is never used)."""
@@ -126,7 +126,6 @@ class RequestGuard:
             return Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"), None, named
         if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
             return problem, None, named
-        engine = self.state.require_engine()
         decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path), scope)
         if not decision.allowed:
             return decision, None, named
@@ -142,7 +141,9 @@ class RequestGuard:
         request.data.port = pin.port
         return decision, pin, named
 
-    async def _proxied(self, flow: http.HTTPFlow, scope: Scope) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
+    async def _proxied(
+        self, flow: http.HTTPFlow, scope: Scope, engine: Engine
+    ) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
         """Returns the decision, the pin when allowed, and the destination named (for the audit line)."""
         request = flow.request
         unknown = (None, None)
@@ -165,7 +166,6 @@ class RequestGuard:
         if problem := check_restated([("host", v) for v in hosts], "http", host, port):
             reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
             return Decision.deny(reason, problem.message), None, named
-        engine = self.state.require_engine()
         decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path), scope)
         if not decision.allowed:
             return decision, None, named

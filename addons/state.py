@@ -19,7 +19,6 @@ from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine, Pin
 from gateway.hostnames import IPAddress
 from gateway.policy import Scope
-from gateway.secrets import SecretStore
 
 
 @dataclass
@@ -44,7 +43,6 @@ class GatewayState:
         self.audit: AuditLog = AuditLog(None)
         self.connections: dict[str, ConnectionState] = {}
         self.dns_memory = DnsMemory()
-        self.secrets: SecretStore | None = None  # follows the policy (its `secrets` section)
         self.placeholder_key: bytes | None = None  # HMAC key for placeholders, from the confdir
         # Called with every recorded decision (the audit entry plus private keys starting with
         # "_", e.g. "_decision_seconds"); metrics subscribe here.
@@ -52,10 +50,10 @@ class GatewayState:
         # Told (kind, seconds) for every policy check; see Engine.timings.
         self.timing_listeners: list[Callable[[str, float], None]] = []
 
-    def install(self, engine: Engine, secrets: SecretStore | None = None) -> None:
-        """Make `engine` the one every guard uses (one assignment: a request sees old or new)."""
+    def install(self, engine: Engine) -> None:
+        """Make `engine` (policy, resolver, secrets) the one every guard uses. One assignment, and
+        each hook takes the engine once, so a request is judged wholly by the old or the new one."""
         engine.timings = self._timing if self.timing_listeners else None
-        self.secrets = secrets if secrets is not None else SecretStore(engine.policy.secrets)
         self.engine = engine
 
     def _timing(self, kind: str, seconds: float) -> None:

@@ -66,6 +66,12 @@ class Decision:
     message: str
     rule: str | None = None
     notes: list[str] = field(default_factory=list)
+    would_deny: bool = False  # report mode: allowed, but the allowlist would have refused it
+
+    @property
+    def verdict(self) -> str:
+        """allow | deny | would_deny, as the audit log and metrics spell it."""
+        return "would_deny" if self.would_deny else "allow" if self.allowed else "deny"
 
     @property
     def status(self) -> int:

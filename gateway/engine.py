@@ -18,6 +18,7 @@ from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
 from .paths import PathError, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
 from .resolver import ResolveError, Resolver
+from .secrets import SecretStore
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class RequestFacts:
     target: str  # the request target as sent (origin-form path with query)
 
 
+# Denials that report mode turns into `would_deny` (the allowlist's own verdicts).
+REPORTABLE_REASONS = frozenset(
+    {"no_rule", "port_not_allowed", "scheme_not_allowed", "method_not_allowed", "path_not_allowed"}
+)
+
 # How far a candidate rule got before failing; the furthest one explains the denial best.
 _STAGES = ("scheme_not_allowed", "port_not_allowed", "method_not_allowed", "path_not_allowed")
 
@@ -52,17 +58,32 @@ class Engine:
         self.policy = policy
         self.guard = guard
         self.resolver = resolver
+        # The policy's secrets travel with it: a reload swaps rules and secrets together.
+        self.secrets = SecretStore(policy.secrets)
         # Told how long each policy check took (kind, seconds), e.g. for a metrics histogram.
         self.timings: Callable[[str, float], None] | None = None
 
     def _timed(self, kind: str, check: Callable[..., Decision], *args) -> Decision:
         if self.timings is None:
-            return check(*args)
+            return self._report(check(*args))
         started = time.perf_counter()
         try:
-            return check(*args)
+            return self._report(check(*args))
         finally:
             self.timings(kind, time.perf_counter() - started)
+
+    def _report(self, decision: Decision) -> Decision:
+        """Report mode: an allowlist denial is let through as `would_deny` when the rule that
+        decided (or, with no rule involved, the policy) is in report mode. Address checks,
+        pinning, malformed input and TRACE/TRACK are never relaxed."""
+        if decision.allowed or decision.reason not in REPORTABLE_REASONS:
+            return decision
+        rule = self.policy.rules_by_id.get(decision.rule or "")
+        mode = (rule.mode if rule is not None and rule.mode else None) or self.policy.mode
+        if mode != "report":
+            return decision
+        return Decision(True, decision.reason, f"report mode: {decision.message}", decision.rule,
+                        decision.notes, would_deny=True)
 
     @classmethod
     def build(
@@ -132,6 +153,9 @@ class Engine:
     def check_tcp(self, address: IPAddress, port: int, names: Iterable[str] = (), scope: Scope = EVERY_RULE) -> Decision:
         """Raw TCP (transparent mode): a `protocol: tcp` rule must name the address (or a CIDR holding
         it), or a name that the gateway's own DNS answered with this address for this client."""
+        return self._timed("tcp", self._check_tcp, address, port, tuple(names), scope)
+
+    def _check_tcp(self, address: IPAddress, port: int, names: tuple[str, ...], scope: Scope) -> Decision:
         where = f"tcp://{ip_host(address).authority(port)}"
         hosts = [ip_host(address)] + [Host(n) for n in names]
         candidates: list[Rule] = []

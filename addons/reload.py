@@ -1,0 +1,108 @@
+"""Hot reload of the policy file: on change (polled) and on SIGHUP.
+
+The file is stat()ed every `egress_policy_poll` seconds; `os.stat` follows symlinks, so a
+Kubernetes ConfigMap update (the `..data` symlink swapped to a new directory) is a change like
+any other. A valid new version is compiled into a new engine and swapped in with one assignment
+(each request is judged by the old or the new policy, never a mix; requests on kept-alive
+connections are judged by the policy current when they arrive). An invalid one is rejected with
+the same message `egress-gateway check` prints, logged, recorded (`event: policy_reload`,
+`result: error`), and the old policy stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+from pathlib import Path
+
+from mitmproxy import ctx
+
+from gateway.policy import PolicyError, compile_policy
+
+from .state import GatewayState
+
+logger = logging.getLogger("egress")
+
+
+class PolicyReloader:
+    def __init__(self, state: GatewayState, build_engine):
+        self.state = state
+        self.build_engine = build_engine
+        self._task: asyncio.Task | None = None
+        self._identity: tuple | None = None
+        self._lock = asyncio.Lock()
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_policy_poll", int, 2,
+            "Seconds between checks of the policy file for changes (0: only on SIGHUP).",
+        )
+
+    def running(self):
+        path = ctx.options.egress_policy
+        if not path:
+            return  # the embedded default policy never changes
+        self._identity = self._stat(path)
+        hub = getattr(self.state, "signals", None)
+        if hub is not None:
+            hub.subscribe(signal.SIGHUP, self.reload_now)
+        if ctx.options.egress_policy_poll > 0 and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    def done(self):
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    @staticmethod
+    def _stat(path: str) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(max(ctx.options.egress_policy_poll, 1))
+            try:
+                identity = self._stat(ctx.options.egress_policy)
+                if identity != self._identity:
+                    await self.reload_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("egress gateway: policy watcher failed; the current policy stays")
+
+    async def reload_now(self) -> bool:
+        """Reload if the file's content changed; True when a new policy was installed."""
+        async with self._lock:
+            path = ctx.options.egress_policy
+            self._identity = self._stat(path)
+            current = self.state.engine.policy if self.state.engine else None
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                self._rejected(f"cannot read policy {path}: {exc}")
+                return False
+            if current is not None and hashlib.sha256(text.encode("utf-8")).hexdigest() == current.sha256:
+                return False
+            try:
+                policy = compile_policy(text, path)
+                engine = self.build_engine(policy)
+            except PolicyError as exc:
+                self._rejected(str(exc))
+                return False
+            self.state.install(engine)
+            logger.info("egress gateway: policy %s reloaded (sha256 %s, %d rules)", path, policy.sha256, len(policy.rules))
+            self.state.record(event="policy_reload", decision="allow", reason="policy_reloaded", result="ok",
+                              sha256=policy.sha256, message=f"policy {path} reloaded ({len(policy.rules)} rules)")
+            return True
+
+    def _rejected(self, why: str) -> None:
+        logger.error("egress gateway: policy reload rejected, the current policy stays:\n%s", why)
+        self.state.record(event="policy_reload", decision="deny", reason="policy_invalid", result="error",
+                          message=f"reload rejected: {why[:1500]}")
