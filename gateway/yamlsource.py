@@ -55,7 +55,9 @@ def _location(file: str, node: yaml.Node) -> Location:
     return Location(file, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-class _Loader(yaml.SafeLoader):
+# libyaml's parser (when PyYAML was built with it) is several times faster on big policies and
+# keeps the same marks; the constructors are the safe ones either way.
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     pass
 
 
