@@ -14,12 +14,16 @@ requests that carried a credential, and in response headers of all requests.
 
 from __future__ import annotations
 
-from mitmproxy import http
+import logging
+
+from mitmproxy import ctx, http
+from mitmproxy.utils import human
 
 from gateway.credentials import placeholder
 from gateway.decision import Decision
 from gateway.engine import Engine, Pin
 from gateway.policy import Rule, Scope
+from gateway.decompress import streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 
@@ -27,6 +31,7 @@ from .failclosed import fail_closed
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
+_BUFFERABLE = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"})  # what mitmproxy's decode() knows
 
 
 class CredentialInjector:
@@ -66,6 +71,9 @@ class CredentialInjector:
                 token = placeholder(key, name, scope.sandbox)
                 if _swap(request, token, values[name]) and name not in used:
                     used.append(name)
+        # Ask for an uncompressed answer: the response is redacted on its way back, and identity
+        # bodies stream through the redactor without decoding.
+        request.headers["Accept-Encoding"] = "identity"
         flow.metadata[BOUND] = used
         return decision, used
 
@@ -87,11 +95,50 @@ def _kill_on_error(self, flow, *rest, error: Exception) -> None:
     flow.kill()
 
 
+class _DecodingRedactor:
+    """Stream callable: decode a compressed body on the fly, then redact it. A body that fails to
+    decode half-way is cut off and the flow killed (its headers are already out, so no 502 is
+    possible any more): the client sees a broken response, never undecoded bytes."""
+
+    def __init__(self, flow: http.HTTPFlow, decoder, redactor: StreamRedactor):
+        self.flow = flow
+        self.decoder = decoder
+        self.redactor = redactor
+        self.failed = False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if self.failed:
+            return b""
+        try:
+            if chunk:
+                return self.redactor(self.decoder.decompress(chunk))
+            tail = self.decoder.flush()
+            return self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
+        except Exception:
+            self.failed = True
+            logging.getLogger("egress").warning(
+                "egress gateway: a compressed response to a credential-bound request failed to decode; cut off")
+            self.flow.kill()
+            return b"" 
+
+
+class _Replacement:
+    """Stream callable that sends a fixed body instead of the upstream's (which is dropped)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def __call__(self, chunk: bytes) -> bytes:
+        body, self.body = self.body, b""
+        return body
+
+
 class ResponseRedactor:
     def __init__(self, state: GatewayState):
         self.state = state
         self._redactor: Redactor | None = None
         self._generation = (None, -1)
+        _install_websocket_redaction(self.redactor)
 
     def redactor(self) -> Redactor | None:
         store = self.state.engine.secrets if self.state.engine is not None else None
@@ -102,7 +149,11 @@ class ResponseRedactor:
         if self._redactor is None or key != self._generation:
             self._redactor = Redactor(store.known_values())
             self._generation = key
-        return self._redactor
+        return self._redactor or None
+
+    def running(self):
+        # Whatever a log line quotes (mitmproxy logs WebSocket pings, protocol errors), never a secret.
+        _LogRedaction.install(self.redactor)
 
     def _count(self, flow, hits: list[str], where: str) -> None:
         for name in dict.fromkeys(hits):
@@ -113,24 +164,63 @@ class ResponseRedactor:
     @fail_closed(_kill_on_error)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         redactor = self.redactor()
-        if redactor is None or flow.response is None:
+        response = flow.response
+        if redactor is None or response is None:
             return
         hits: list[str] = []
-        for name, value in list(flow.response.headers.items(multi=True)):
-            clean, found = redactor.redact_text(value)
-            if found:
-                hits += found
-                values = [redactor.redact_text(v)[0] for v in flow.response.headers.get_all(name)]
-                flow.response.headers.set_all(name, values)
+        clean_reason, found = redactor.redact_text(response.reason)
+        if found:
+            response.reason = clean_reason
+            hits += found
+        for name in {k.lower() for k in response.headers.keys()}:
+            values = response.headers.get_all(name)
+            cleaned = [redactor.redact_text(v) for v in values]
+            if any(found for _, found in cleaned):
+                response.headers.set_all(name, [v for v, _ in cleaned])
+                hits += [h for _, found in cleaned for h in found]
         if hits:
             self._count(flow, hits, "headers")
         if BOUND not in flow.metadata:
             return
-        encoding = flow.response.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            flow.response.stream = False  # buffer, decode and redact in `response`
-        else:
-            flow.response.stream = StreamRedactor(redactor, on_hit=lambda found: self._count(flow, found, "body"))
+        # A credential-bound response is always streamed through the redactor, never buffered:
+        # mitmproxy would switch a large buffered body to raw streaming (stream_large_bodies).
+        body_redactor = StreamRedactor(redactor, on_hit=lambda found: self._count(flow, found, "body"))
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if encoding in ("", "identity") or flow.request.method == "HEAD" or response.status_code in (204, 304):
+            response.stream = body_redactor
+            return
+        length = response.headers.get("content-length", "")
+        limit = human.parse_size(ctx.options.stream_large_bodies) if hasattr(ctx.options, "stream_large_bodies") else None
+        if length.isdigit() and (limit is None or int(length) <= limit) and encoding in _BUFFERABLE:
+            # Small enough that mitmproxy buffers it whole: decode and redact it in `response`,
+            # where a body that does not decode can still become a clean 502.
+            response.stream = False
+            return
+        decoder = streaming_decoder(encoding)
+        if decoder is None:
+            self._refuse_body(flow, Decision.deny(
+                "undecodable_response",
+                f"the response to a credential-bound request uses Content-Encoding {encoding[:40]!r}, "
+                "which the gateway cannot decode to redact it"))
+            return
+        del response.headers["content-encoding"]
+        response.headers.pop("content-length", None)
+        if not (flow.request.is_http2 or flow.request.is_http3):
+            response.headers["transfer-encoding"] = "chunked"
+        response.stream = _DecodingRedactor(flow, decoder, body_redactor)
+
+    def _refuse_body(self, flow: http.HTTPFlow, decision: Decision) -> None:
+        body = decision.body().encode()
+        response = flow.response
+        response.status_code = decision.status
+        response.reason = "Bad Gateway"
+        response.headers.clear()
+        response.headers["Content-Type"] = "text/plain; charset=utf-8"
+        response.headers["Content-Length"] = str(len(body))
+        response.headers["X-Egress-Reason"] = decision.reason
+        response.stream = _Replacement(body)
+        self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,
+                          message=decision.message, host=flow.request.pretty_host)
 
     @fail_closed(_kill_on_error)
     def response(self, flow: http.HTTPFlow) -> None:
@@ -144,10 +234,11 @@ class ResponseRedactor:
         except ValueError:
             decision = Decision.deny("undecodable_response", "a compressed response to a credential-bound "
                                      "request could not be decoded for redaction")
-            flow.response = http.Response.make(502, decision.body(), {"X-Egress-Reason": decision.reason})
+            flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
+            self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,
+                              message=decision.message, host=flow.request.pretty_host)
             return
-        body = flow.response.raw_content or b""
-        clean, hits = redactor.redact(body)
+        clean, hits = redactor.redact(flow.response.raw_content or b"")
         if hits:
             flow.response.content = clean
             self._count(flow, hits, "body")
@@ -164,3 +255,69 @@ class ResponseRedactor:
         if hits:
             message.content = clean
             self._count(flow, hits, "WebSocket message")
+
+
+def _install_websocket_redaction(get_redactor) -> None:
+    """WebSocket control frames (ping/pong payloads, close reasons) pass no hook in mitmproxy.
+    Server-to-client frames are unmasked, so redacting the bytes sent to the client (length-
+    preserving) covers them; messages are also redacted decoded, in `websocket_message`."""
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers import websocket as ws_module
+
+    if getattr(ws_module.WebsocketLayer, "_egress_redacting", False):
+        ws_module.WebsocketLayer._egress_get_redactor = staticmethod(get_redactor)
+        return
+
+    class RedactingWebsocketLayer(ws_module.WebsocketLayer):
+        _egress_redacting = True
+        _egress_get_redactor = staticmethod(get_redactor)
+
+        def handle_event(self, event):
+            redactor = self._egress_get_redactor()
+            for command in super().handle_event(event):
+                if redactor is not None:
+                    if (isinstance(command, commands.SendData) and command.connection == self.context.client
+                            and BOUND in self.flow.metadata):
+                        command.data, _ = redactor.redact(command.data)
+                    elif isinstance(command, commands.Log):
+                        command.message, _ = redactor.redact_text(command.message)
+                yield command
+
+    ws_module.WebsocketLayer = RedactingWebsocketLayer
+
+
+class _LogRedaction(logging.Filter):
+    """A logging filter on every root handler: secret values never reach a log line."""
+
+    _installed: "_LogRedaction | None" = None
+
+    def __init__(self, get_redactor):
+        super().__init__()
+        self.get_redactor = get_redactor
+
+    @classmethod
+    def install(cls, get_redactor) -> None:
+        if cls._installed is None:
+            cls._installed = cls(get_redactor)
+        cls._installed.get_redactor = get_redactor
+        for handler in logging.getLogger().handlers:
+            if cls._installed not in handler.filters:
+                handler.addFilter(cls._installed)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            redactor = self.get_redactor()
+            if redactor is not None:
+                message = record.getMessage()
+                clean, hits = redactor.redact_text(message)
+                if hits:
+                    record.msg, record.args = clean, ()
+                if record.exc_info and record.exc_info[1] is not None:
+                    text, hits = redactor.redact_text(str(record.exc_info[1]))
+                    if hits:
+                        record.exc_info = None
+                        record.exc_text = None
+                        record.msg = f"{record.msg} [exception text withheld: it contained a secret]"
+        except Exception:
+            pass
+        return True

@@ -30,7 +30,8 @@ def _pure_base64(raw: bytes, offset: int, urlsafe: bool) -> bytes:
 def forms_of(value: str) -> set[bytes]:
     raw = value.encode("utf-8")
     forms = {raw, raw.hex().encode(), raw.hex().upper().encode()}
-    for text in (quote(value, safe=""), quote_plus(value), quote(value, safe="").lower()):
+    for text in (quote(value, safe=""), quote(value), quote_plus(value), quote_plus(value, safe="/"),
+                 quote(value, safe="").lower()):
         forms.add(text.encode("ascii"))
     for urlsafe in (False, True):
         for offset in (0, 1, 2):
