@@ -55,7 +55,10 @@ class CredentialInjector:
         try:
             values = engine.secrets.values(rule.secrets)
         except SecretUnavailable as exc:
-            return Decision.deny("secret_unavailable", str(exc), rule.id), []
+            # The why (a path, an env variable) goes to the operator's log; the sandbox learns the name only.
+            logging.getLogger("egress").warning("egress gateway: %s", exc)
+            return Decision.deny("secret_unavailable", f"secret {exc.name!r} is unavailable; nothing was sent",
+                                 rule.id), []
         used: list[str] = []
         for injection in rule.injections:
             rendered = injection.template.render(values)
