@@ -1,32 +1,77 @@
-"""`egress-gateway check FILE...`: validate policy files without running anything."""
+"""`egress-gateway check [--strict] [--format json] FILE...`: validate policy files without running anything.
+
+Errors are the loader's, exactly (FILE:LINE:COLUMN: KEY: MESSAGE); a policy that loads is then
+linted (gateway/lint.py) for what a reviewer wants to know: unused rules and secrets, shadowed
+rules, wildcards over multi-tenant platforms, credentials on broad rules, static_hosts entries the
+deny list refuses. Exit status: 2 when any file has errors, 1 when --strict and any warning, else 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
+from ..lint import Finding, issue_dict, lint
 from ..policy import PolicyError, load_policy
-from . import EXIT_INVALID, EXIT_OK
+from . import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 
 def register(sub) -> None:
     check = sub.add_parser(
         "check",
         help="validate policy files",
-        description="Validate policy files; print every problem as FILE:LINE:COLUMN: KEY: MESSAGE.",
+        description=(
+            "Validate policy files; print every problem as FILE:LINE:COLUMN: KEY: MESSAGE, then warnings "
+            "(FILE:LINE:COLUMN: KEY: warning: MESSAGE [CODE]) for policies that load. Exit status: 2 errors, "
+            "1 warnings with --strict, 0 otherwise."
+        ),
     )
     check.add_argument("files", metavar="FILE", nargs="+", help="policy files to check")
+    check.add_argument("--strict", action="store_true", help="treat warnings as errors (exit status 1)")
+    check.add_argument("--format", choices=("text", "json"), default="text",
+                       help="json: {\"files\": [{\"file\", \"ok\", \"errors\": [...], \"warnings\": [...]}]}")
     check.set_defaults(func=main)
+
+
+def check_file(path: str) -> tuple[dict, str | None, list[Finding], PolicyError | None]:
+    """(json result, ok line, warnings, loader error) for one file."""
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        result = {"file": path, "ok": False, "errors": [issue_dict(i) for i in exc.issues], "warnings": [],
+                  "rules": None, "sha256": None}
+        return result, None, [], exc
+    findings = lint(policy, Path(path).read_text(encoding="utf-8"))
+    summary = f"{path}: ok ({len(policy.rules)} rules, sha256 {policy.sha256})"
+    result = {"file": path, "ok": True, "errors": [], "warnings": [f.as_dict() for f in findings],
+              "rules": len(policy.rules), "sha256": policy.sha256}
+    return result, summary, findings, None
 
 
 def main(args: argparse.Namespace) -> int:
     status = EXIT_OK
+    results = []
     for path in args.files:
-        try:
-            policy = load_policy(path)
-        except PolicyError as exc:
-            print(exc, file=sys.stderr)
+        result, summary, findings, error = check_file(path)
+        if error is not None:
             status = EXIT_INVALID
-        else:
-            print(f"{path}: ok ({len(policy.rules)} rules, sha256 {policy.sha256})")
+        elif findings and args.strict:
+            result["ok"] = False
+            status = max(status, EXIT_FAILED)
+        results.append(result)
+        if args.format == "json":
+            continue
+        if error is not None:
+            print(error, file=sys.stderr)
+            continue
+        for finding in findings:
+            print(finding, file=sys.stderr)
+        if findings:
+            n = f"{len(findings)} warning{'s' if len(findings) > 1 else ''}"
+            summary += f", {n} (errors with --strict)" if args.strict else f", {n}"
+        print(summary if result["ok"] else summary.replace(": ok (", ": FAILED (", 1))
+    if args.format == "json":
+        print(json.dumps({"files": results}, indent=2))
     return status

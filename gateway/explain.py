@@ -1,0 +1,384 @@
+"""`explain`: one request through the policy, every step shown. Pure, given how to resolve names.
+
+The decision is the engine's own (`check_request`, or `check_tcp` for `tcp://IP:PORT`), so explain
+and the gateway cannot disagree about rules. Around it, explain shows what the gateway logs only in
+part: each candidate rule and why it did or did not match, the addresses the name resolves to and
+the deny list's verdict on each, and the names of the secrets the deciding rule would inject
+(never a value: explain does not read secrets at all).
+
+Resolution: an IP literal is itself; otherwise `addresses` (given by the caller), else the
+policy's `static_hosts`, else the `resolve` callable (real DNS, only when asked for), else the
+addresses are not checked and the explanation says so.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .addresses import AddressVerdict
+from .decision import Decision
+from .engine import Engine, RequestFacts
+from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
+from .paths import PathError, normalise_path
+from .policy import DEFAULT_PORTS, Policy, Rule, Scope
+from .resolver import ResolveError
+
+Resolve = Callable[[Host], Sequence[IPAddress]]  # raises ResolveError
+
+_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)\Z", re.DOTALL)
+URL_SCHEMES = ("https", "http", "tcp")
+
+
+class ExplainError(ValueError):
+    """The question cannot be asked (a URL explain does not understand, an unknown sandbox): exit 2."""
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    scheme: str  # https | http | tcp
+    host: Host | None  # None when the authority is malformed (the gateway would answer bad_host)
+    port: int | None
+    target: str  # origin-form path and query ("" for tcp)
+    host_error: str | None = None
+
+
+def parse_target(url: str) -> Target:
+    """`https://host[:port]/path?query`, `http://...` or `tcp://IP:PORT` (a name too, if it resolves)."""
+    match = _URL_RE.match(url.strip())
+    if not match:
+        raise ExplainError(f"{url!r}: give a URL like https://host/path, http://host:8080/path or tcp://IP:PORT")
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme not in URL_SCHEMES:
+        raise ExplainError(f"{url!r}: scheme must be one of {', '.join(URL_SCHEMES)}")
+    end = next((i for i, c in enumerate(rest) if c in "/?#"), len(rest))
+    authority, remainder = rest[:end], rest[end:].split("#", 1)[0]
+    if not authority:
+        raise ExplainError(f"{url!r}: no host")
+    if scheme == "tcp":
+        if remainder not in ("", "/"):
+            raise ExplainError(f"{url!r}: a tcp:// URL is only tcp://HOST:PORT")
+        target = ""
+    else:
+        target = remainder if remainder.startswith("/") else "/" + remainder
+    try:
+        host, port = parse_authority(authority, DEFAULT_PORTS.get(scheme))
+    except HostError as exc:
+        if scheme == "tcp" and "needs a port" in str(exc):
+            raise ExplainError(f"{url!r}: tcp:// needs a port") from None
+        return Target(url, scheme, None, None, target, str(exc))
+    return Target(url, scheme, host, port, target)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    rule: str
+    outcome: str  # decided | matches | no_match | not_granted | other_protocol
+    why: str
+
+
+@dataclass(frozen=True)
+class Credential:
+    target: str  # header | query
+    name: str
+    secrets: tuple[str, ...]
+
+
+@dataclass
+class Explanation:
+    target: Target
+    method: str
+    scope: Scope
+    scope_text: str
+    policy_decision: Decision  # the rules' verdict
+    decision: Decision  # the final verdict, after address and credential checks
+    candidates: list[Candidate]
+    path: str | None  # the normalised path the rules saw
+    resolution: str  # ip | given | static_hosts | dns | unresolved | failed
+    addresses: list[AddressVerdict]
+    resolve_error: str | None
+    credentials: list[Credential]
+    mode: str | None  # the deciding rule's effective mode (enforce | report), when a rule decided
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """allow | deny | would_deny (report mode: let through, but the allowlist would refuse it)."""
+        return self.decision.verdict
+
+    @property
+    def exit_status(self) -> int:
+        """0 when the gateway lets the request through (would_deny included), 1 when it refuses it."""
+        return 0 if self.decision.allowed else 1
+
+    def as_dict(self) -> dict:
+        t = self.target
+        return {
+            "url": t.url,
+            "method": None if t.scheme == "tcp" else self.method,
+            "scheme": t.scheme,
+            "host": t.host.value if t.host else None,
+            "port": t.port,
+            "path": self.path,
+            "sandbox": self.scope.sandbox,
+            "scope": self.scope_text,
+            "verdict": self.verdict,
+            "decision": _decision_dict(self.decision),
+            "policy_decision": _decision_dict(self.policy_decision),
+            "mode": self.mode,
+            "candidates": [{"rule": c.rule, "outcome": c.outcome, "why": c.why} for c in self.candidates],
+            "resolution": self.resolution,
+            "addresses": [
+                {"address": v.address.compressed, "allowed": v.allowed, "reason": v.reason, "detail": v.detail}
+                for v in self.addresses
+            ],
+            "resolve_error": self.resolve_error,
+            "credentials": [{"target": c.target, "name": c.name, "secrets": list(c.secrets)} for c in self.credentials],
+            "injected": self.injected,
+            "notes": list(self.notes),
+            "exit": self.exit_status,
+        }
+
+    @property
+    def injected(self) -> list[str]:
+        """Secret names the request would carry (as the audit line's `injected` lists them)."""
+        return list(dict.fromkeys(name for c in self.credentials for name in c.secrets))
+
+
+def _passes(d: Decision) -> bool:
+    """Allowed by the allowlist itself (not merely let through by report mode)."""
+    return d.allowed and not d.would_deny
+
+
+def _decision_dict(d: Decision) -> dict:
+    return {"allowed": d.allowed, "verdict": d.verdict, "reason": d.reason, "status": None if d.allowed else d.status,
+            "rule": d.rule, "message": d.message, "notes": list(d.notes)}
+
+
+def scope_for(policy: Policy, sandbox: str | None = None, source_ip: str | None = None) -> tuple[Scope, str]:
+    """The scope a client gets, and a sentence saying why; ExplainError for an unknown sandbox."""
+    if sandbox is not None and source_ip is not None:
+        raise ExplainError("give a sandbox or a source IP, not both")
+    client = None
+    if source_ip is not None:
+        try:
+            client = ipaddress.ip_address(source_ip.strip("[]"))
+        except ValueError:
+            raise ExplainError(f"{source_ip!r} is not an IP address") from None
+    if policy.sandboxes is None:
+        return policy.scope_for(), "every rule (the policy has no sandboxes section)"
+    known = [s.id for s in policy.sandboxes]
+    if sandbox is not None:
+        if sandbox not in known:
+            raise ExplainError(f"no sandbox {sandbox!r} in the policy (known: {', '.join(known) or 'none'})")
+        scope = policy.scope_for(sandbox_id=sandbox)
+        return scope, f"sandbox {sandbox}"
+    scope = policy.scope_for(client=client)
+    who = f"source IP {client}" if client is not None else "a client no sandbox entry names"
+    if scope.sandbox is None:
+        return scope, f"{who}: no sandbox (no rule at all)"
+    return scope, f"{who}: sandbox {scope.sandbox}"
+
+
+def credential_refusal(rule: Rule, scheme: str, host: Host) -> Decision | None:
+    """The gateway's checks before injecting (addons/credentials.py): never over plain http, and only
+    to the rule's exact hosts, unless the rule says otherwise."""
+    if not rule.secrets:
+        return None
+    if scheme != "https" and not rule.allow_plaintext_credentials:
+        return Decision.deny("plaintext_credentials",
+                             f"rule {rule.id} injects credentials, which never go over plain http", rule.id)
+    exact = {p.value for p in rule.hosts if p.kind == "exact"}
+    if host.value not in exact and not rule.allow_wildcard_credentials:
+        return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id)
+    return None
+
+
+def credentials_of(rule: Rule) -> list[Credential]:
+    return [Credential(i.target, i.name, tuple(i.template.secrets)) for i in rule.injections]
+
+
+def explain(
+    policy: Policy,
+    url: str | Target,
+    method: str = "GET",
+    *,
+    sandbox: str | None = None,
+    source_ip: str | None = None,
+    addresses: Sequence[IPAddress] | None = None,
+    resolve: Resolve | None = None,
+    engine: Engine | None = None,
+) -> Explanation:
+    target = url if isinstance(url, Target) else parse_target(url)
+    method = method.upper()
+    scope, scope_text = scope_for(policy, sandbox, source_ip)
+    engine = engine or Engine.build(policy)
+    if target.host is None:
+        bad = Decision.deny("bad_host", f"bad host in {target.url!r}: {target.host_error}")
+        return Explanation(target, method, scope, scope_text, bad, bad, [], None, "unresolved", [], None, [], None)
+    host, port = target.host, target.port
+
+    resolution, found, resolve_error = _resolve(policy, host, addresses, resolve)
+    if target.scheme == "tcp":
+        policy_decision, candidates, path = _tcp(engine, policy, host, port, found, scope)
+    else:
+        facts = RequestFacts(host, port, target.scheme, method, target.target)
+        policy_decision = engine.check_request(facts, scope)
+        candidates = _http_candidates(engine, policy, facts, scope, policy_decision)
+        try:
+            path = normalise_path(target.target)
+        except PathError:
+            path = None
+    verdicts = engine.check_addresses(found or (), port)
+
+    decision, notes = policy_decision, []
+    rule = policy.rules_by_id.get(policy_decision.rule or "")
+    if decision.allowed:
+        refused = [v for v in verdicts if not v.allowed]
+        if resolve_error is not None:
+            decision = Decision.deny("resolve_failed", resolve_error, decision.rule)
+        elif refused:
+            decision = Decision.deny(refused[0].reason, f"{host} resolves to {refused[0].describe()}",
+                                     decision.rule, [v.describe() for v in verdicts])
+        elif found is None:
+            notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
+    credentials: list[Credential] = []
+    if decision.would_deny:
+        notes.append("report mode: the allowlist would refuse this request; the gateway lets it through, "
+                     "logged as would_deny, without any credential")
+    elif decision.allowed and rule is not None and target.scheme != "tcp":
+        refusal = credential_refusal(rule, target.scheme, host)
+        if refusal is not None:
+            decision = refusal
+        else:
+            credentials = credentials_of(rule)
+            if credentials:
+                notes.append("credentials: only secret names are shown; a secret that cannot be read at "
+                             "request time makes the gateway refuse (502 secret_unavailable)")
+    mode = policy.mode
+    if rule is not None:
+        mode = rule.mode or mode
+    return Explanation(target, method, scope, scope_text, policy_decision, decision, candidates, path,
+                       resolution, verdicts, resolve_error, credentials, mode, notes)
+
+
+def _resolve(policy: Policy, host: Host, given: Sequence[IPAddress] | None, resolve: Resolve | None):
+    if host.ip is not None:
+        return "ip", (host.ip,), None
+    if given is not None:
+        return "given", tuple(given), None
+    if host.value in policy.static_hosts:
+        return "static_hosts", policy.static_hosts[host.value], None
+    if resolve is None:
+        return "unresolved", None, None
+    try:
+        return "dns", tuple(resolve(host)), None
+    except ResolveError as exc:
+        return "failed", None, str(exc)
+
+
+def _only(scope: Scope, rule: Rule) -> Scope:
+    return Scope(scope.sandbox, frozenset({rule.id}))
+
+
+def _why(decision: Decision, rule: Rule) -> str:
+    prefix = f"rule {rule.id}: "
+    for note in reversed(decision.notes):
+        if note.startswith(prefix):
+            return note[len(prefix):]
+    return decision.message
+
+
+def _http_candidates(engine: Engine, policy: Policy, facts: RequestFacts, scope: Scope, decided: Decision) -> list[Candidate]:
+    out = []
+    for i in policy.index.candidates(facts.host):
+        rule = policy.rules[i]
+        if rule.protocol != "http":
+            out.append(Candidate(rule.id, "other_protocol", f"a protocol: {rule.protocol} rule (raw TCP only)"))
+        elif not scope.grants(rule):
+            out.append(Candidate(rule.id, "not_granted", f"not granted to {scope.sandbox or 'this client'}"))
+        else:
+            alone = engine.check_request(facts, _only(scope, rule))
+            if _passes(alone) and _passes(decided) and rule.id == decided.rule:
+                out.append(Candidate(rule.id, "decided", alone.message))
+            elif _passes(alone):
+                out.append(Candidate(rule.id, "matches", f"also matches, but rule {decided.rule} comes first"))
+            else:
+                out.append(Candidate(rule.id, "no_match", _why(alone, rule)))
+    return out
+
+
+def _tcp(engine: Engine, policy: Policy, host: Host, port: int, found, scope: Scope):
+    """Raw TCP: decided on the (first) address the sandbox would dial; a name counts as a name the
+    gateway's DNS answered with that address."""
+    if not found:
+        decision = Decision.deny(
+            "no_rule", f"tcp://{host.authority(port)}: no address to decide on "
+            "(give tcp://IP:PORT, put the name in static_hosts, or use --resolve)")
+        return decision, [], None
+    names = () if host.is_ip else (host.value,)
+    address = found[0]
+    decision = engine.check_tcp(address, port, names, scope)
+    out, seen = [], set()
+    hosts = [ip_host(address), *(Host(n) for n in names)]
+    for h in hosts:
+        for i in policy.index.candidates(h):
+            rule = policy.rules[i]
+            if rule.id in seen:
+                continue
+            seen.add(rule.id)
+            if rule.protocol != "tcp":
+                out.append(Candidate(rule.id, "other_protocol", "an HTTP rule (tcp:// asks about raw TCP)"))
+            elif not scope.grants(rule):
+                out.append(Candidate(rule.id, "not_granted", f"not granted to {scope.sandbox or 'this client'}"))
+            else:
+                alone = engine.check_tcp(address, port, names, _only(scope, rule))
+                if _passes(alone) and _passes(decision) and rule.id == decision.rule:
+                    out.append(Candidate(rule.id, "decided", alone.message))
+                elif _passes(alone):
+                    out.append(Candidate(rule.id, "matches", f"also matches, but rule {decision.rule} comes first"))
+                else:
+                    out.append(Candidate(rule.id, "no_match", _why(alone, rule)))
+    return decision, out, None
+
+
+def render_text(e: Explanation) -> str:
+    t = e.target
+    d = e.decision
+    verdict = {"allow": "ALLOW", "deny": "DENY", "would_deny": "WOULD_DENY"}[e.verdict]
+    what = t.url if t.scheme == "tcp" else f"{e.method} {t.url}"
+    lines = [f"{verdict}  {what}"]
+    status = "" if d.allowed else f" ({d.status})"
+    lines.append(f"  reason:    {d.reason}{status}")
+    lines.append(f"  rule:      {d.rule or '-'}")
+    if e.mode == "report" or e.verdict == "would_deny":
+        lines.append("  mode:      report (allowlist denials are let through and logged as would_deny)")
+    lines.append(f"  message:   {d.message}")
+    lines.append(f"  client:    {e.scope_text}")
+    if t.host is not None:
+        lines.append(f"  target:    {t.scheme}://{t.host.authority(t.port)}" + (f"  path {e.path}" if e.path else ""))
+    if e.policy_decision.allowed and not d.allowed:
+        lines.append(f"  rules:     allowed by {e.policy_decision.rule}, then refused ({d.reason})")
+    lines.append("candidate rules:" if e.candidates else "candidate rules: none covers this host")
+    width = max((len(c.rule) for c in e.candidates), default=0)
+    for c in e.candidates:
+        lines.append(f"  {c.rule:<{width}}  {c.outcome:<14} {c.why}")
+    source = {"ip": "an IP literal", "given": "given", "static_hosts": "static_hosts", "dns": "DNS",
+              "unresolved": "not resolved", "failed": "DNS lookup failed"}[e.resolution]
+    lines.append(f"addresses ({source}):" if e.addresses else f"addresses: {source}")
+    for v in e.addresses:
+        lines.append(f"  {v.address.compressed:<39} {'allowed' if v.allowed else 'REFUSED'}: {v.detail}")
+    if e.resolve_error:
+        lines.append(f"  {e.resolve_error}")
+    if e.credentials:
+        lines.append("credentials injected (names only):")
+        for c in e.credentials:
+            lines.append(f"  {c.target} {c.name} <- {', '.join('secrets.' + s for s in c.secrets)}")
+    else:
+        lines.append("credentials injected: none")
+    for note in e.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines) + "\n"
