@@ -16,9 +16,9 @@ import secrets as random_source
 from dataclasses import dataclass
 from pathlib import Path
 
-SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _REFERENCE_RE = re.compile(r"\$\{([^}]*)\}")
-HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
+HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}\Z")
 PLACEHOLDER_PREFIX = "egress-placeholder-"
 PLACEHOLDER_KEY_FILE = "egress-placeholder.key"
 # Headers that would change framing or routing if a template set them.

@@ -24,8 +24,8 @@ MAX_LABEL_LENGTH = 63
 # separator: userinfo, percent-encoding, path and query starts, backslash, whitespace, and the
 # unicode full stops that IDNA 2003 maps to ".".
 _FORBIDDEN = set("%@\\/?#[]<>\"'`{}|^ ,;=&+*!$()~") | {"\u3002", "\uff0e", "\uff61"}
-_LABEL_RE = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
-_NUMERIC_LABEL_RE = re.compile(r"^(?:0[xX][0-9a-fA-F]*|[0-9]+)$")
+_LABEL_RE = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
+_NUMERIC_LABEL_RE = re.compile(r"^(?:0[xX][0-9a-fA-F]*|[0-9]+)\Z")
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]+\Z")
 _OCTAL_DIGITS = re.compile(r"[0-7]+\Z")
 _DECIMAL_DIGITS = re.compile(r"[0-9]+\Z")

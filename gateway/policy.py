@@ -32,8 +32,8 @@ SCHEMES = ("http", "https")
 DEFAULT_PORTS = {"https": 443, "http": 80}
 STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
 FORBIDDEN_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
-_METHOD_RE = re.compile(r"^[A-Z][A-Z0-9_-]{0,31}$")
-_RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_METHOD_RE = re.compile(r"^[A-Z][A-Z0-9_-]{0,31}\Z")
+_RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode"}
 NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destination"}
