@@ -66,10 +66,12 @@ class RequestGuard:
             decision, pin, destination = await self._transparent_first(flow, conn, scope, engine)
         else:
             decision, pin, destination = await self._proxied(flow, scope, engine)
+        # What the sandbox sent, read before any credential is injected or swapped in.
+        sent = flow_fields(flow, conn, scope.sandbox)
         injected: list[str] = []
         if decision.allowed and pin is not None:
             decision, injected = self.credentials.apply(flow, decision, scope, pin, engine)
-        fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, *destination)
+        fields = sent | decision_fields(decision, pin, *destination)
         if injected:
             fields["injected"] = injected
         self.state.record(event="request", **fields)
