@@ -59,6 +59,14 @@ class EgressCore:
         loader.add_option(
             "egress_dns_timeout", int, 5, "Seconds to wait for DNS when the gateway resolves a destination.",
         )
+        loader.add_option(
+            "egress_max_head_bytes", int, 64 * 1024,
+            "Largest HTTP/1 request head (request line and headers) accepted, in bytes (431 above).",
+        )
+        loader.add_option(
+            "egress_head_timeout", int, 30,
+            "Seconds a client may take to send one HTTP/1 request head (408 after; 0: no limit).",
+        )
 
     def configure(self, updated: set[str]):
         self._force_safe_options(updated)

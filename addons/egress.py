@@ -16,8 +16,12 @@ except ImportError:
 
 from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
+from addons.credentials import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
+from addons.limits import ConnectionLimiter  # noqa: E402
+from addons.metrics import Observability  # noqa: E402
+from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
 from addons.tls_guard import TlsGuard  # noqa: E402
@@ -26,14 +30,19 @@ from addons.upstream_guard import UpstreamGuard  # noqa: E402
 
 def make_addons(state: GatewayState | None = None) -> list:
     state = state or GatewayState()
+    core = EgressCore(state)
     return [
-        EgressCore(state),
+        core,
+        PolicyReloader(state, core.build_engine),
+        ConnectionLimiter(state),
         LayerGuard(state),
         ConnectGuard(state),
         TlsGuard(state),
         RequestGuard(state),
+        ResponseRedactor(state),
         UpstreamGuard(state),
         DnsGuard(state),
+        Observability(state),  # last: configures the audit log EgressCore opened, sees every decision
     ]
 
 

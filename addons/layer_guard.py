@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 
+from mitmproxy import ctx
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer
 import ipaddress
@@ -110,7 +111,7 @@ class LayerGuard:
         elif not _looks_like_http1(data):
             self._refuse(nextlayer, "non_http", "the proxy port speaks HTTP/1 only")
         else:
-            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal)
+            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal, *self._head_limits())
 
     def _tunnel_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         if starts_like_tls_record(data):
@@ -120,7 +121,7 @@ class LayerGuard:
         elif data[:3] == b"PRI":
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused in tunnels")
         elif _looks_like_http1(data):
-            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal)
+            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
 
@@ -136,7 +137,7 @@ class LayerGuard:
         elif data[:3] == b"PRI":
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
         elif _looks_like_http1(data):
-            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal)
+            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._raw_tcp(nextlayer, conn)
 
@@ -173,7 +174,7 @@ class LayerGuard:
         alpn = nextlayer.context.client.alpn
         if alpn == b"h2":
             if data.startswith(H2_PREFACE[: len(data)]):
-                nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal)
+                nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
             else:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
@@ -181,9 +182,13 @@ class LayerGuard:
         elif data[:3] == b"PRI":
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 without ALPN negotiation is refused")
         elif _looks_like_http1(data):
-            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal)
+            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
+
+    @staticmethod
+    def _head_limits() -> tuple[int, float]:
+        return ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout)
 
     def _on_refusal(self, context, decision: Decision, request, method: str | None = None) -> None:
         """A request mitmproxy's HTTP/1 server refused or failed itself (parse errors, upstream

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from mitmproxy.net.http import http1
@@ -34,6 +35,7 @@ from .respond import raw_http_refusal
 
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+DEFAULT_HEAD_TIMEOUT = 30.0
 OnRefusal = Callable[[object, Decision, object, str | None], None]  # (context, decision, request, method)
 
 _ERROR_REASONS = {
@@ -90,10 +92,13 @@ def _classify_bad_head(head: list[bytes], error: ValueError) -> Decision:
 
 
 class GatewayHttp1Server(Http1Server):
-    def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES):
+    def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 head_timeout: float = DEFAULT_HEAD_TIMEOUT):
         super().__init__(context)
         self.on_refusal = on_refusal
         self.max_head_bytes = max_head_bytes
+        self.head_timeout = head_timeout
+        self._head_started: float | None = None  # when the first byte of the current head came
 
     def _refuse(self, decision: Decision, request=None, method: str | None = None) -> layer.CommandGenerator[None]:
         self.on_refusal(self.context, decision, request, method)
@@ -104,11 +109,19 @@ class GatewayHttp1Server(Http1Server):
     def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
         if not isinstance(event, events.DataReceived):
             return (yield from super().read_headers(event))
+        now = time.monotonic()
+        if self._head_started is None:
+            self._head_started = now
         request_head = self.buf.maybe_extract_lines()
         if not request_head:
             if len(self.buf) > self.max_head_bytes:
                 yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))
+            elif self.head_timeout and now - self._head_started > self.head_timeout:
+                # A client trickling a head byte by byte (slowloris) never trips the idle timeout.
+                yield from self._refuse(Decision.deny(
+                    "request_head_timeout", f"the request head took more than {self.head_timeout:g}s"))
             return
+        self._head_started = None
         if sum(len(line) for line in request_head) > self.max_head_bytes:
             yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))
             return
@@ -142,10 +155,12 @@ class GatewayHttp1Server(Http1Server):
 class GatewayHttpLayer(HttpLayer):
     """HttpLayer whose HTTP/1 client side is a `GatewayHttp1Server`."""
 
-    def __init__(self, context, mode, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES):
+    def __init__(self, context, mode, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 head_timeout: float = DEFAULT_HEAD_TIMEOUT):
         super().__init__(context, mode)
         self.on_refusal = on_refusal
         self.max_head_bytes = max_head_bytes
+        self.head_timeout = head_timeout
 
     def _handle_event(self, event: events.Event):
         if isinstance(event, events.Start):
@@ -154,7 +169,8 @@ class GatewayHttpLayer(HttpLayer):
             elif self.context.client.alpn == b"h2":
                 server = Http2Server(self.context.fork())
             else:
-                server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes)
+                server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
+                                            self.head_timeout)
             self.connections.setdefault(self.context.client, server)
             yield from self.event_to_child(self.connections[self.context.client], event)
             return

@@ -30,7 +30,8 @@ def raw_http_refusal(decision: Decision) -> bytes:
     """An HTTP/1.1 refusal as bytes, for connections refused before any HTTP parsing."""
     body = decision.body().encode("utf-8")
     reason_phrase = {
-        400: "Bad Request", 403: "Forbidden", 413: "Content Too Large", 421: "Misdirected Request",
+        400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 413: "Content Too Large",
+        421: "Misdirected Request",
         431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
     }.get(decision.status, "Error")
     head = [f"HTTP/1.1 {decision.status} {reason_phrase}"]

@@ -11,20 +11,24 @@ from mitmproxy import exceptions, options
 from mitmproxy.tools.dump import DumpMaster
 
 from .egress import make_addons
+from .metrics import Observability, SignalHub
+from .state import GatewayState
 
 logger = logging.getLogger("egress")
 
 
 async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: str | None,
-                 set_options: list[str], quiet: bool) -> int:
+                 set_options: list[str], quiet: bool, ops: dict | None = None) -> int:
     opts = options.Options()
     master = DumpMaster(opts, with_termlog=True, with_dumper=False)
-    ours = make_addons()
+    state = GatewayState()
+    ours = make_addons(state)
     master.addons.add(*ours)
     # Run the gateway's hooks before mitmproxy's built-in addons, exactly as `mitmdump -s` does:
     # the guards then decide first (next layer, DNS answers) and never race a built-in default.
     chain = master.addons.chain
     chain[:] = [a for a in chain if a in ours] + [a for a in chain if a not in ours]
+    observability = next((a for a in ours if isinstance(a, Observability)), None)
     try:
         opts.update(
             mode=modes,
@@ -32,6 +36,7 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
             egress_policy=policy_path,
             egress_audit_log=audit_log or "",
             termlog_verbosity="warn" if quiet else "info",
+            **(ops or {}),
         )
         if set_options:
             opts.set(*set_options)
@@ -40,13 +45,57 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
         return 2
 
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
+
+    async def drain_then_stop() -> None:
+        timeout = opts.egress_drain_timeout if observability is not None else 0
+        try:
+            if observability is not None:
+                logger.info("egress gateway: stopping: no new connections; draining %d in-flight request(s) "
+                            "(up to %gs)", observability.in_flight, timeout)
+                if await observability.drain(timeout):
+                    logger.info("egress gateway: drained")
+                else:
+                    logger.warning("egress gateway: drain timeout: %d request(s) still in flight are cut",
+                                   observability.in_flight)
+        except Exception:
+            logger.exception("egress gateway: draining failed")
+        finally:
+            master.shutdown()
+
+    def stop() -> None:
+        """SIGTERM/SIGINT: drain, then exit 0. A second signal exits at once."""
+        if stopping or observability is None:
+            master.shutdown()
+            return
+        stopping.append(loop.create_task(drain_then_stop(), name="egress drain"))
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, master.shutdown)
+        loop.add_signal_handler(sig, stop)
+    # SIGHUP goes to every subscriber of the shared hub (the audit log reopens; a policy reload may
+    # subscribe too): state.signals.subscribe(signal.SIGHUP, callback).
+    signals = getattr(state, "signals", None) or SignalHub()
+    state.signals = signals
+    signals.install(loop, (signal.SIGHUP,))
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     await master.run()
     errorcheck = master.addons.get("errorcheck")
     return 1 if errorcheck is not None and getattr(errorcheck, "has_errored", False) else 0
+
+
+def operational_options(extra) -> dict:
+    """The mitmproxy options behind `egress-gateway run`'s observability flags (absent: defaults)."""
+    if extra is None:
+        return {}
+    found = {
+        "egress_metrics": getattr(extra, "metrics", None),
+        "egress_audit_chain": getattr(extra, "audit_chain", None),
+        "egress_audit_max_bytes": getattr(extra, "audit_max_bytes", None),
+        "egress_audit_backups": getattr(extra, "audit_backups", None),
+        "egress_drain_timeout": getattr(extra, "drain_timeout", None),
+    }
+    return {name: value for name, value in found.items() if value is not None}
 
 
 def run_gateway(*, policy_path: str, modes: list[str], confdir: str, audit_log: str | None,
@@ -55,4 +104,4 @@ def run_gateway(*, policy_path: str, modes: list[str], confdir: str, audit_log: 
     logging.getLogger().setLevel(logging.INFO)
     for noisy in ("tornado", "asyncio", "hpack", "quic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return asyncio.run(_serve(policy_path, modes, confdir, audit_log, set_options, quiet))
+    return asyncio.run(_serve(policy_path, modes, confdir, audit_log, set_options, quiet, operational_options(extra)))

@@ -50,6 +50,8 @@ REASONS: dict[str, tuple[int, str]] = {
     "credential_host": (403, "credentials go only to their rule's exact hosts"),
     "secret_unavailable": (502, "a secret this request needs cannot be read; nothing was sent"),
     "undecodable_response": (502, "a compressed response could not be decoded to redact credentials"),
+    "too_many_connections": (503, "the sandbox has too many connections open"),
+    "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),
     "response_too_large": (502, "the upstream response exceeds body_size_limit"),

@@ -43,8 +43,51 @@ def register(sub) -> None:
         "that would weaken the gateway (connection_strategy, rawtcp, ssl_insecure, ignore_hosts, ...) are "
         "forced back to safe values",
     )
+    run.add_argument(
+        "--metrics", metavar="HOST:PORT", default=None,
+        help="serve /metrics (Prometheus), /healthz and /readyz on HOST:PORT (an IP address, [::1]:PORT for "
+        "IPv6); the address is never reachable through the proxy (docs/metrics.md)",
+    )
+    run.add_argument(
+        "--audit-chain", action="store_true",
+        help="hash-chain the audit log: each line carries 'prev', the SHA-256 of the previous line "
+        "(check with `egress-gateway audit verify`)",
+    )
+    run.add_argument(
+        "--audit-max-bytes", metavar="N", type=_non_negative_int, default=0,
+        help="rotate the audit log file before it would exceed N bytes (PATH -> PATH.1 -> ...); 0: never",
+    )
+    run.add_argument(
+        "--audit-backups", metavar="K", type=_positive_int, default=5,
+        help="rotated audit log files to keep with --audit-max-bytes",
+    )
+    run.add_argument(
+        "--drain-timeout", metavar="SECONDS", type=_non_negative_float, default=10.0,
+        help="on SIGTERM/SIGINT, stop accepting and wait up to SECONDS for in-flight requests, then exit 0",
+    )
     run.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     run.set_defaults(func=main)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,0 +1,56 @@
+"""Limits that protect the gateway itself: concurrent connections per sandbox (or per client
+address when the policy has no sandboxes). A client over the limit is closed right after accept,
+before any byte is read, with one audit line (`reason: too_many_connections`).
+
+The other limits live where the bytes are: request head size and head time in the gateway's
+HTTP/1 server (`egress_max_head_bytes`, `egress_head_timeout`), idle connections in mitmproxy's
+`tcp_timeout`, body sizes in mitmproxy's `body_size_limit`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from mitmproxy import ctx
+
+from .audit_fields import connection_fields
+from .state import GatewayState
+
+
+class ConnectionLimiter:
+    def __init__(self, state: GatewayState):
+        self.state = state
+        self.open: Counter[str] = Counter()
+        self._keys: dict[str, str] = {}
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_max_connections_per_sandbox", int, 1000,
+            "Concurrent client connections allowed per sandbox (per client address without a sandboxes "
+            "section); 0 for no limit.",
+        )
+
+    def _key(self, conn) -> str:
+        if self.state.engine is not None and self.state.engine.policy.sandboxes is not None:
+            return f"sandbox:{self.state.scope(conn).sandbox}"
+        return f"address:{conn.address}"
+
+    def client_connected(self, client):
+        conn = self.state.connection(client.id, client.peername)
+        key = self._key(conn)
+        limit = ctx.options.egress_max_connections_per_sandbox
+        if limit and self.open[key] >= limit:
+            client.error = "egress gateway: too many connections"
+            self.state.record(event="connection", **connection_fields(conn, key.partition(":")[2]),
+                              decision="deny", reason="too_many_connections", status=None,
+                              message=f"{self.open[key]} connections already open for {key} (limit {limit})")
+            return
+        self.open[key] += 1
+        self._keys[client.id] = key
+
+    def client_disconnected(self, client):
+        key = self._keys.pop(client.id, None)
+        if key is not None:
+            self.open[key] -= 1
+            if self.open[key] <= 0:
+                del self.open[key]

@@ -1,0 +1,218 @@
+"""Prometheus metrics: definitions and the listeners that feed them (no mitmproxy types here).
+
+Every metric is fed from something the gateway already produces:
+- decision entries (`GatewayState.record`: the audit entry plus private "_" keys), by `on_decision`;
+- policy check timings (`Engine.timings`), by `on_timing`;
+- policy loads (every engine installed), by `policy_loaded`;
+- the mitmproxy addon (addons/metrics.py) for connections, bytes and upstream latency.
+
+Label values are bounded: rule and sandbox ids must belong to a policy this process loaded, reason
+codes to gateway.decision.REASONS, secret names to a policy's `secrets`; anything else (None, an
+unknown id, a host name, a path) becomes "none" or "other". No label ever carries a value from the
+sandbox. The event contract (which entries count where) is documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import disable_created_metrics
+
+from .decision import REASONS
+
+NONE = "none"  # no value (no rule matched, no sandbox section, ...)
+OTHER = "other"  # a value outside the bounded set
+
+DECISIONS = frozenset({"allow", "deny", "would_deny"})
+MODES = frozenset({"regular", "transparent", "dns"})
+CHECK_KINDS = frozenset({"destination", "request", "tcp", "dns"})
+RELOAD_RESULTS = frozenset({"ok", "error"})
+DIRECTIONS = frozenset({"sent", "received"})
+
+REQUEST_EVENTS = frozenset({"request"})
+FAILURE_EVENTS = frozenset({"response", "error"})  # refusals after the policy allowed the request
+CONNECTION_EVENTS = frozenset({"connect", "tls", "connection"})
+DNS_EVENT = "dns"
+REDACTION_EVENT = "redaction"
+RELOAD_EVENT = "policy_reload"
+
+# Time to first byte from an upstream: from well under a millisecond (loopback) to a minute.
+UPSTREAM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# One policy check (no DNS, no I/O): microseconds.
+DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+
+_SECRET_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+
+
+class GatewayMetrics:
+    """All gateway metrics, in a registry of their own (so several gateways can live in one process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        # `_created` series double the series count for no use here.
+        disable_created_metrics()
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "egress_requests", "HTTP request decisions, by sandbox, rule, decision and reason code.",
+            ["sandbox", "rule", "decision", "reason"], registry=r,
+        )
+        self.connections = Counter(
+            "egress_connections", "Connection-level decisions (CONNECT, TLS SNI, raw TCP, refused protocols), "
+            "by proxy mode, decision and reason code.", ["mode", "decision", "reason"], registry=r,
+        )
+        self.active_connections = Gauge(
+            "egress_active_connections", "Client connections open now, by proxy mode.", ["mode"], registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "egress_upstream_request_duration_seconds",
+            "Time from the end of the request to the first byte of the upstream response, by rule.",
+            ["rule"], buckets=UPSTREAM_BUCKETS, registry=r,
+        )
+        self.decision_duration = Histogram(
+            "egress_decision_duration_seconds", "Time spent in one policy check (no DNS, no I/O), by kind.",
+            ["kind"], buckets=DECISION_BUCKETS, registry=r,
+        )
+        self.bytes = Counter(
+            "egress_bytes", "Payload bytes relayed for allowed traffic: HTTP bodies, WebSocket messages and raw "
+            "TCP data; sent = to the upstream, received = from it.", ["direction", "rule"], registry=r,
+        )
+        self.injections = Counter(
+            "egress_credential_injections", "Credentials injected into allowed requests, by secret name and rule.",
+            ["secret", "rule"], registry=r,
+        )
+        self.redactions = Counter(
+            "egress_credential_redactions", "Secrets redacted from upstream responses, by secret name.",
+            ["secret"], registry=r,
+        )
+        self.reloads = Counter(
+            "egress_policy_reloads", "Policy reload attempts, by result (ok|error).", ["result"], registry=r,
+        )
+        self.policy_info = Info(
+            "egress_policy", "The policy in force: its format version and the SHA-256 of its file.", registry=r,
+        )
+        self.policy_loaded_at = Gauge(
+            "egress_policy_last_reload_timestamp_seconds",
+            "Unix time at which the policy in force was loaded (the initial load counts).", registry=r,
+        )
+        self.upstream_failures = Counter(
+            "egress_upstream_failures", "Allowed requests that failed afterwards (upstream connection or TLS "
+            "failure, oversized or unsolicited responses), by reason code.", ["reason"], registry=r,
+        )
+        self.dns_queries = Counter(
+            "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,
+        )
+        self._lock = threading.Lock()
+        self._rules: set[str] = set()
+        self._sandboxes: set[str] = set()
+        self._secrets: set[str] = set()
+        # Series that exist from the start, so that rate() and alerts see zeros instead of nothing.
+        for result in sorted(RELOAD_RESULTS):
+            self.reloads.labels(result)
+        for mode in sorted(MODES):
+            self.active_connections.labels(mode)
+        for decision in ("allow", "deny"):
+            self.dns_queries.labels(decision)
+
+    # --- bounded label values --------------------------------------------------------------------
+
+    def rule_label(self, rule: Any) -> str:
+        return rule if isinstance(rule, str) and rule in self._rules else NONE
+
+    def sandbox_label(self, sandbox: Any) -> str:
+        return sandbox if isinstance(sandbox, str) and sandbox in self._sandboxes else NONE
+
+    def secret_label(self, secret: Any) -> str:
+        if isinstance(secret, str) and secret in self._secrets:
+            return secret
+        return NONE if secret is None else OTHER
+
+    @staticmethod
+    def reason_label(reason: Any) -> str:
+        if reason is None:
+            return NONE
+        return reason if isinstance(reason, str) and reason in REASONS else OTHER
+
+    @staticmethod
+    def decision_label(decision: Any) -> str:
+        if decision is None:
+            return NONE
+        return decision if decision in DECISIONS else OTHER
+
+    @staticmethod
+    def mode_label(mode: Any) -> str:
+        if mode is None:
+            return NONE
+        return mode if mode in MODES else OTHER
+
+    # --- feeds ---------------------------------------------------------------------------------
+
+    def policy_loaded(self, policy: Any, when: float | None = None) -> None:
+        """A policy was installed (initial load or reload): its ids become valid label values."""
+        rules = {r.id for r in getattr(policy, "rules", ())}
+        sandboxes = {s.id for s in getattr(policy, "sandboxes", None) or ()}
+        secrets = {name for name in (getattr(policy, "secrets", None) or {}) if _SECRET_NAME.match(str(name))}
+        with self._lock:
+            # Ids of earlier policies stay valid: decisions in flight during a reload still name them.
+            self._rules |= rules
+            self._sandboxes |= sandboxes
+            self._secrets |= secrets
+        self.policy_info.info({"version": str(getattr(policy, "version", "")), "sha256": str(getattr(policy, "sha256", ""))})
+        self.policy_loaded_at.set(time.time() if when is None else when)
+
+    def on_timing(self, kind: str, seconds: float) -> None:
+        self.decision_duration.labels(kind if kind in CHECK_KINDS else OTHER).observe(seconds)
+
+    def on_decision(self, entry: dict[str, Any]) -> None:
+        """One recorded entry (audit keys plus private "_" keys); see docs/metrics.md."""
+        event = entry.get("event")
+        if event in REQUEST_EVENTS:
+            rule = self.rule_label(entry.get("rule"))
+            self.requests.labels(
+                self.sandbox_label(entry.get("sandbox")), rule,
+                self.decision_label(entry.get("decision")), self.reason_label(entry.get("reason")),
+            ).inc()
+            injected = entry.get("injected")
+            if isinstance(injected, (list, tuple)):
+                for secret in dict.fromkeys(s for s in injected if isinstance(s, str)):
+                    self.injections.labels(self.secret_label(secret), rule).inc()
+        elif event in CONNECTION_EVENTS:
+            self.connections.labels(
+                self.mode_label(entry.get("mode")), self.decision_label(entry.get("decision")),
+                self.reason_label(entry.get("reason")),
+            ).inc()
+        elif event in FAILURE_EVENTS:
+            self.upstream_failures.labels(self.reason_label(entry.get("reason"))).inc()
+        elif event == DNS_EVENT:
+            self.dns_queries.labels(self.decision_label(entry.get("decision"))).inc()
+        elif event == REDACTION_EVENT:
+            self.redactions.labels(self.secret_label(entry.get("secret"))).inc()
+        elif event == RELOAD_EVENT:
+            result = entry.get("result")
+            self.reloads.labels(result if result in RELOAD_RESULTS else "error").inc()
+
+    def connection_opened(self, mode: str) -> None:
+        self.active_connections.labels(self.mode_label(mode)).inc()
+
+    def connection_closed(self, mode: str) -> None:
+        self.active_connections.labels(self.mode_label(mode)).dec()
+
+    def upstream_first_byte(self, rule: Any, seconds: float) -> None:
+        if seconds >= 0:
+            self.upstream_duration.labels(self.rule_label(rule)).observe(seconds)
+
+    def relayed(self, direction: str, rule: Any, count: int) -> None:
+        if count > 0 and direction in DIRECTIONS:
+            self.bytes.labels(direction, self.rule_label(rule)).inc(count)
+
+    def metric_names(self) -> Iterable[str]:
+        """Every sample name this registry exposes (in the text format), labelled or not yet."""
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "info": ("_info",),
+                    "gauge": ("",), "summary": ("_count", "_sum", "")}
+        for family in self.registry.collect():
+            for suffix in suffixes.get(family.type, ("",)):
+                yield family.name + suffix

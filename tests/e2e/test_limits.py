@@ -1,0 +1,66 @@
+"""Limits that protect the gateway: request head size and time, connections per sandbox."""
+
+import socket
+import time
+
+from tests.e2e.helpers import audit_for, connect_proxy, curl
+
+RULES = """
+- id: allowed
+  hosts: [allowed.test]
+  schemes: [http, https]
+"""
+
+
+def test_oversized_request_head_is_431(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_max_head_bytes=4096"])
+    conn = connect_proxy(gateway)
+    conn.send(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (431, "request_head_too_large")
+    assert upstreams.untouched("allowed.test")
+    # a head under the limit still works
+    assert curl(gateway, "http://allowed.test/ok", "-H", "X-Small: " + "b" * 1000).status == 200
+
+
+def test_slowloris_head_is_cut_off_with_408(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_head_timeout=1"])
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://allowed.test/ HTTP/1.1\r\n")
+    started = time.monotonic()
+    response = None
+    while time.monotonic() - started < 8:
+        time.sleep(0.3)
+        try:
+            conn.send(b"X-Slow: 1\r\n")
+        except OSError:
+            break
+        conn.sock.settimeout(0.05)
+        try:
+            if conn._fill():
+                break
+        except (TimeoutError, socket.timeout):
+            pass
+        finally:
+            conn.sock.settimeout(10)
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (408, "request_head_timeout")
+    assert time.monotonic() - started < 5
+    assert upstreams.untouched("allowed.test")
+    assert audit_for(gateway, conn.client)[0]["reason"] == "request_head_timeout"
+
+
+def test_connections_per_client_are_capped(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_max_connections_per_sandbox=2"])
+    time.sleep(0.5)  # the start-up probe's connection must be gone first
+    held = [connect_proxy(gateway) for _ in range(2)]
+    time.sleep(0.3)
+    extra = connect_proxy(gateway)
+    extra.sock.settimeout(3)
+    assert extra.sock.recv(100) == b""  # closed at once, nothing read or answered
+    lines = [a for a in gateway.audit() if a["reason"] == "too_many_connections"]
+    assert len(lines) == 1 and lines[0]["decision"] == "deny"
+    for conn in held:
+        conn.sock.close()
+    time.sleep(0.3)
+    assert curl(gateway, "http://allowed.test/after").status == 200  # slots are given back
