@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 from mitmproxy import ctx
 from mitmproxy.net.tls import starts_like_tls_record
@@ -32,13 +33,33 @@ from .state import GatewayState
 logger = logging.getLogger("egress")
 
 H2_PREFACE = b"PRI * HTTP/2.0"
-_METHOD_PREFIX = re.compile(rb"^[A-Z]{1,20}(?: |$)")
+MAX_FIRST_LINE = 8192
+_METHOD_PREFIX = re.compile(rb"^[A-Z][A-Z0-9_-]{0,19}(?: |\Z)")
+_REQUEST_LINE = re.compile(rb"^[A-Z][A-Z0-9_-]{0,19} [^ \r\n]+ HTTP/1\.[01]\r?\Z")
+
+TLS, HTTP, H2C, OTHER, WAIT = "tls", "http", "h2c", "other", "wait"
 
 
-def _looks_like_http1(data: bytes) -> bool:
-    """A request line starts with an upper-case method token and a space (or we have seen only the
-    start of the token so far); anything else cannot be HTTP/1."""
-    return bool(_METHOD_PREFIX.match(data[:21]))
+def classify(data: bytes) -> str:
+    """What the first bytes of a connection (or of a TLS stream) are, or WAIT for more.
+
+    HTTP/1 only on a complete `METHOD SP target SP HTTP/1.x` line, so a text protocol whose lines
+    start with a word (SMTP, IRC, Redis) is never mistaken for it; anything that cannot become an
+    HTTP request line or a TLS record is OTHER at once (SSH, binary), without waiting."""
+    if not data:
+        return WAIT
+    if data[0] == 0x16:
+        if len(data) < 3:
+            return WAIT
+        return TLS if starts_like_tls_record(data) else OTHER
+    if H2_PREFACE.startswith(data[: len(H2_PREFACE)]):
+        return WAIT if len(data) < len(H2_PREFACE) else H2C
+    line, newline, _ = data.partition(b"\n")
+    if newline:
+        return HTTP if _REQUEST_LINE.match(line) else OTHER
+    if len(data) > MAX_FIRST_LINE or not _METHOD_PREFIX.match(data[:21]):
+        return OTHER
+    return WAIT
 
 
 # The layer stacks the gateway knows, by role: the explicit proxy port, a CONNECT tunnel before
@@ -104,23 +125,29 @@ class LayerGuard:
             self._refuse(nextlayer, "non_http", f"this connection cannot be inspected ({names})", speak_http=False)
 
     def _proxy_port(self, nextlayer: layer.NextLayer, data: bytes) -> None:
-        if data[:3] == b"PRI":
+        kind = classify(data)
+        if kind == WAIT:
+            self._wait(nextlayer)
+        elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 prior knowledge is refused on the proxy port")
-        elif starts_like_tls_record(data):
+        elif kind == TLS:
             self._refuse(nextlayer, "non_http", "TLS to the proxy port is not supported; use plain HTTP and CONNECT", speak_http=False)
-        elif not _looks_like_http1(data):
+        elif kind == OTHER:
             self._refuse(nextlayer, "non_http", "the proxy port speaks HTTP/1 only")
         else:
             nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal, *self._head_limits())
 
     def _tunnel_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
-        if starts_like_tls_record(data):
+        kind = classify(data)
+        if kind == WAIT:
+            self._wait(nextlayer)
+        elif kind == TLS:
             server_tls = ServerTLSLayer(nextlayer.context)
             server_tls.child_layer = ClientTLSLayer(nextlayer.context)
             nextlayer.layer = server_tls
-        elif data[:3] == b"PRI":
+        elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused in tunnels")
-        elif _looks_like_http1(data):
+        elif kind == HTTP:
             nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
@@ -130,13 +157,16 @@ class LayerGuard:
         conn = self.state.connection(context.client.id, context.client.peername, "transparent")
         if conn.original_destination is None and context.server.address:
             conn.original_destination = (str(context.server.address[0]), int(context.server.address[1]))
-        if starts_like_tls_record(data):
+        kind = classify(data)
+        if kind == WAIT:
+            self._wait(nextlayer)
+        elif kind == TLS:
             server_tls = ServerTLSLayer(context)
             server_tls.child_layer = ClientTLSLayer(context)
             nextlayer.layer = server_tls
-        elif data[:3] == b"PRI":
+        elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
-        elif _looks_like_http1(data):
+        elif kind == HTTP:
             nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._raw_tcp(nextlayer, conn)
@@ -179,9 +209,11 @@ class LayerGuard:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
             self._refuse(nextlayer, "non_http", "only HTTP is allowed inside TLS", speak_http=False)
-        elif data[:3] == b"PRI":
+        elif (kind := classify(data)) == WAIT:
+            self._wait(nextlayer)
+        elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 without ALPN negotiation is refused")
-        elif _looks_like_http1(data):
+        elif kind == HTTP:
             nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
@@ -206,6 +238,23 @@ class LayerGuard:
             method=method, path=getattr(request, "path", None),
             host_header=request.headers.get("host") if request is not None else None,
         )
+
+    def _wait(self, nextlayer: layer.NextLayer) -> None:
+        """No decision yet: mitmproxy asks again when more bytes arrive. A client that trickles
+        its first line for longer than egress_head_timeout is refused (slowloris)."""
+        now = time.monotonic()
+        started = getattr(nextlayer, "_egress_waiting_since", None)
+        if started is None:
+            nextlayer._egress_waiting_since = now
+        elif ctx.options.egress_head_timeout and now - started > ctx.options.egress_head_timeout:
+            self._refuse(nextlayer, "request_head_timeout", "the first line took too long to arrive")
+
+    def running(self):
+        # The decisions here are the only ones: mitmproxy's own next_layer would decide on too few
+        # bytes (and fall back to raw TCP or DNS relaying) whenever this guard waits for more.
+        builtin = ctx.master.addons.get("nextlayer")
+        if builtin is not None:
+            ctx.master.addons.remove(builtin)
 
     def _refuse(self, nextlayer: layer.NextLayer, reason: str, message: str, speak_http: bool = True) -> None:
         decision = Decision.deny(reason, message)

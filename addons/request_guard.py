@@ -60,6 +60,7 @@ class RequestGuard:
             decision, pin = Decision.deny("malformed_request", f"malformed request: {flow.error.msg[:200]}"), None
         elif conn.poisoned is not None:
             decision, pin = conn.poisoned, conn.tunnel
+            destination = conn.named or destination
         elif conn.tunnel is not None:
             decision, pin = self._tunnelled(flow, conn.tunnel, scope, engine)
         elif conn.mode == "transparent":

@@ -119,6 +119,7 @@ class TlsGuard:
         )
         if pin is None:
             conn.poisoned = decision
+            conn.named = (host.value, port) if host is not None else None  # for the requests' audit lines
             data.context.server.error = "egress gateway: destination refused"
             return
         conn.tunnel = pin

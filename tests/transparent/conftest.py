@@ -1,0 +1,282 @@
+"""Fixtures for the transparent/DNS-mode tests: one closed network per session (see topology.py),
+four sandboxes built by docker/sandbox-net.sh, and three gateways in the gateway namespace.
+
+    sandbox  gateway  policy
+    main     main     allowed.test + pypi.test (http/https), 93.184.216.34 by IP (https),
+                      raw TCP :22 to tcp.test's IP and to the name tcpname.test
+    strict   strict   allowed.test only, network.strict_original_destination: true
+    alpha    multi    `sandboxes:` alpha -> allowed.test only
+    beta     multi    `sandboxes:` beta  -> other.test only
+
+Safety: everything that is sent to a non-loopback address is sent from inside a namespace created
+here (the test process switches only a thread's namespace, programs run under `ip netns exec`);
+the gateways run in the gateway namespace; no namespace has a link to the host or a default route
+off the machine (checked after every change). Every namespace, veth and /etc/netns directory is
+removed at the end, and the test run fails if anything is left over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.gateway import GatewayProcess
+from tests.support.pki import TestPKI
+
+from .topology import (
+    ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Sandbox, Topology, dns_query,
+    unavailable_reason,
+)
+
+
+def _static_hosts() -> str:
+    return "\n".join(f'    {name}: ["{address}"]' for name, address in HOSTS.items())
+
+
+MAIN_POLICY = f"""\
+version: 1
+resolver:
+  static_hosts:
+{_static_hosts()}
+rules:
+  - id: web
+    hosts: [allowed.test, pypi.test]
+    schemes: [https, http]
+  - id: web-by-ip
+    hosts: ["{ALLOWED}"]
+    schemes: [https]
+  - id: ssh-by-ip
+    protocol: tcp
+    hosts: ["{TCP_HOST}"]
+    ports: [22]
+  - id: ssh-by-name
+    protocol: tcp
+    hosts: [tcpname.test]
+    ports: [22]
+"""
+
+STRICT_POLICY = f"""\
+version: 1
+network:
+  strict_original_destination: true
+resolver:
+  static_hosts:
+{_static_hosts()}
+rules:
+  - id: web
+    hosts: [allowed.test]
+    schemes: [https, http]
+"""
+
+MULTI_POLICY = f"""\
+version: 1
+resolver:
+  static_hosts:
+{_static_hosts()}
+rules:
+  - id: alpha-web
+    hosts: [allowed.test]
+    schemes: [https, http]
+  - id: beta-web
+    hosts: [other.test]
+    schemes: [https, http]
+sandboxes:
+  - id: alpha
+    source_ips: [10.203.3.0/24]
+    rules: [alpha-web]
+  - id: beta
+    source_ips: [10.203.4.0/24]
+    rules: [beta-web]
+"""
+
+# key -> (sandbox index, proxy port, dns port, redirected TCP ports, gateway key)
+SANDBOXES = {
+    "main": (1, 18081, 15353, "80 443 22", "main"),
+    "strict": (2, 18082, 15354, "80 443 22", "strict"),
+    "alpha": (3, 18083, 15355, "80 443", "multi"),
+    "beta": (4, 18083, 15355, "80 443", "multi"),
+}
+GATEWAYS = {"main": (MAIN_POLICY, 18181), "strict": (STRICT_POLICY, 18182), "multi": (MULTI_POLICY, 18183)}
+
+
+class NamespacedGateway(GatewayProcess):
+    """A GatewayProcess whose readiness is read from its own log ("... listening at ...", one line
+    per mode) instead of probing with a new Python process per attempt, with a longer deadline:
+    three mitmproxy processes starting at once on a small, busy machine can take a while."""
+
+    START_TIMEOUT = 90.0
+
+    def _wait_prefixed(self) -> None:
+        modes = [arg for arg in self.command() if "@" in arg and not arg.startswith("-")]
+        deadline = time.monotonic() + self.START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}")
+            if self.log().count(" listening at ") >= len(modes):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway did not listen within {self.START_TIMEOUT:g}s")
+
+
+@dataclass
+class Site:
+    """A sandbox and the gateway its traffic is redirected to."""
+
+    sandbox: Sandbox
+    gateway: GatewayProcess
+
+    @property
+    def ca(self):
+        return self.gateway.ca_cert
+
+    @property
+    def ns(self) -> str:
+        return self.sandbox.ns
+
+    def audit_mark(self) -> int:
+        return len(self.gateway.audit())
+
+    def audit_since(self, mark: int, settle: float = 0.1, **match) -> list[dict]:
+        """Audit lines after `mark` whose fields equal `match` (waiting briefly for the last ones)."""
+        deadline = time.monotonic() + 3
+        while True:
+            lines = [e for e in self.gateway.audit()[mark:] if all(e.get(k) == v for k, v in match.items())]
+            if lines or time.monotonic() > deadline:
+                time.sleep(settle)
+                return [e for e in self.gateway.audit()[mark:] if all(e.get(k) == v for k, v in match.items())]
+            time.sleep(0.05)
+
+
+@dataclass
+class World:
+    topology: Topology
+    sites: dict[str, Site]
+
+
+def _wait_for_dns(topology: Topology, sandbox: Sandbox, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if dns_query(topology, sandbox.ns, sandbox.gateway_address, "probe.invalid", "A", timeout=0.5):
+            return
+    raise RuntimeError(f"the gateway's DNS does not answer sandbox {sandbox.key}")
+
+
+@pytest.fixture(scope="session")
+def world():
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    # Our own directory (not pytest's numbered basetemp, which a concurrent pytest run may prune):
+    # the CA, the upstream certificates, the gateways' confdirs and audit logs live for the session.
+    root = Path(tempfile.mkdtemp(prefix="egress-transparent-"))
+    topology = Topology(TestPKI(root / "pki"))
+    gateways: dict[str, GatewayProcess] = {}
+    try:
+        try:
+            topology.create()
+        except Exception as exc:  # e.g. veth or namespaces not supported by this kernel
+            pytest.skip(f"cannot build the namespace topology: {exc}")
+        for name in ("allowed.test", "other.test"):
+            topology.add_address(HOSTS[name])
+            topology.serve_web(name, HOSTS[name])
+        for address in (TCP_HOST, TCP_NAMED, PYPI, TRAP_RESOLVER, PUBLIC_V6):
+            topology.add_address(address)
+        topology.serve_index(PYPI)
+        for address in (OTHER, TCP_HOST, TCP_NAMED):
+            topology.serve_tcp(address, 22, echo=True)
+        topology.serve_tcp(OTHER, 8080)
+        topology.serve_udp(OTHER, 5300)
+        topology.serve_udp(OTHER, 53)
+        topology.serve_udp(ALLOWED, 443)
+        topology.serve_udp(TRAP_RESOLVER, 53)
+        topology.serve_tcp(TRAP_RESOLVER, 53)
+        topology.serve_tcp(PUBLIC_V6, 443)
+        topology.serve_tcp(PUBLIC_V6, 8080)
+        topology.serve_udp(PUBLIC_V6, 5300)
+        topology.record_icmp()
+        for key, (index, proxy_port, dns_port, ports, _gw) in SANDBOXES.items():
+            topology.add_sandbox(key, index, proxy_port, dns_port, ports)
+        for key, (text, regular_port) in GATEWAYS.items():
+            workdir = root / key
+            workdir.mkdir()
+            policy = workdir / "policy.yaml"
+            policy.write_text(text)
+            proxy_port, dns_port = next((p, d) for (_i, p, d, _r, g) in SANDBOXES.values() if g == key)
+            gateways[key] = NamespacedGateway(
+                policy, workdir, host="127.0.0.1", port=regular_port, upstream_ca=topology.pki.ca_cert,
+                command_prefix=["ip", "netns", "exec", topology.gw],
+                extra_args=["--mode", f"transparent@0.0.0.0:{proxy_port}", "--mode", f"dns@0.0.0.0:{dns_port}"],
+            )
+        with concurrent.futures.ThreadPoolExecutor(len(gateways)) as pool:
+            list(pool.map(lambda g: g.start(), gateways.values()))
+        sites = {key: Site(topology.sandboxes[key], gateways[gw]) for key, (*_x, gw) in SANDBOXES.items()}
+        for site in sites.values():
+            _wait_for_dns(topology, site.sandbox)
+        topology.check_closed()
+        topology.reset()
+        yield World(topology, sites)
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        topology.destroy()
+        shutil.rmtree(root, ignore_errors=True)
+        leftovers = topology.leftovers()
+        assert leftovers == [], f"not cleaned up: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def topology(world) -> Topology:
+    return world.topology
+
+
+@pytest.fixture(scope="session")
+def main(world) -> Site:
+    return world.sites["main"]
+
+
+@pytest.fixture(scope="session")
+def strict(world) -> Site:
+    return world.sites["strict"]
+
+
+@pytest.fixture(scope="session")
+def alpha(world) -> Site:
+    return world.sites["alpha"]
+
+
+@pytest.fixture(scope="session")
+def beta(world) -> Site:
+    return world.sites["beta"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_recorders(request):
+    if "world" in request.fixturenames or any(
+            name in request.fixturenames for name in ("topology", "main", "strict", "alpha", "beta")):
+        request.getfixturevalue("world").topology.reset()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failure, attach the end of each gateway's log (what mitmproxy said about it)."""
+    outcome = yield
+    report = outcome.get_result()
+    world = item.funcargs.get("world") if hasattr(item, "funcargs") else None
+    if report.failed and world is None and hasattr(item, "funcargs"):
+        site = next((v for v in item.funcargs.values() if isinstance(v, Site)), None)
+        world = site and World(None, {"site": site})
+    if report.failed and world is not None:
+        seen = set()
+        for site in world.sites.values():
+            if id(site.gateway) in seen:
+                continue
+            seen.add(id(site.gateway))
+            tail = "\n".join(site.gateway.log().splitlines()[-25:])
+            report.sections.append((f"gateway log ({site.gateway.workdir.name})", tail))

@@ -1,0 +1,714 @@
+"""A closed three-namespace network for the transparent- and DNS-mode tests.
+
+    [sandbox ns SB*]  built by docker/sandbox-net.sh (the documented script, run with GATEWAY_NS set)
+        eth0 10.203.K.2/24, default route via 10.203.K.1, resolv.conf -> 10.203.K.1, IPv6 off
+            |  veth made by the script
+        HOST_IF 10.203.K.1/24
+    [gateway ns GW]  the gateway processes run here; iptables REDIRECT/DROP rules from the script;
+        ip_forward=1 (as on a typical Docker host), so only the script's FORWARD drops stop the
+        sandbox from routing around the gateway
+        veth GW_IF 10.210.0.1/30, fd99::1/64      /etc/netns/GW/resolv.conf -> TRAP_RESOLVER
+            |  veth between the two test namespaces, nothing else
+        veth IN_IF 10.210.0.2/30, fd99::2/64
+    [internet ns IN]  lo: every upstream address; recorders on them; routes back to the sandboxes
+        (so that a packet the gateway wrongly forwarded would arrive and be counted)
+
+None of the namespaces has a link to the host namespace or a route off the machine (checked by
+`check_closed` before any traffic). Python sockets are created inside a namespace by switching
+only the calling thread (`os.setns`); a socket keeps its namespace for life. Programs (curl, pip,
+python clients) run inside with `ip netns exec`, which also bind-mounts /etc/netns/NS/resolv.conf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import base64
+import http.server
+import io
+import ipaddress
+import os
+import random
+import secrets
+import shutil
+import socket
+import ssl
+import struct
+import subprocess
+import threading
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.gateway import PROJECT_ROOT
+from tests.support.upstream import RecordingUpstream
+
+NETNS_DIR = Path("/var/run/netns")
+ETC_NETNS = Path("/etc/netns")
+SANDBOX_NET_SH = PROJECT_ROOT / "docker" / "sandbox-net.sh"
+
+GW_V4, IN_V4 = "10.210.0.1", "10.210.0.2"
+GW_V6, IN_V6 = "fd99::1", "fd99::2"
+
+HOSTS = {
+    "allowed.test": "93.184.216.34",
+    "other.test": "93.184.216.35",
+    "tcp.test": "93.184.216.36",
+    "tcpname.test": "93.184.216.37",
+    "pypi.test": "93.184.216.40",
+}
+ALLOWED, OTHER, TCP_HOST, TCP_NAMED, PYPI = (HOSTS[n] for n in
+                                             ("allowed.test", "other.test", "tcp.test", "tcpname.test", "pypi.test"))
+TRAP_RESOLVER = "93.184.216.53"  # where the gateway namespace's resolv.conf points: must never hear a thing
+PUBLIC_V6 = "2606:4700::1111"
+
+PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "ftp_proxy"}
+
+
+def run(argv: list[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, argv))} failed ({result.returncode}): "
+                           f"{result.stderr.strip()} {result.stdout.strip()}")
+    return result
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run(["ip", *args], check=check)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for programs in a sandbox: no proxy variables at all (transparent mode),
+    no pip/requests CA overrides."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in PROXY_VARS and not k.startswith(("PIP_", "REQUESTS_", "SSL_CERT", "CURL_"))}
+    env.update(extra)
+    return env
+
+
+def unavailable_reason() -> str | None:
+    if not hasattr(os, "setns"):
+        return "os.setns is unavailable (needs Python 3.12 on Linux)"
+    if os.geteuid() != 0:
+        return "transparent-mode tests need root"
+    for tool in ("ip", "bash"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    if not (shutil.which("iptables") or shutil.which("iptables-legacy")):
+        return "iptables is not installed"
+    probe = f"egtprobe{os.getpid()}x{secrets.token_hex(3)}"
+    try:
+        ip("netns", "add", probe)
+    except (RuntimeError, OSError) as exc:
+        return f"`ip netns add` does not work here: {exc}"
+    try:
+        works = any(
+            shutil.which(tool) and run(["ip", "netns", "exec", probe, tool, "-t", "nat", "-L", "-n"],
+                                       check=False).returncode == 0
+            for tool in ("iptables", "iptables-legacy"))
+        if not works:
+            return "iptables (nat table) does not work inside a network namespace here"
+    finally:
+        ip("netns", "del", probe, check=False)
+    return None
+
+
+# -- recorders in the internet namespace ---------------------------------------------------------
+
+
+class TcpRecorder:
+    """Counts TCP connections and records what arrived; echoes it back when `echo` is set."""
+
+    def __init__(self, label: str, host: str, port: int, echo: bool = False):
+        self.label = label
+        self.echo = echo
+        self.connections = 0
+        self.received = b""
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(16)
+        self._stopped = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stopped:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                with self._lock:
+                    self.received += data
+                if self.echo:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(data)
+                else:
+                    return
+
+    @property
+    def touched(self) -> bool:
+        return self.connections > 0 or bool(self.received)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.connections = 0
+            self.received = b""
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+class UdpRecorder:
+    """Records every datagram that arrives on host:port (never answers)."""
+
+    def __init__(self, label: str, host: str, port: int):
+        self.label = label
+        self.datagrams: list[bytes] = []
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind((host, port))
+        self._stopped = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stopped:
+            try:
+                data, _ = self._sock.recvfrom(65536)
+            except OSError:
+                return
+            self.datagrams.append(data)
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.datagrams)
+
+    @property
+    def connections(self) -> int:
+        return len(self.datagrams)
+
+    def reset(self) -> None:
+        self.datagrams.clear()
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+class IcmpRecorder:
+    """Records ICMP echo requests from the sandboxes (10.203.0.0/16) arriving in a namespace (a raw
+    socket sees a copy of every ICMP packet; the kernel still answers them itself)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.sources: list[str] = []
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+        self._stopped = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stopped:
+            try:
+                packet, (source, _port) = self._sock.recvfrom(65536)
+            except OSError:
+                return
+            header = (packet[0] & 0x0F) * 4
+            if len(packet) > header and packet[header] == 8 and source.startswith("10.203."):
+                self.sources.append(source)
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.sources)
+
+    @property
+    def connections(self) -> int:
+        return len(self.sources)
+
+    def reset(self) -> None:
+        self.sources.clear()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._sock.close()
+
+
+def icmp_echo(topology: "Topology", ns: str, address: str, timeout: float = 1.0) -> bool:
+    """Send one ICMP echo request from namespace `ns`; True when an echo reply came back."""
+    ident = random.randrange(65536)
+    payload = b"egress-test-ping"
+    header = struct.pack("!BBHHH", 8, 0, 0, ident, 1)
+    total = 0
+    data = header + payload
+    for i in range(0, len(data), 2):
+        total += (data[i] << 8) + (data[i + 1] if i + 1 < len(data) else 0)
+    total = (total >> 16) + (total & 0xFFFF)
+    checksum = ~(total + (total >> 16)) & 0xFFFF
+    packet = struct.pack("!BBHHH", 8, 0, checksum, ident, 1) + payload
+    with topology.inside(ns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    with sock:
+        sock.settimeout(timeout)
+        sock.sendto(packet, (address, 0))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                reply, (source, _port) = sock.recvfrom(65536)
+            except (TimeoutError, OSError):
+                return False
+            header_len = (reply[0] & 0x0F) * 4
+            kind, _code, _sum, reply_id = struct.unpack("!BBHH", reply[header_len:header_len + 6])
+            if kind == 0 and reply_id == ident and source == address:
+                return True
+    return False
+
+
+@dataclass
+class PackageIndex:
+    """A tiny PEP 503 "simple" index over HTTPS (pypi.test) serving one wheel, recording requests."""
+
+    host: str
+    cert: Path
+    key: Path
+    project: str = "egress-tinypkg"
+    version: str = "1.0"
+    requests: list[tuple[str, str | None]] = field(default_factory=list)  # (path, sni)
+    connections: int = 0
+
+    def __post_init__(self) -> None:
+        self.label = f"{self.host}:443"
+        self.wheel_name = f"{self.project.replace('-', '_')}-{self.version}-py3-none-any.whl"
+        self.wheel = build_wheel(self.project, self.version)
+        self.sha256 = hashlib.sha256(self.wheel).hexdigest()
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                index.requests.append((self.path, getattr(self.connection, "egress_sni", None)))
+                path = self.path.split("?", 1)[0]
+                if path in ("/simple/", "/simple"):
+                    body, kind = f'<a href="/simple/{index.project}/">{index.project}</a>'.encode(), "text/html"
+                elif path.rstrip("/") == f"/simple/{index.project}":
+                    link = f"/packages/{index.wheel_name}#sha256={index.sha256}"
+                    body = (f"<!DOCTYPE html><html><body><a href=\"{link}\">{index.wheel_name}</a>"
+                            "</body></html>").encode()
+                    kind = "text/html"
+                elif path == f"/packages/{index.wheel_name}":
+                    body, kind = index.wheel, "application/octet-stream"
+                else:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(str(self.cert), str(self.key))
+        tls.set_alpn_protocols(["http/1.1"])
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+            def get_request(self):
+                sock, addr = super().get_request()
+                index.connections += 1
+                holder = {}
+                tls.sni_callback = lambda s, name, c: holder.__setitem__("sni", name)
+                sock.settimeout(5)
+                sock = tls.wrap_socket(sock, server_side=True)
+                sock.egress_sni = holder.get("sni")
+                sock.settimeout(None)
+                return sock, addr
+
+        self._server = Server((self.host, 443), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def touched(self) -> bool:
+        return self.connections > 0 or bool(self.requests)
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.connections = 0
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def build_wheel(project: str, version: str) -> bytes:
+    """A minimal valid pure-Python wheel."""
+    dist = project.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        f"{dist}/__init__.py": b"VERSION = '%s'\n" % version.encode(),
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: egress-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append(f"{info}/RECORD,,")
+    files[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as wheel:
+        for name, data in files.items():
+            wheel.writestr(name, data)
+    return buffer.getvalue()
+
+
+# -- the sandboxes, built by the documented script ------------------------------------------------
+
+
+@dataclass
+class Sandbox:
+    key: str
+    ns: str
+    host_if: str
+    index: int  # K in 10.203.K.0/24
+    proxy_port: int
+    dns_port: int
+    gateway_ns: str
+    redirect_tcp_ports: str = "80 443"
+    is_up: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"10.203.{self.index}.2"
+
+    @property
+    def gateway_address(self) -> str:
+        return f"10.203.{self.index}.1"
+
+    @property
+    def subnet(self) -> str:
+        return f"10.203.{self.index}.0/24"
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, SANDBOX_NS=self.ns, GATEWAY_NS=self.gateway_ns, HOST_IF=self.host_if,
+                    SANDBOX_ADDR=f"{self.address}/24", GATEWAY_ADDR=f"{self.gateway_address}/24",
+                    PROXY_PORT=str(self.proxy_port), DNS_PORT=str(self.dns_port),
+                    REDIRECT_TCP_PORTS=self.redirect_tcp_ports)
+
+    def up(self) -> None:
+        self.is_up = True  # even a half-built sandbox gets `down`
+        run(["bash", str(SANDBOX_NET_SH), "up"], env=self.env())
+
+    def down(self) -> None:
+        run(["bash", str(SANDBOX_NET_SH), "down"], env=self.env(), check=False)
+        # If the script died between creating the veth and moving it, its host end is still here.
+        if Path(f"/sys/class/net/{self.host_if}").exists():
+            ip("link", "del", self.host_if, check=False)
+        ip("netns", "del", self.ns, check=False)
+        shutil.rmtree(ETC_NETNS / self.ns, ignore_errors=True)
+
+    def exec(self, argv: list[str], timeout: float = 30, **env: str) -> subprocess.CompletedProcess:
+        """Run a program inside the sandbox (no proxy variables in its environment)."""
+        return subprocess.run(["ip", "netns", "exec", self.ns, *map(str, argv)], capture_output=True, text=True,
+                              timeout=timeout, env=clean_env(**env), cwd="/")
+
+
+# -- the whole network -----------------------------------------------------------------------------
+
+
+class Topology:
+    def __init__(self, pki):
+        self.pki = pki
+        self.tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
+        self.gw = f"egt{self.tag}g"
+        self.inet = f"egt{self.tag}i"
+        self.gw_if = f"tg{self.tag}"
+        self.in_if = f"ti{self.tag}"
+        self.servers: dict[str, object] = {}
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._namespaces: list[str] = []
+
+    # -- build and tear down ----------------------------------------------------------------------
+
+    def create(self) -> "Topology":
+        for ns in (self.gw, self.inet):
+            ip("netns", "add", ns)
+            self._namespaces.append(ns)
+        ip("link", "add", self.gw_if, "netns", self.gw, "type", "veth", "peer", "name", self.in_if,
+           "netns", self.inet)
+        for ns, ifname, v4, v6 in ((self.gw, self.gw_if, GW_V4, GW_V6), (self.inet, self.in_if, IN_V4, IN_V6)):
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", ifname, "up")
+            ip("-n", ns, "addr", "add", f"{v4}/30", "dev", ifname)
+            ip("-n", ns, "-6", "addr", "add", f"{v6}/64", "dev", ifname, "nodad")
+        # The internet knows its way back to the sandboxes (only through the gateway namespace):
+        # if the gateway ever forwarded a sandbox packet, TCP handshakes would complete.
+        ip("-n", self.inet, "route", "add", "10.203.0.0/16", "via", GW_V4)
+        ip("-n", self.inet, "-6", "route", "add", "fd10::/16", "via", GW_V6)
+        # A gateway host usually forwards (Docker turns it on): the script's drops must hold anyway.
+        run(["ip", "netns", "exec", self.gw, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=False)
+        run(["ip", "netns", "exec", self.gw, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"], check=False)
+        etc = ETC_NETNS / self.gw
+        etc.mkdir(parents=True, exist_ok=True)
+        # Names the gateway resolves itself come from the policy's static_hosts; anything it looks up
+        # with getaddrinfo would go to the trap resolver, which records and never answers.
+        (etc / "resolv.conf").write_text(f"nameserver {TRAP_RESOLVER}\noptions timeout:1 attempts:1\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+        self.check_closed()
+        return self
+
+    def add_sandbox(self, key: str, index: int, proxy_port: int, dns_port: int,
+                    redirect_tcp_ports: str = "80 443") -> Sandbox:
+        sandbox = Sandbox(key, f"egt{self.tag}s{index}", f"eh{self.tag}{index}"[:15], index, proxy_port, dns_port,
+                          self.gw, redirect_tcp_ports)
+        self.sandboxes[key] = sandbox
+        sandbox.up()
+        self.check_closed()
+        return sandbox
+
+    def destroy(self) -> None:
+        for server in self.servers.values():
+            with contextlib.suppress(Exception):
+                server.stop()
+        for sandbox in self.sandboxes.values():
+            if sandbox.is_up:
+                sandbox.down()
+        for ns in reversed(self._namespaces):
+            ip("netns", "del", ns, check=False)
+        shutil.rmtree(ETC_NETNS / self.gw, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            ETC_NETNS.rmdir()  # only if empty
+
+    def leftovers(self) -> list[str]:
+        """Anything of ours still present after destroy (namespaces, /etc/netns dirs, host links)."""
+        found = [ns for ns in run(["ip", "netns", "list"]).stdout.split() if self.tag in ns]
+        found += [str(p) for p in ETC_NETNS.glob(f"*{self.tag}*")] if ETC_NETNS.exists() else []
+        found += [p.name for p in Path("/sys/class/net").iterdir() if self.tag in p.name]
+        return found
+
+    def check_closed(self) -> None:
+        """Refuse to go on if any namespace has a way off the machine."""
+        allowed_links = {self.gw: {"lo", self.gw_if, *(s.host_if for s in self.sandboxes.values())},
+                         self.inet: {"lo", self.in_if}}
+        for s in self.sandboxes.values():
+            allowed_links[s.ns] = {"lo", "eth0"}
+        for ns, links_ok in allowed_links.items():
+            if not (NETNS_DIR / ns).exists():
+                continue
+            for family in ("-4", "-6"):
+                routes = run(["ip", "-n", ns, family, "route", "show", "table", "all"], check=False).stdout
+                for line in routes.splitlines():
+                    if line.startswith("default") or " default " in f" {line} ":
+                        sandbox = next((s for s in self.sandboxes.values() if s.ns == ns), None)
+                        if sandbox and family == "-4" and f"via {sandbox.gateway_address} " in f"{line} ":
+                            continue  # the sandbox's default route points at the gateway namespace
+                        if line.startswith(("local ", "multicast ", "unreachable ")) or "table local" in line:
+                            continue
+                        if family == "-6" and ("dev lo" in line or line.startswith(("anycast", "ff00::/8"))):
+                            continue
+                        raise RuntimeError(f"namespace {ns} has a default route: {line}")
+            links = run(["ip", "-n", ns, "-o", "link"]).stdout
+            for line in links.splitlines():
+                name = line.split(":")[1].strip().split("@")[0]
+                if name not in links_ok:
+                    raise RuntimeError(f"namespace {ns} has an unexpected link {name!r}")
+        # Nothing of ours is left in the host namespace.
+        for sandbox in self.sandboxes.values():
+            if Path(f"/sys/class/net/{sandbox.host_if}").exists():
+                raise RuntimeError(f"{sandbox.host_if} is still in the host namespace")
+
+    # -- namespaces for this thread ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def inside(self, ns: str):
+        """Run the block with this thread in namespace `ns` (one of ours); sockets made here stay there."""
+        if ns not in (self.gw, self.inet, *(s.ns for s in self.sandboxes.values())):
+            raise AssertionError(f"{ns} is not a namespace of this topology")
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(NETNS_DIR / ns, os.O_RDONLY)
+        try:
+            os.setns(target, os.CLONE_NEWNET)
+            try:
+                here, there = os.stat("/proc/thread-self/ns/net"), os.stat(NETNS_DIR / ns)
+                if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+                    raise AssertionError(f"refusing to open a socket outside namespace {ns}")
+                yield
+            finally:
+                os.setns(own, os.CLONE_NEWNET)
+        finally:
+            os.close(own)
+            os.close(target)
+
+    # -- upstreams ---------------------------------------------------------------------------------
+
+    def add_address(self, address: str) -> None:
+        if ":" in address:
+            ip("-n", self.inet, "-6", "addr", "add", f"{address}/128", "dev", "lo", "nodad")
+            ip("-n", self.gw, "-6", "route", "add", f"{address}/128", "via", IN_V6)
+        else:
+            ip("-n", self.inet, "addr", "add", f"{address}/32", "dev", "lo")
+            ip("-n", self.gw, "route", "add", f"{address}/32", "via", IN_V4)
+
+    def serve_web(self, name: str, address: str) -> None:
+        """RecordingUpstream on 443 (TLS, cert for the name and the IP) and 80."""
+        cert, key = self.pki.issue([name], [address], stem=f"transparent-{name}")
+        with self.inside(self.inet):
+            self.servers[f"{address}:443"] = RecordingUpstream(name, address, 443, cert, key)
+            self.servers[f"{address}:80"] = RecordingUpstream(name, address, 80)
+
+    def serve_tcp(self, address: str, port: int, echo: bool = False) -> TcpRecorder:
+        with self.inside(self.inet):
+            server = self.servers[f"{address}:{port}"] = TcpRecorder(f"{address}:{port}", address, port, echo)
+        return server
+
+    def serve_udp(self, address: str, port: int) -> UdpRecorder:
+        with self.inside(self.inet):
+            server = self.servers[f"udp:{address}:{port}"] = UdpRecorder(f"udp:{address}:{port}", address, port)
+        return server
+
+    def record_icmp(self) -> IcmpRecorder:
+        with self.inside(self.inet):
+            server = self.servers["icmp"] = IcmpRecorder("icmp")
+        return server
+
+    def serve_index(self, address: str) -> PackageIndex:
+        cert, key = self.pki.issue(["pypi.test"], [address], stem="transparent-pypi.test")
+        with self.inside(self.inet):
+            server = self.servers[f"{address}:443"] = PackageIndex(address, cert, key)
+        return server
+
+    def server(self, label: str):
+        return self.servers[label]
+
+    def reset(self) -> None:
+        for server in self.servers.values():
+            server.reset()
+
+    def touched(self, settle: float = 0.2) -> list[str]:
+        """Labels of every recorder that saw anything at all (after letting late arrivals land)."""
+        time.sleep(settle)
+        return sorted(label for label, server in self.servers.items() if server.touched)
+
+    # -- sockets from inside a sandbox ---------------------------------------------------------------
+
+    def connect(self, sandbox: Sandbox, address: str, port: int, timeout: float = 5.0) -> socket.socket:
+        with self.inside(sandbox.ns):
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect((address, port))
+            except BaseException:
+                sock.close()
+                raise
+        return sock
+
+    def udp_send(self, ns: str, address: str, port: int, payload: bytes) -> None:
+        with self.inside(ns):
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(payload, (address, port))
+
+
+# -- a small DNS client ------------------------------------------------------------------------------
+
+QTYPES = {"A": 1, "NS": 2, "CNAME": 5, "MX": 15, "TXT": 16, "AAAA": 28, "SVCB": 64, "HTTPS": 65, "ANY": 255}
+RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
+
+
+@dataclass
+class DnsReply:
+    rcode: str
+    answers: list[tuple[int, str | bytes]]  # (type, address text or raw rdata)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a for t, a in self.answers if t in (1, 28)]
+
+
+def dns_query_packet(name: str, qtype: str, query_id: int | None = None) -> bytes:
+    query_id = random.randrange(65536) if query_id is None else query_id
+    header = struct.pack("!HHHHHH", query_id, 0x0100, 1, 0, 0, 0)
+    qname = b"".join(bytes([len(label)]) + label.encode() for label in name.rstrip(".").split(".")) + b"\0"
+    return header + qname + struct.pack("!HH", QTYPES[qtype], 1)
+
+
+def _skip_name(data: bytes, offset: int) -> int:
+    while True:
+        length = data[offset]
+        if length & 0xC0 == 0xC0:
+            return offset + 2
+        if length == 0:
+            return offset + 1
+        offset += 1 + length
+
+
+def parse_dns_reply(data: bytes) -> DnsReply:
+    _id, flags, qd, an, _ns, _ar = struct.unpack("!HHHHHH", data[:12])
+    offset = 12
+    for _ in range(qd):
+        offset = _skip_name(data, offset) + 4
+    answers = []
+    for _ in range(an):
+        offset = _skip_name(data, offset)
+        rtype, _cls, _ttl, length = struct.unpack("!HHIH", data[offset:offset + 10])
+        offset += 10
+        rdata = data[offset:offset + length]
+        offset += length
+        if rtype == 1:
+            answers.append((rtype, str(ipaddress.IPv4Address(rdata))))
+        elif rtype == 28:
+            answers.append((rtype, str(ipaddress.IPv6Address(rdata))))
+        else:
+            answers.append((rtype, rdata))
+    return DnsReply(RCODES.get(flags & 0xF, str(flags & 0xF)), answers)
+
+
+def dns_query(topology: Topology, ns: str, server: str, name: str, qtype: str, *, port: int = 53,
+              tcp: bool = False, timeout: float = 2.0) -> DnsReply | None:
+    """Ask `server` from inside namespace `ns`; None when nothing answered in time."""
+    packet = dns_query_packet(name, qtype)
+    with topology.inside(ns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM)
+    with sock:
+        sock.settimeout(timeout)
+        try:
+            if tcp:
+                sock.connect((server, port))
+                sock.sendall(struct.pack("!H", len(packet)) + packet)
+                data = b""
+                while len(data) < 2 or len(data) < 2 + struct.unpack("!H", data[:2])[0]:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return None
+                    data += chunk
+                data = data[2:]
+            else:
+                sock.sendto(packet, (server, port))
+                data, _ = sock.recvfrom(65536)
+        except (TimeoutError, ConnectionError, OSError):
+            return None
+    return parse_dns_reply(data)
