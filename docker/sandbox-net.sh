@@ -100,9 +100,12 @@ up() {
     # No IPv6 in the sandbox: nothing on the gateway side would redirect it. The FORWARD/INPUT
     # drops on the gateway side hold even if root inside the sandbox turns it back on.
     ip netns exec "$SANDBOX_NS" sysctl -qw net.ipv6.conf.all.disable_ipv6=1 2>/dev/null || true
-    if command -v ip6tables >/dev/null; then
-        gw ip6tables -A FORWARD -i "$HOST_IF" -j DROP 2>/dev/null || true
-        gw ip6tables -A INPUT -i "$HOST_IF" -j DROP 2>/dev/null || true
+    if command -v ip6tables >/dev/null && gw ip6tables -A FORWARD -i "$HOST_IF" -j DROP 2>/dev/null \
+            && gw ip6tables -A INPUT -i "$HOST_IF" -j DROP 2>/dev/null; then
+        :
+    else
+        echo "sandbox-net: WARNING: no ip6tables rules: IPv6 from the sandbox is only off by sysctl," \
+             "which root in the sandbox can undo (install ip6tables)" >&2
     fi
     mkdir -p "/etc/netns/$SANDBOX_NS"
     echo "nameserver $gateway_ip" >"/etc/netns/$SANDBOX_NS/resolv.conf"
