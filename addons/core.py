@@ -46,6 +46,8 @@ class EgressCore:
     def __init__(self, state: GatewayState):
         self.state = state
         self.self_addresses = local_addresses()
+        self._configured = False
+        self._configuring = False
 
     def load(self, loader):
         loader.add_option(
@@ -69,6 +71,20 @@ class EgressCore:
         )
 
     def configure(self, updated: set[str]):
+        if self._configuring:
+            return  # the options this very call forces back; nothing here depends on them
+        self._configuring = True
+        try:
+            self._configure(updated)
+        finally:
+            self._configuring = False
+
+    def _configure(self, updated: set[str]) -> None:
+        if not self._configured:
+            # The first time, everything counts as new: options set before this addon was added
+            # (the embedded runner sets them first) must still be checked and forced.
+            self._configured = True
+            updated = set(ctx.options.keys())
         self._force_safe_options(updated)
         if "mode" in updated:
             self._check_modes()

@@ -23,14 +23,10 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
     master = DumpMaster(opts, with_termlog=True, with_dumper=False)
     state = GatewayState()
     ours = make_addons(state)
-    master.addons.add(*ours)
-    # Run the gateway's hooks before mitmproxy's built-in addons, exactly as `mitmdump -s` does:
-    # the guards then decide first (next layer, DNS answers) and never race a built-in default.
-    chain = master.addons.chain
-    chain[:] = [a for a in chain if a in ours] + [a for a in chain if a not in ours]
-    observability = next((a for a in ours if isinstance(a, Observability)), None)
     try:
-        opts.update(
+        # Options first (the gateway's own are deferred until its addons declare them), so the
+        # addons configure once, with the final values: one policy load, the right one.
+        opts.update_defer(
             mode=modes,
             confdir=confdir,
             egress_policy=policy_path,
@@ -39,10 +35,24 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
             **(ops or {}),
         )
         if set_options:
-            opts.set(*set_options)
+            opts.set(*set_options, defer=True)
+        deferred = set(opts.deferred)
+        master.addons.add(*ours)
+        if opts.deferred:
+            raise exceptions.OptionsError(f"unknown option(s): {', '.join(sorted(opts.deferred))}")
+        # A deferred value is applied while its addon registers, before that addon is in the chain
+        # to hear about it: announce them again. (The policy was loaded with its final path already.)
+        again = deferred - {"egress_policy", "egress_dns_timeout"}
+        if again:
+            opts.update(**{name: getattr(opts, name) for name in again})
     except exceptions.OptionsError as exc:
         print(f"egress-gateway: {exc}", file=sys.stderr)
         return 2
+    # Run the gateway's hooks before mitmproxy's built-in addons, exactly as `mitmdump -s` does:
+    # the guards then decide first (next layer, DNS answers) and never race a built-in default.
+    chain = master.addons.chain
+    chain[:] = [a for a in chain if a in ours] + [a for a in chain if a not in ours]
+    observability = next((a for a in ours if isinstance(a, Observability)), None)
 
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
