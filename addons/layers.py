@@ -29,7 +29,7 @@ from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http import is_h3_alpn
 
 from gateway.decision import Decision
-from gateway.hostnames import HostError, canonical_host, parse_authority
+from gateway.hostnames import HostError, parse_authority
 
 from .respond import raw_http_refusal
 

@@ -27,8 +27,7 @@ import signal
 import socket
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from socketserver import TCPServer, ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -50,41 +49,6 @@ COUNTED = "egress_bytes_counted"  # flow.metadata: this message's body is counte
 
 
 # --- SIGHUP and friends ----------------------------------------------------------------------------
-
-
-class SignalHub:
-    """One handler per signal, any number of subscribers (called on the event loop, in order; one
-    failing does not stop the others). `state.signals` is the gateway's hub."""
-
-    def __init__(self) -> None:
-        self._subscribers: dict[int, list[Callable[[], Any]]] = defaultdict(list)
-        self._installed: set[int] = set()
-
-    def subscribe(self, signum: int, callback: Callable[[], Any]) -> None:
-        self._subscribers[signum].append(callback)
-
-    def unsubscribe(self, signum: int, callback: Callable[[], Any]) -> None:
-        if callback in self._subscribers[signum]:
-            self._subscribers[signum].remove(callback)
-
-    def dispatch(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        for callback in list(self._subscribers[signum]):
-            try:
-                result = callback()
-                if asyncio.iscoroutine(result):
-                    asyncio.get_running_loop().create_task(result)
-            except Exception:
-                logger.exception("egress gateway: %s handler %r failed", name, callback)
-
-    def install(self, loop: asyncio.AbstractEventLoop, signums: Iterable[int] = (signal.SIGHUP,)) -> None:
-        for signum in signums:
-            if signum not in self._installed:
-                loop.add_signal_handler(signum, self.dispatch, signum)
-                self._installed.add(signum)
-
-    def installed(self, signum: int) -> bool:
-        return signum in self._installed
 
 
 # --- the metrics/health endpoint -------------------------------------------------------------------
@@ -254,8 +218,7 @@ class Observability:
         self.state = state
         self.metrics = GatewayMetrics()
         self.scrubber = SecretScrubber(state)
-        self.signals: SignalHub = getattr(state, "signals", None) or SignalHub()
-        state.signals = self.signals  # the hub every addon may subscribe to
+        self.signals = state.signals
         self.signals.subscribe(signal.SIGHUP, self.reopen_audit)
         self.server: HealthServer | None = None
         self._spec = ""
@@ -271,8 +234,7 @@ class Observability:
         self._in_flight: dict[str, str] = {}  # flow id -> client id: requests not answered yet
         self._tcp_rules: dict[str, str | None] = {}  # client "ip:port" -> rule of its raw TCP connection
         self._policy = None  # the policy last installed
-        self._install = state.install
-        state.install = self._install_engine  # every engine installed (initial load, reloads) passes here
+        state.install_listeners.append(self._on_install)  # every engine installed (start-up, reloads)
 
     # --- options ---------------------------------------------------------------------------------
 
@@ -337,6 +299,7 @@ class Observability:
             self.server.stop()
             self.server = None
             self._guard_listeners = []
+            self.state.extra_listeners[:] = []
         if listen is not None:
             try:
                 server = HealthServer(*listen, make_wsgi_app(self.metrics.registry), self.health, self.readiness)
@@ -352,6 +315,7 @@ class Observability:
             self._guard_listeners = [(server.address, server.port)]
             if server.address == ipaddress.ip_address("0.0.0.0"):
                 self._guard_listeners.append((ipaddress.ip_address("::"), server.port))
+            self.state.extra_listeners[:] = self._guard_listeners  # every engine installed guards it
             if not self._subscribed:
                 self.state.decision_listeners.append(self._on_decision)
                 self.state.timing_listeners.append(self.metrics.on_timing)
@@ -364,11 +328,7 @@ class Observability:
         missing = not set(self._guard_listeners) <= set(engine.guard.listeners)
         return missing or (self._subscribed and engine.timings is None)
 
-    def _install_engine(self, engine, *args, **kwargs) -> None:
-        self._sync_metrics(strict=False)  # before the first install, so the metrics port is guarded at once
-        if self._guard_listeners:
-            engine.guard = engine.guard.with_self((), self._guard_listeners)
-        self._install(engine, *args, **kwargs)
+    def _on_install(self, engine) -> None:
         if engine.policy is not self._policy:  # not when the same engine is installed again (configure)
             self._policy = engine.policy
             self.metrics.policy_loaded(engine.policy)

@@ -46,9 +46,7 @@ class PolicyReloader:
         if not path:
             return  # the embedded default policy never changes
         self._identity = self._stat(path)
-        hub = getattr(self.state, "signals", None)
-        if hub is not None:
-            hub.subscribe(signal.SIGHUP, self.reload_now)
+        self.state.signals.subscribe(signal.SIGHUP, self.reload_now)
         if ctx.options.egress_policy_poll > 0 and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._poll())
 

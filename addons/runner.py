@@ -11,7 +11,7 @@ from mitmproxy import exceptions, options
 from mitmproxy.tools.dump import DumpMaster
 
 from .egress import make_addons
-from .metrics import Observability, SignalHub
+from .metrics import Observability
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -84,9 +84,7 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
         loop.add_signal_handler(sig, stop)
     # SIGHUP goes to every subscriber of the shared hub (the audit log reopens; a policy reload may
     # subscribe too): state.signals.subscribe(signal.SIGHUP, callback).
-    signals = getattr(state, "signals", None) or SignalHub()
-    state.signals = signals
-    signals.install(loop, (signal.SIGHUP,))
+    state.signals.install(loop, (signal.SIGHUP,))
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     await master.run()

@@ -20,6 +20,8 @@ from gateway.engine import Engine, Pin
 from gateway.hostnames import IPAddress
 from gateway.policy import Scope
 
+from .signals import SignalHub
+
 
 @dataclass
 class ConnectionState:
@@ -49,12 +51,25 @@ class GatewayState:
         self.decision_listeners: list[Callable[[dict[str, Any]], None]] = []
         # Told (kind, seconds) for every policy check; see Engine.timings.
         self.timing_listeners: list[Callable[[str, float], None]] = []
+        # Told of every engine installed (start-up and each reload), after it is in place.
+        self.install_listeners: list[Callable[[Engine], None]] = []
+        # Sockets of the gateway's own besides the proxy listeners (the metrics port): every engine
+        # installed refuses them as destinations.
+        self.extra_listeners: list[tuple[IPAddress, int]] = []
+        self.signals = SignalHub()  # SIGHUP: audit log reopen, policy reload
 
     def install(self, engine: Engine) -> None:
         """Make `engine` (policy, resolver, secrets) the one every guard uses. One assignment, and
         each hook takes the engine once, so a request is judged wholly by the old or the new one."""
+        if self.extra_listeners:
+            engine.guard = engine.guard.with_self((), self.extra_listeners)
         engine.timings = self._timing if self.timing_listeners else None
         self.engine = engine
+        for listener in self.install_listeners:
+            try:
+                listener(engine)
+            except Exception:
+                logging.getLogger("egress").exception("egress gateway: install listener failed")
 
     def _timing(self, kind: str, seconds: float) -> None:
         for listener in self.timing_listeners:

@@ -23,7 +23,7 @@ from .credentials import (
     Template,
     TemplateError,
 )
-from .hostnames import Host, HostError, IPAddress, canonical_host
+from .hostnames import HostError, IPAddress, canonical_host
 from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
 from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
