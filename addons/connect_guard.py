@@ -42,11 +42,7 @@ class ConnectGuard:
             except HostError as exc:
                 decision = Decision.deny("bad_host", f"bad CONNECT authority: {exc}")
             else:
-                decision = engine.check_destination(host, port, scope)
-                if decision.allowed:
-                    addresses, pin = await engine.pin(host, port)
-                    if not addresses.allowed:
-                        decision = addresses
+                decision, pin = await engine.admit(engine.check_destination(host, port, scope), host, port)
         fields = flow_fields(flow, conn, scope.sandbox) | decision_fields(decision, pin, host and host.value, port)
         fields["path"] = None
         self.state.record(event="connect", **fields)

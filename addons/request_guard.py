@@ -129,12 +129,10 @@ class RequestGuard:
             return Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"), None, named
         if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
             return problem, None, named
-        decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path), scope)
-        if not decision.allowed:
+        facts = RequestFacts(host, port, "http", request.method, request.path)
+        decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
+        if pin is None:
             return decision, None, named
-        addresses, pin = await engine.pin(host, port)
-        if not addresses.allowed or pin is None:
-            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None, named
         original = ipaddress.ip_address(original_ip)
         if engine.policy.strict_original_destination and original not in pin.addresses:
             message = f"the sandbox dialled {original} but {host} resolves elsewhere"
@@ -169,12 +167,10 @@ class RequestGuard:
         if problem := check_restated([("host", v) for v in hosts], "http", host, port):
             reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
             return Decision.deny(reason, problem.message), None, named
-        decision = engine.check_request(RequestFacts(host, port, "http", request.method, request.path), scope)
-        if not decision.allowed:
+        facts = RequestFacts(host, port, "http", request.method, request.path)
+        decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
+        if pin is None:
             return decision, None, named
-        addresses, pin = await engine.pin(host, port)
-        if not addresses.allowed or pin is None:
-            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None, named
         request.data.host = pin.address.compressed
         request.data.port = pin.port
         return decision, pin, named

@@ -96,11 +96,7 @@ class TlsGuard:
         except HostError as exc:
             decision = Decision.deny("bad_host", f"bad TLS SNI: {exc}")
         else:
-            decision = engine.check_destination(host, port, scope)
-            if decision.allowed:
-                addresses, pin = await engine.pin(host, port)
-                if not addresses.allowed:
-                    decision, pin = Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None
+            decision, pin = await engine.admit(engine.check_destination(host, port, scope), host, port)
             if pin is not None and sni and engine.policy.strict_original_destination and original not in pin.addresses:
                 decision = Decision.deny(
                     "original_destination_mismatch",

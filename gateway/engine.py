@@ -208,6 +208,16 @@ class Engine:
     def check_addresses(self, addresses: Iterable[IPAddress], port: int) -> list[AddressVerdict]:
         return [self.guard.check(a, port) for a in addresses]
 
+    async def admit(self, decision: Decision, host: Host, port: int) -> tuple[Decision, Pin | None]:
+        """After a policy check: if it let the request through, resolve and check the addresses.
+        Returns the decision that stands (the address verdict wins a refusal) and the pin."""
+        if not decision.allowed:
+            return decision, None
+        addresses, pin = await self.pin(host, port)
+        if not addresses.allowed or pin is None:
+            return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None
+        return decision, pin
+
     async def pin(self, host: Host, port: int) -> tuple[Decision, Pin | None]:
         """Resolve once, check every address, choose the one to dial."""
         try:

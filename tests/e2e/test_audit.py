@@ -61,7 +61,7 @@ def _refusals(gateway):
         out.append((plain.request("GET", "/x", [("Host", "allowed.test")]), "origin_form", None))
     conn, answer = tunnel(gateway, "nowhere.invalid:443")
     conn.close()
-    out.append((answer, "resolve_failed", None))
+    out.append((answer, "resolve_failed", "nowhere"))  # the rule that allowed it, before resolution failed
     return out
 
 
