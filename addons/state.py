@@ -80,6 +80,8 @@ class GatewayState:
 
     def record(self, **fields: Any) -> dict[str, Any]:
         """Record one decision: one audit line, and every listener told."""
+        if not self.decision_listeners and not self.audit.enabled:
+            return fields  # no audit log, no metrics: nothing to build on the hot path
         private = {k: fields.pop(k) for k in [k for k in fields if k.startswith("_")]}
         entry = self.audit.record(**fields)
         if self.decision_listeners:

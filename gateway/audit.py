@@ -212,6 +212,11 @@ class AuditLog:
 
     # --- writing -------------------------------------------------------------------------------
 
+    @property
+    def enabled(self) -> bool:
+        """Is there anywhere to write to? (Without a log, nothing needs building per decision.)"""
+        return self._stream is not None
+
     def record(self, **values: Any) -> dict[str, Any]:
         if self.scrub is not None:
             try:
