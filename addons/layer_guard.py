@@ -253,7 +253,7 @@ class LayerGuard:
         # The decisions here are the only ones: mitmproxy's own next_layer would decide on too few
         # bytes (and fall back to raw TCP or DNS relaying) whenever this guard waits for more.
         builtin = ctx.master.addons.get("nextlayer")
-        if builtin is not None:
+        if builtin is not None and builtin is not self:
             ctx.master.addons.remove(builtin)
 
     def _refuse(self, nextlayer: layer.NextLayer, reason: str, message: str, speak_http: bool = True) -> None:

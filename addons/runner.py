@@ -1,4 +1,12 @@
-"""Run mitmproxy embedded with the gateway's addons (what `egress-gateway run` does)."""
+"""Run mitmproxy embedded with the gateway's addons (what `egress-gateway run` does).
+
+Only the mitmproxy addons a gateway needs are loaded: the proxy server, TLS, proxy
+authentication, client blocking and error checking. The rest of mitmproxy's defaults are left
+out on purpose: flow saving (save_stream_file, HAR) would write injected credentials to disk,
+map_remote/modify_headers would change a request after the policy judged it, playback and the
+onboarding app have no place in front of a sandbox, and every loaded addon costs time on every
+hook of every request. `mitmdump -s addons/egress.py` still gets mitmproxy's full set.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +15,39 @@ import logging
 import signal
 import sys
 
-from mitmproxy import exceptions, options
-from mitmproxy.tools.dump import DumpMaster
+from mitmproxy import exceptions, master, options
+from mitmproxy.addons import block, core, errorcheck, proxyauth, proxyserver, tlsconfig
 
 from .egress import make_addons
+from .layer_guard import LayerGuard
 from .metrics import Observability
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
 
 
+def builtin_addons() -> list:
+    """The mitmproxy addons the gateway runs with (see the module docstring for what is left out)."""
+    return [
+        core.Core(),
+        block.Block(),
+        proxyauth.ProxyAuth(),
+        proxyserver.Proxyserver(),
+        tlsconfig.TlsConfig(),
+        errorcheck.ErrorCheck(),
+    ]
+
+
 async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: str | None,
                  set_options: list[str], quiet: bool, ops: dict | None = None) -> int:
     opts = options.Options()
-    master = DumpMaster(opts, with_termlog=True, with_dumper=False)
+    gateway_master = master.Master(opts, with_termlog=True)
+    gateway_master.addons.add(*builtin_addons())
     state = GatewayState()
     ours = make_addons(state)
+    for addon in ours:
+        if isinstance(addon, LayerGuard):
+            addon.name = "nextlayer"  # it is the next-layer addon here: mitmproxy looks it up by that name
     try:
         # Options first (the gateway's own are deferred until its addons declare them), so the
         # addons configure once, with the final values: one policy load, the right one.
@@ -37,7 +62,7 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
         if set_options:
             opts.set(*set_options, defer=True)
         deferred = set(opts.deferred)
-        master.addons.add(*ours)
+        gateway_master.addons.add(*ours)
         if opts.deferred:
             raise exceptions.OptionsError(f"unknown option(s): {', '.join(sorted(opts.deferred))}")
         # A deferred value is applied while its addon registers, before that addon is in the chain
@@ -50,7 +75,7 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
         return 2
     # Run the gateway's hooks before mitmproxy's built-in addons, exactly as `mitmdump -s` does:
     # the guards then decide first (next layer, DNS answers) and never race a built-in default.
-    chain = master.addons.chain
+    chain = gateway_master.addons.chain
     chain[:] = [a for a in chain if a in ours] + [a for a in chain if a not in ours]
     observability = next((a for a in ours if isinstance(a, Observability)), None)
 
@@ -71,12 +96,12 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
         except Exception:
             logger.exception("egress gateway: draining failed")
         finally:
-            master.shutdown()
+            gateway_master.shutdown()
 
     def stop() -> None:
         """SIGTERM/SIGINT: drain, then exit 0. A second signal exits at once."""
         if stopping or observability is None:
-            master.shutdown()
+            gateway_master.shutdown()
             return
         stopping.append(loop.create_task(drain_then_stop(), name="egress drain"))
 
@@ -87,8 +112,8 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
     state.signals.install(loop, (signal.SIGHUP,))
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    await master.run()
-    errorcheck = master.addons.get("errorcheck")
+    await gateway_master.run()
+    errorcheck = gateway_master.addons.get("errorcheck")
     return 1 if errorcheck is not None and getattr(errorcheck, "has_errored", False) else 0
 
 
