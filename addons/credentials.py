@@ -15,6 +15,7 @@ requests that carried a credential, and in response headers of all requests.
 from __future__ import annotations
 
 import logging
+from urllib.parse import quote
 
 from mitmproxy import ctx, http
 from mitmproxy.utils import human
@@ -89,7 +90,9 @@ def _swap(request: http.Request, token: str, value: str) -> bool:
             request.headers.set_all(name, values)
             swapped = True
     if token in request.path:
-        request.path = request.path.replace(token, value)
+        # Percent-encoded: a raw value could add '&', '=', '+' or '#' to the URL and come back
+        # from a query-parsing upstream in pieces no redaction form matches.
+        request.path = request.path.replace(token, quote(value, safe=""))
         swapped = True
     return swapped
 
@@ -175,7 +178,13 @@ class ResponseRedactor:
         if found:
             response.reason = clean_reason
             hits += found
-        for name in {k.lower() for k in response.headers.keys()}:
+        for name in list(dict.fromkeys(response.headers.keys())):  # as sent: base64 is case-sensitive
+            found = redactor.redact_text(name)[1]
+            if found:
+                # A name cannot carry a marker ('[' is not a token character): drop the header.
+                hits += found
+                response.headers.pop(name, None)
+                continue
             values = response.headers.get_all(name)
             cleaned = [redactor.redact_text(v) for v in values]
             if any(found for _, found in cleaned):

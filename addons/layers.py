@@ -137,6 +137,14 @@ class GatewayHttp1Server(Http1Server):
         self.state = self.read_body
         yield from self.state(event)
 
+    def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
+        try:
+            yield from super().read_body(event)
+        except NotImplementedError:
+            # mitmproxy cannot relay request trailers and would leave the connection hanging.
+            yield from self._refuse(Decision.deny("malformed_request", "request trailers are not supported"),
+                                    self.request, getattr(self.request, "method", None))
+
     def send(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, ResponseProtocolError) and not self.response:
             decision = getattr(self.request, REFUSAL_ATTR, None)

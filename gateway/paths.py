@@ -40,7 +40,11 @@ def normalise_path(target: str) -> str:
     """The path part of an origin-form target (query dropped), normalised for matching."""
     if target == "*":
         return "*"
-    path = target.split("?", 1)[0].split("#", 1)[0]
+    if any(ch in target for ch in " \t#"):
+        # Not allowed in a request target; forwarded raw, an upstream could split the request
+        # line at the space (HTTP/2 -> HTTP/1) or read a path after the '#' the check ignored.
+        raise PathError("space, tab or '#' in the request target")
+    path = target.split("?", 1)[0]
     if not path.startswith("/"):
         raise PathError("request target must start with '/'")
     try:

@@ -29,7 +29,7 @@ def _pure_base64(raw: bytes, offset: int, urlsafe: bool) -> bytes:
 
 def forms_of(value: str) -> set[bytes]:
     raw = value.encode("utf-8")
-    forms = {raw, raw.hex().encode(), raw.hex().upper().encode()}
+    forms = {raw, raw.hex().encode(), raw.hex().upper().encode(), value.replace("+", " ").encode("utf-8")}
     for text in (quote(value, safe=""), quote(value), quote_plus(value), quote_plus(value, safe="/"),
                  quote(value, safe="").lower()):
         forms.add(text.encode("ascii"))
