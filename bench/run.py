@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Egress gateway benchmark: the gateway against bare mitmdump, on loopback, in one run.
+"""Egress gateway benchmark: the gateway against bare mitmdump, explicit and transparent mode, in one run.
 
-    /tmp/venv/bin/python bench/run.py            # full run (~6-8 minutes)
-    /tmp/venv/bin/python bench/run.py --quick    # smoke run (~2 minutes)
+    /tmp/venv/bin/python bench/run.py            # full run (~11-13 minutes)
+    /tmp/venv/bin/python bench/run.py --quick    # smoke run (~3-4 minutes)
+    /tmp/venv/bin/python bench/run.py --only transparent --quick
 
-What runs (all on this machine, traffic only to 127.0.0.0/8):
+Explicit mode (all on this machine, traffic only to 127.0.0.0/8):
 - origin: nginx on ORIGIN_IP:443 (default 127.0.0.50) with a TestPKI certificate for origin.bench,
   serving a small static body and a large file;
 - (a) baseline: `mitmdump` with no addon script, lazy connections, flow_detail=0, quiet, trusting the
@@ -16,8 +17,21 @@ The proxies resolve origin.bench through a private /etc/hosts, bind-mounted in a
 that only they see (`unshare --mount`): the gateway does not need it (static_hosts) but bare mitmdump
 does, and both run the same way.
 
+Transparent mode (traffic only inside network namespaces created by the run, none with a route off
+the machine; checked before any traffic, removed at the end, also on error or interrupt):
+- the closed topology of tests/transparent/topology.py: a gateway namespace and an "internet"
+  namespace joined by a veth, and two sandbox namespaces built by docker/sandbox-net.sh (GATEWAY_NS
+  set), each with TCP 80/443 REDIRECTed to one transparent listener in the gateway namespace;
+- origin: a second nginx, in the internet namespace, on 93.184.216.34:443 (on its lo);
+- (a) `mitmdump --mode transparent@0.0.0.0:PORT_A` and (b) `python -m gateway run --mode
+  transparent@0.0.0.0:PORT_B` (policy: origin.bench -> 93.184.216.34 in static_hosts), both in the
+  gateway namespace; sandbox 1 is redirected to (a), sandbox 2 to (b);
+- hey runs inside the sandbox (`ip netns exec`), with no proxy settings, against https://origin.bench/,
+  which the sandbox resolves through /etc/netns/SANDBOX/hosts.
+
 Rounds are interleaved (A B, then B A, ...), each figure is the median over rounds, and the ratio is
-gateway/baseline. See bench/README.md for how to read the results.
+gateway/baseline. `--only` picks figure groups: explicit, transparent, bulk, decision. See
+bench/README.md for how to read the results.
 
 This is not a test: pytest does not collect it (no test_*.py name, outside testpaths).
 """
@@ -30,6 +44,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -58,6 +73,12 @@ THROUGHPUT_TARGET = 0.95
 POLICY_SCALING_TARGET = 1.5
 RSS_GROWTH_TARGET_FRACTION = 0.10  # the streaming gateway's RSS may grow by at most 10% of the body
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+GROUPS = ("explicit", "transparent", "bulk", "decision")
+# transparent mode: addresses and ports inside the namespaces this run creates (nothing else is there)
+TRANSPARENT_ORIGIN_IP = "93.184.216.34"  # on lo of the run's own "internet" namespace only
+TRANSPARENT_PORTS = {"baseline": 18091, "gateway": 18092}  # listeners in the run's gateway namespace
+TRANSPARENT_DNS_PORTS = {"baseline": 15391, "gateway": 15392}  # nothing listens: names come from hosts files
+TRANSPARENT_SANDBOX_INDEX = {"baseline": 1, "gateway": 2}  # sandbox 10.203.K.2 -> gateway side 10.203.K.1
 
 
 class BenchError(RuntimeError):
@@ -90,6 +111,27 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout: float =
         except OSError:
             time.sleep(0.05)
     raise BenchError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def wait_listening(proc: subprocess.Popen, pid: int, port: int, timeout: float = 30.0) -> None:
+    """Wait until process `pid` (in whatever network namespace it runs) has a TCP socket listening on
+    `port`: read from /proc/PID/net/tcp, which shows the sockets of that process's namespace. No probe
+    connection, which a transparent listener would take for a redirected one."""
+    needle = f":{port:04X}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"process exited with {proc.returncode} before listening on port {port}")
+        try:
+            lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+        except OSError:
+            lines = []
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[1].endswith(needle) and fields[3] == "0A":  # 0A: LISTEN
+                return
+        time.sleep(0.1)
+    raise BenchError(f"nothing listening on port {port} after {timeout}s")
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -192,8 +234,11 @@ class Setup:
     pin: bool
     wrap_hosts: list[str]
     ca_cert: Path = Path()
-    nginx: Service | None = None
+    origin_cert: tuple[Path, Path] | None = None  # (certificate, key) for origin.bench
+    www: Path = Path()
+    nginx: dict[str, Service] = field(default_factory=dict)  # explicit | transparent
     proxies: dict[str, "Proxy"] = field(default_factory=dict)
+    net: "TransparentNet | None" = None
 
     nice: int = 0
 
@@ -205,13 +250,15 @@ class Setup:
 
 @dataclass
 class Proxy:
-    key: str  # baseline | baseline_stream | gateway
+    key: str  # baseline | baseline_stream | gateway | baseline_transparent | gateway_transparent
     label: str
     service: Service
     host: str
     port: int
     confdir: Path
     pid: int = 0
+    role: str = ""  # baseline | baseline_stream | gateway: the key its results are stored under
+    sandbox_ns: str | None = None  # transparent: the sandbox namespace whose traffic is redirected to it
 
     @property
     def url(self) -> str:
@@ -257,28 +304,36 @@ def hosts_wrapper(workdir: Path, origin_ip: str) -> list[str]:
     return prefix
 
 
-def make_origin(setup: Setup, bulk_bytes: int, tools: dict[str, str]) -> None:
+def make_origin_files(setup: Setup, bulk_bytes: int) -> None:
+    """The throw-away CA, a certificate for origin.bench and the document root (shared by both origins)."""
     from tests.support.pki import TestPKI  # the project's throw-away CA
 
     pki = TestPKI(setup.workdir / "pki")
-    cert, key = pki.issue([ORIGIN_NAME], stem="origin")
+    setup.origin_cert = pki.issue([ORIGIN_NAME], stem="origin")
     setup.ca_cert = pki.ca_cert
-    www = setup.workdir / "www"
+    www = setup.www = setup.workdir / "www"
     www.mkdir()
     (www / SMALL_PATH.lstrip("/")).write_bytes(SMALL_BODY)
     with open(www / BIG_PATH.lstrip("/"), "wb") as f:  # sparse file: zeros, no disk writes
         f.truncate(bulk_bytes)
-    tmp = setup.workdir / "nginx-tmp"
+
+
+def start_nginx(setup: Setup, name: str, listen_ip: str, tools: dict[str, str], netns: str | None = None) -> Service:
+    """nginx on listen_ip:443, in the host namespace or (transparent) in namespace `netns`."""
+    assert setup.origin_cert is not None
+    cert, key = setup.origin_cert
+    tmp = setup.workdir / f"{name}-tmp"
     tmp.mkdir()
-    conf = setup.workdir / "nginx.conf"
+    conf = setup.workdir / f"{name}.conf"
+    error_log = setup.workdir / f"{name}-error.log"
     conf.write_text(f"""
 user root;
 daemon off;
 master_process on;
 worker_processes 1;
 worker_rlimit_nofile 16384;
-pid {setup.workdir}/nginx.pid;
-error_log {setup.workdir}/nginx-error.log warn;
+pid {setup.workdir}/{name}.pid;
+error_log {error_log} warn;
 events {{ worker_connections 8192; multi_accept on; }}
 http {{
     access_log off;
@@ -296,37 +351,109 @@ http {{
     types {{ text/plain txt; application/octet-stream bin; }}
     default_type application/octet-stream;
     server {{
-        listen {setup.origin_ip}:443 ssl backlog=4096;
+        listen {listen_ip}:443 ssl backlog=4096;
         server_name {ORIGIN_NAME};
         ssl_certificate {cert};
         ssl_certificate_key {key};
         ssl_session_cache shared:SSL:10m;
-        root {www};
+        root {setup.www};
         location / {{ try_files $uri =404; }}
     }}
 }}
 """)
-    if port_in_use(setup.origin_ip, 443):
-        raise BenchError(f"{setup.origin_ip}:443 is already in use: pick another --origin-ip in 127.0.0.0/8")
-    nginx = Service("nginx", setup.cpu(1) + [tools["nginx"], "-p", str(setup.workdir), "-e",
-                                            str(setup.workdir / "nginx-error.log"), "-c", str(conf)],
-                    setup.workdir / "nginx.out", stop_signal=signal.SIGTERM)
-    setup.nginx = nginx.start()
-    wait_for_port(setup.origin_ip, 443, nginx.proc)
-    # direct sanity check, without any proxy
-    out = subprocess.run(["curl", "-sS", "--fail", "--max-time", "10", "--cacert", str(setup.ca_cert), "--resolve",
-                          f"{ORIGIN_NAME}:443:{setup.origin_ip}", f"https://{ORIGIN_NAME}{SMALL_PATH}"],
-                         capture_output=True)
+    in_ns = ["ip", "netns", "exec", netns] if netns else []
+    if not netns and port_in_use(listen_ip, 443):
+        raise BenchError(f"{listen_ip}:443 is already in use: pick another --origin-ip in 127.0.0.0/8")
+    nginx = Service(name, setup.cpu(1) + in_ns + [tools["nginx"], "-p", str(setup.workdir), "-e", str(error_log),
+                                                 "-c", str(conf)],
+                    setup.workdir / f"{name}.out", stop_signal=signal.SIGTERM)
+    setup.nginx[name] = nginx.start()
+    if netns:
+        wait_listening(nginx.proc, nginx.pid, 443)
+    else:
+        wait_for_port(listen_ip, 443, nginx.proc)
+    # direct sanity check, without any proxy (transparent: from the gateway namespace, over the veth)
+    sanity_ns = ["ip", "netns", "exec", setup.net.topology.gw] if netns and setup.net else []
+    out = subprocess.run(sanity_ns + ["curl", "-sS", "--fail", "--max-time", "10", "--cacert", str(setup.ca_cert),
+                                      "--resolve", f"{ORIGIN_NAME}:443:{listen_ip}", f"https://{ORIGIN_NAME}{SMALL_PATH}"],
+                         capture_output=True, env=clean_env())
     if out.returncode != 0 or out.stdout != SMALL_BODY:
-        raise BenchError(f"origin sanity check failed: {out.stderr.decode(errors='replace')}\n{nginx.tail()}")
+        raise BenchError(f"origin sanity check ({name}) failed: {out.stderr.decode(errors='replace')}\n{nginx.tail()}")
+    return nginx
 
 
-def gateway_policy_text(origin_ip: str) -> str:
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for clients: no proxy variables (explicit mode passes the proxy with -x)."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "ftp_proxy"}}
+    env.update(extra)
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# transparent mode: the closed namespace topology of tests/transparent
+
+
+@dataclass
+class TransparentNet:
+    """Gateway + internet namespaces (tests/transparent/topology.py's Topology, with names of its own:
+    egb<tag>g, egb<tag>i) and one sandbox per proxy built by docker/sandbox-net.sh with GATEWAY_NS."""
+
+    topology: object
+    sandboxes: dict[str, object] = field(default_factory=dict)  # role -> Sandbox
+
+    @classmethod
+    def new(cls) -> "TransparentNet":
+        """Names only; `build` creates the namespaces (keep the object first, so that a half-built
+        network is still destroyed)."""
+        from tests.transparent.topology import Topology
+
+        topology = Topology(None)  # its PKI is only for the tests' upstreams: not used here
+        # Names distinct from the tests' (egt...), so that a stray namespace is recognisably the benchmark's.
+        topology.tag = f"{os.getpid() % 10000}{secrets.token_hex(2)}"
+        topology.gw, topology.inet = f"egb{topology.tag}g", f"egb{topology.tag}i"
+        topology.gw_if, topology.in_if = f"bg{topology.tag}", f"bi{topology.tag}"
+        return cls(topology)
+
+    def build(self) -> None:
+        self.topology.create()  # checks that no namespace has a route off the machine
+        self.topology.add_address(TRANSPARENT_ORIGIN_IP)  # on the internet namespace's lo, routed from the gateway ns
+        self.topology.check_closed()
+
+    def add_sandbox(self, role: str):
+        from tests.transparent.topology import ETC_NETNS, Sandbox
+
+        t = self.topology
+        index = TRANSPARENT_SANDBOX_INDEX[role]
+        sandbox = Sandbox(role, f"egb{t.tag}s{index}", f"bh{t.tag}{index}"[:15], index, TRANSPARENT_PORTS[role],
+                          TRANSPARENT_DNS_PORTS[role], t.gw)
+        t.sandboxes[role] = self.sandboxes[role] = sandbox
+        sandbox.up()  # docker/sandbox-net.sh up, with GATEWAY_NS
+        # The sandbox resolves the origin through its own hosts file (`ip netns exec` bind-mounts it);
+        # the gateway's DNS mode is not what is measured.
+        (ETC_NETNS / sandbox.ns / "hosts").write_text(
+            f"127.0.0.1 localhost\n{TRANSPARENT_ORIGIN_IP} {ORIGIN_NAME}\n")
+        t.check_closed()
+        return sandbox
+
+    def destroy(self) -> list[str]:
+        """Remove everything; returns whatever of ours is still present (should be empty)."""
+        self.topology.destroy()
+        return self.topology.leftovers()
+
+
+def transparent_unavailable() -> str | None:
+    from tests.transparent.topology import unavailable_reason
+
+    return unavailable_reason()
+
+
+def gateway_policy_text(origin_ip: str, transparent: bool = False) -> str:
+    network = "" if transparent else "  allow_ip_ranges: [127.0.0.0/8]\n"
     return f"""version: 1
 network:
   deny_ip_ranges: default
-  allow_ip_ranges: [127.0.0.0/8]
-resolver:
+{network}resolver:
   static_hosts:
     {ORIGIN_NAME}: [{origin_ip}]
 rules:
@@ -337,35 +464,56 @@ rules:
 
 
 def start_proxy(setup: Setup, key: str, tools: dict[str, str], gateway_audit: bool) -> Proxy:
-    port = free_port()
+    """key: baseline | baseline_stream | gateway (explicit, on loopback) or baseline_transparent |
+    gateway_transparent (in the gateway namespace, fed by that role's sandbox)."""
+    transparent = key.endswith("_transparent")
+    role = key.removesuffix("_transparent")
+    if transparent:
+        assert setup.net is not None
+        port = TRANSPARENT_PORTS[role]
+        mode = f"transparent@0.0.0.0:{port}"
+        host = "0.0.0.0"
+        wrap = ["ip", "netns", "exec", setup.net.topology.gw]
+        origin_ip = TRANSPARENT_ORIGIN_IP
+    else:
+        port = free_port()
+        mode = f"regular@127.0.0.1:{port}"
+        host = "127.0.0.1"
+        wrap = setup.wrap_hosts
+        origin_ip = setup.origin_ip
     confdir = setup.workdir / f"confdir-{key}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if key == "gateway":
-        policy = setup.workdir / "gateway-policy.yaml"
-        policy.write_text(gateway_policy_text(setup.origin_ip))
+    if role == "gateway":
+        policy = setup.workdir / f"{key}-policy.yaml"
+        policy.write_text(gateway_policy_text(origin_ip, transparent))
         cmd = [sys.executable, "-m", "gateway", "run", "-q", "--policy", str(policy),
-               "--mode", f"regular@127.0.0.1:{port}", "--confdir", str(confdir),
+               "--mode", mode, "--confdir", str(confdir),
                "--set", f"ssl_verify_upstream_trusted_ca={setup.ca_cert}"]
         if gateway_audit:
-            cmd += ["--audit-log", str(setup.workdir / "gateway-audit.jsonl")]
+            cmd += ["--audit-log", str(setup.workdir / f"{key}-audit.jsonl")]
         env["PYTHONPATH"] = str(PROJECT_ROOT)
         label = "gateway (b)"
     else:
-        cmd = [tools["mitmdump"], "-q", "--mode", f"regular@127.0.0.1:{port}",
+        cmd = [tools["mitmdump"], "-q", "--mode", mode,
                "--set", f"confdir={confdir}", "--set", "connection_strategy=lazy", "--set", "flow_detail=0",
                "--set", "termlog_verbosity=warn",
                "--set", f"ssl_verify_upstream_trusted_ca={setup.ca_cert}"]
-        if key == "baseline_stream":
+        if role == "baseline_stream":
             cmd += ["--set", "stream_large_bodies=1m"]
             label = "mitmdump+stream (a')"
         else:
             label = "mitmdump (a)"
-    service = Service(key, setup.cpu(0) + setup.wrap_hosts + cmd, setup.workdir / f"{key}.log", env=env,
-                      cwd=PROJECT_ROOT)
+    if transparent:
+        label += " transparent"
+    service = Service(key, setup.cpu(0) + wrap + cmd, setup.workdir / f"{key}.log", env=env, cwd=PROJECT_ROOT)
     service.start()
-    proxy = Proxy(key, label, service, "127.0.0.1", port, confdir)
+    proxy = Proxy(key, label, service, host, port, confdir, role=role,
+                  sandbox_ns=setup.net.sandboxes[role].ns if transparent else None)
     try:
-        wait_for_port(proxy.host, port, service.proc)
+        if transparent:
+            wait_listening(service.proc, service.pid, port)
+        else:
+            wait_for_port(proxy.host, port, service.proc)
         deadline = time.monotonic() + 15
         while not proxy.ca.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -377,16 +525,37 @@ def start_proxy(setup: Setup, key: str, tools: dict[str, str], gateway_audit: bo
     return proxy
 
 
+def client_prefix(proxy: Proxy) -> list[str]:
+    """Transparent: run the client inside the proxy's sandbox (it has no proxy settings at all)."""
+    return ["ip", "netns", "exec", proxy.sandbox_ns] if proxy.sandbox_ns else []
+
+
+def client_proxy_args(proxy: Proxy) -> list[str]:
+    return [] if proxy.sandbox_ns else ["-x", proxy.url]
+
+
 def sanity_check(setup: Setup, proxy: Proxy) -> None:
-    """A real request through the proxy, with the proxy's CA verified; the gateway must also refuse."""
-    out = subprocess.run(["curl", "-sS", "--fail", "--max-time", "15", "-x", proxy.url, "--cacert", str(proxy.ca),
-                          f"https://{ORIGIN_NAME}{SMALL_PATH}"], capture_output=True)
+    """A real request through the proxy, with the proxy's CA verified (so it was intercepted, not passed
+    through: the origin's certificate is not signed by that CA); the gateway must also refuse."""
+    out = subprocess.run(client_prefix(proxy) + ["curl", "-sS", "--fail", "--max-time", "15"]
+                         + client_proxy_args(proxy) + ["--cacert", str(proxy.ca), f"https://{ORIGIN_NAME}{SMALL_PATH}"],
+                         capture_output=True, env=clean_env())
     if out.returncode != 0 or out.stdout != SMALL_BODY:
         raise BenchError(f"request through {proxy.key} failed: {out.stderr.decode(errors='replace')}")
-    if proxy.key == "gateway":
+    if proxy.role != "gateway":
+        return
+    if proxy.sandbox_ns:
+        # transparent: the sandbox dials the origin's own address with a refused SNI: 403 after the handshake
+        out = subprocess.run(client_prefix(proxy) + [
+            "curl", "-sS", "--max-time", "15", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(proxy.ca),
+            "--resolve", f"{DENIED_NAME}:443:{TRANSPARENT_ORIGIN_IP}", f"https://{DENIED_NAME}/"],
+            capture_output=True, text=True, env=clean_env())
+        if out.stdout.strip() != "403":
+            raise BenchError(f"the transparent gateway did not refuse {DENIED_NAME} (answered {out.stdout.strip()!r})")
+    else:
         out = subprocess.run(["curl", "-sS", "--max-time", "15", "-o", "/dev/null", "-w", "%{http_connect}",
                               "-x", proxy.url, "--cacert", str(proxy.ca), f"https://{DENIED_NAME}/"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env=clean_env())
         if out.stdout.strip() != "403":
             raise BenchError(f"the gateway did not refuse {DENIED_NAME} (CONNECT answered {out.stdout.strip()!r})")
 
@@ -420,7 +589,8 @@ def parse_hey(text: str) -> dict:
 
 
 def run_hey(setup: Setup, proxy: Proxy, duration: float, concurrency: int, keepalive: bool) -> dict:
-    cmd = setup.cpu(1) + ["hey", "-z", f"{duration:g}s", "-c", str(concurrency), "-t", "20", "-x", proxy.url]
+    cmd = setup.cpu(1) + client_prefix(proxy) + ["hey", "-z", f"{duration:g}s", "-c", str(concurrency), "-t", "20"]
+    cmd += client_proxy_args(proxy)
     if setup.pin:
         cmd += ["-cpus", "1"]
     if not keepalive:
@@ -428,7 +598,7 @@ def run_hey(setup: Setup, proxy: Proxy, duration: float, concurrency: int, keepa
     cmd.append(f"https://{ORIGIN_NAME}{SMALL_PATH}")
     # hey skips certificate verification (InsecureSkipVerify); SSL_CERT_FILE is set anyway so that a
     # build that verifies would trust the proxy's CA (Go reads it on Linux).
-    env = dict(os.environ, SSL_CERT_FILE=str(proxy.ca))
+    env = clean_env(SSL_CERT_FILE=str(proxy.ca))
     cpu0 = cpu_seconds(proxy.pid)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=duration + 90)
     cpu1 = cpu_seconds(proxy.pid)
@@ -612,13 +782,24 @@ def build_markdown(meta: dict, summary: dict, raw: dict, policy: dict | None) ->
     L: list[str] = []
     L.append(f"# Egress gateway benchmark — {meta['started']}")
     L.append("")
-    L.append(f"Mode: **{meta['mode']}** — {meta['rounds_done']} interleaved rounds, hey -c {meta['concurrency']}, "
-             f"{meta['duration']:g} s per run, bulk body {meta['bulk_mb']} MB, CPU pinning: "
-             f"{'proxy on CPU 0, nginx/hey/curl on CPU 1' if meta['pinned'] else 'off'}"
+    groups = meta.get("groups", list(GROUPS))
+    bulk_text = f"bulk body {meta['bulk_mb']} MB, " if "bulk" in groups else ""
+    L.append(f"Mode: **{meta['mode']}** ({', '.join(groups)}) — {meta['rounds_done']} "
+             f"interleaved rounds, hey -c {meta['concurrency']}, {meta['duration']:g} s per run, {bulk_text}"
+             f"CPU pinning: "
+             f"{'proxy on CPU 0, nginx/hey/curl on CPU 1' if meta.get('pinned') else 'off'}"
              f"{'; nice ' + str(meta['nice']) if meta.get('nice') else ''}"
              f"{'; gateway with --audit-log' if meta.get('gateway_audit_log') else ''}.")
     L.append(f"Commit {meta['commit']}{' (+ uncommitted changes)' if meta['dirty'] else ''}; mitmproxy {meta['mitmproxy']}; "
-             f"{meta['nginx']}; Python {meta['python']}; {meta['cpus']} CPUs; load average at start {meta['loadavg_start']}.")
+             f"{meta.get('nginx', 'nginx n/a')}; Python {meta['python']}; {meta['cpus']} CPUs; load average at start {meta['loadavg_start']}.")
+    if meta.get("transparent_topology"):
+        t = meta["transparent_topology"]
+        L.append(f"Transparent: hey in a sandbox namespace (no proxy settings) → docker/sandbox-net.sh's iptables "
+                 f"REDIRECT → the proxy's transparent listener in namespace {t['gateway_ns']} → veth → nginx on "
+                 f"{t['origin']} in namespace {t['internet_ns']}; one sandbox per proxy "
+                 f"({'; '.join(f'{r}: {v}' for r, v in t['sandboxes'].items())}).")
+    if meta.get("loadavg_rounds"):
+        L.append(f"Load average (1/5/15 min) at the start of each round: {' | '.join(meta['loadavg_rounds'])}.")
     L.append("")
     L.append("Medians over rounds. b/a = gateway (b) / baseline (a), ratio of the medians (the target is checked on "
              "it); 'paired' = median and range of the per-round ratios (each round runs a and b back to back, order "
@@ -649,6 +830,14 @@ def build_markdown(meta: dict, summary: dict, raw: dict, policy: dict | None) ->
     row("(2) new-connection p50 latency, ms", "newconn", "p50_ms")
     row("(2) new-connection p99 latency, ms", "newconn", "p99_ms")
     row("(2) proxy CPU per connection, µs", "newconn", "cpu_us_per_req", digits=0)
+    row("(5) transparent keep-alive HTTPS req/s", "transparent_keepalive", "rps", tp, ok)
+    row("(5) transparent keep-alive p50 latency, ms", "transparent_keepalive", "p50_ms")
+    row("(5) transparent keep-alive p99 latency, ms", "transparent_keepalive", "p99_ms")
+    row("(5) transparent proxy CPU per request, µs", "transparent_keepalive", "cpu_us_per_req", digits=0)
+    row("(6) transparent new TLS connections/s", "transparent_newconn", "rps", tp, ok)
+    row("(6) transparent new-connection p50 latency, ms", "transparent_newconn", "p50_ms")
+    row("(6) transparent new-connection p99 latency, ms", "transparent_newconn", "p99_ms")
+    row("(6) transparent proxy CPU per connection, µs", "transparent_newconn", "cpu_us_per_req", digits=0)
     row(f"(3) bulk {meta['bulk_mb']} MB download, MB/s", "bulk", "mb_per_s", tp, ok)
     row("(3) proxy CPU per MB, ms", "bulk", "cpu_ms_per_mb")
     row("(3) proxy RSS before download, MiB", "bulk", "rss_before_mib")
@@ -696,6 +885,8 @@ def build_markdown(meta: dict, summary: dict, raw: dict, policy: dict | None) ->
 
     spreads = []
     for figure, metric, name in (("keepalive", "rps", "keep-alive req/s"), ("newconn", "rps", "new connections/s"),
+                                 ("transparent_keepalive", "rps", "transparent keep-alive req/s"),
+                                 ("transparent_newconn", "rps", "transparent new connections/s"),
                                  ("bulk", "mb_per_s", "bulk MB/s")):
         values = [rnd["baseline"][metric] for rnd in raw.get(figure, []) if rnd.get("baseline", {}).get(metric)]
         if len(values) >= 2:
@@ -716,6 +907,7 @@ def build_markdown(meta: dict, summary: dict, raw: dict, policy: dict | None) ->
     L.append("<details><summary>Per-round values</summary>")
     L.append("")
     for figure, metric, unit in (("keepalive", "rps", "req/s"), ("newconn", "rps", "conn/s"),
+                                 ("transparent_keepalive", "rps", "req/s"), ("transparent_newconn", "rps", "conn/s"),
                                  ("bulk", "mb_per_s", "MB/s"), ("bulk", "rss_peak_mib", "MiB peak RSS")):
         if figure not in raw:
             continue
@@ -747,7 +939,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="short run: 3 rounds of 3 s, 20,000-rule policy instead of 100,000 (~2 min)")
+                   help="short run: 3 rounds of 3 s, 20,000-rule policy instead of 100,000 (~3-4 min)")
+    p.add_argument("--only", action="append", metavar="GROUP[,GROUP]",
+                   help=f"run only these figure groups, of {', '.join(GROUPS)} (repeatable or comma-separated; "
+                        "default: all; transparent is skipped with a warning when namespaces are unavailable)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 5, quick 3)")
     p.add_argument("--duration", type=float, help="seconds per hey run (default 10, quick 3)")
     p.add_argument("--concurrency", type=int, default=32, help="hey -c")
@@ -763,15 +958,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-stream-baseline", action="store_true",
                    help="skip (a'), mitmdump with stream_large_bodies=1m, in the bulk figure")
     p.add_argument("--gateway-audit-log", action="store_true", help="run the gateway with --audit-log to a file")
-    p.add_argument("--skip-proxy", action="store_true", help="only the policy decision figure (4)")
+    p.add_argument("--skip-proxy", action="store_true", help="only the policy decision figure (4): --only decision")
     p.add_argument("--skip-policy", action="store_true", help="skip the policy decision figure (4)")
-    p.add_argument("--max-minutes", type=float, help="stop starting new rounds after this many minutes (default 9, quick 3.5)")
+    p.add_argument("--max-minutes", type=float,
+                   help="stop starting new rounds after this many minutes (default 14, quick 5)")
     p.add_argument("--keep-workdir", action="store_true", help="keep the temporary directory (logs, configs)")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="where to write latest.md / latest.json")
     args = p.parse_args(argv)
     q = args.quick
     defaults = {"rounds": (3, 5), "duration": (3.0, 10.0), "rules": (20000, 100000), "policy_number": (20000, 20000),
-                "policy_repeats": (5, 9), "max_minutes": (3.5, 9.0)}
+                "policy_repeats": (5, 9), "max_minutes": (5.0, 14.0)}
     for name, (quick, full) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -779,7 +975,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--rounds, --duration and --policy-repeats must be positive and --rules above 10")
     if not args.origin_ip.startswith("127."):
         p.error("--origin-ip must be in 127.0.0.0/8: this benchmark sends traffic to loopback only")
+    args.only_given = bool(args.only)
+    groups = [g.strip() for item in (args.only or [",".join(GROUPS)]) for g in item.split(",") if g.strip()]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        p.error(f"--only: unknown group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")
+    if args.skip_proxy:
+        groups = [g for g in groups if g == "decision"]
+    if args.skip_policy:
+        groups = [g for g in groups if g != "decision"]
+    if not groups:
+        p.error("nothing to run (check --only, --skip-proxy and --skip-policy)")
+    args.groups = [g for g in GROUPS if g in groups]
     return args
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_figure(setup: Setup, meta: dict, rnd: int, figure: str, pair: list[Proxy], duration: float,
+               concurrency: int, keepalive: bool) -> dict:
+    results = {}
+    for proxy in pair:
+        res = run_hey(setup, proxy, duration, concurrency, keepalive)
+        if res["failure_fraction"] > 0.001:
+            meta["warnings"].append(
+                f"round {rnd + 1} {figure} {proxy.key}: {res['non_200']} non-200 and "
+                f"{res['errors']} errors ({res['failure_fraction']:.2%})")
+        results[proxy.role] = res
+        log(f"  {figure:21s} {proxy.key:20s} {res['rps']:8.1f}/s  p50 {fmt(res['p50_ms'])} ms  "
+            f"p99 {fmt(res['p99_ms'])} ms  cpu {fmt(res.get('cpu_us_per_req'), 0)} µs/req")
+        time.sleep(0.5)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -789,13 +1017,15 @@ def main(argv: list[str] | None = None) -> int:
     import mitmproxy.version
 
     commit, dirty = git_info()
+    groups = list(args.groups)
     meta: dict = {
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "mode": "quick" if args.quick else "full",
+        "groups": groups,
         "rounds": args.rounds, "rounds_done": 0, "duration": args.duration, "concurrency": args.concurrency,
         "bulk_mb": args.bulk_mb, "commit": commit, "dirty": dirty, "mitmproxy": mitmproxy.version.VERSION,
         "python": platform.python_version(), "cpus": os.cpu_count(),
-        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "warnings": [],
+        "loadavg_start": loadavg(), "loadavg_rounds": [], "warnings": [],
         "gateway_audit_log": args.gateway_audit_log, "nice": args.nice,
     }
     raw: dict[str, list[dict]] = {}
@@ -808,59 +1038,99 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="egress-bench-"))
     setup: Setup | None = None
     failed = False
+    explicit = "explicit" in groups or "bulk" in groups
     try:
-        if not args.skip_proxy:
+        if "transparent" in groups:
+            reason = transparent_unavailable()
+            if reason:
+                if args.only_given:
+                    raise BenchError(f"transparent mode cannot run here: {reason}")
+                meta["warnings"].append(f"transparent figures skipped: {reason}")
+                log(f"transparent figures skipped: {reason}")
+                groups.remove("transparent")
+                meta["groups"] = groups
+        proxy_groups = [g for g in groups if g != "decision"]
+        if proxy_groups:
             pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
-            tools = check_tools(need_unshare=True)
+            tools = check_tools(need_unshare=explicit)
             meta["nginx"] = subprocess.run([tools["nginx"], "-v"], capture_output=True, text=True).stderr.strip()
-            setup = Setup(workdir, args.origin_ip, pin, hosts_wrapper(workdir, args.origin_ip), nice=args.nice)
+            setup = Setup(workdir, args.origin_ip, pin, hosts_wrapper(workdir, args.origin_ip) if explicit else [],
+                          nice=args.nice)
             meta["pinned"] = pin
             bulk_bytes = args.bulk_mb * 1_000_000
-            log(f"work directory {workdir}; origin https://{ORIGIN_NAME} on {args.origin_ip}:443 (nginx)")
-            make_origin(setup, bulk_bytes, tools)
-            keys = ["baseline", "gateway"] + ([] if args.no_stream_baseline else ["baseline_stream"])
+            log(f"work directory {workdir}")
+            make_origin_files(setup, bulk_bytes if "bulk" in groups else 0)
+            keys: list[str] = []
+            if explicit:
+                log(f"explicit: origin https://{ORIGIN_NAME} on {args.origin_ip}:443 (nginx)")
+                start_nginx(setup, "nginx", args.origin_ip, tools)
+                keys += ["baseline", "gateway"] + (["baseline_stream"]
+                                                   if "bulk" in groups and not args.no_stream_baseline else [])
+            if "transparent" in groups:
+                setup.net = TransparentNet.new()
+                setup.net.build()
+                for role in ("baseline", "gateway"):
+                    setup.net.add_sandbox(role)
+                t = setup.net.topology
+                meta["transparent_topology"] = {
+                    "gateway_ns": t.gw, "internet_ns": t.inet,
+                    "sandboxes": {r: f"{sb.ns} {sb.address} -> :{sb.proxy_port}" for r, sb in setup.net.sandboxes.items()},
+                    "origin": f"{TRANSPARENT_ORIGIN_IP}:443",
+                }
+                log(f"transparent: namespaces gateway {t.gw}, internet {t.inet}, sandboxes "
+                    f"{', '.join(sb.ns for sb in setup.net.sandboxes.values())}; origin https://{ORIGIN_NAME} on "
+                    f"{TRANSPARENT_ORIGIN_IP}:443 (nginx in {t.inet})")
+                start_nginx(setup, "nginx-transparent", TRANSPARENT_ORIGIN_IP, tools, netns=t.inet)
+                keys += ["baseline_transparent", "gateway_transparent"]
             for key in keys:
                 setup.proxies[key] = start_proxy(setup, key, tools, args.gateway_audit_log)
-                log(f"{key}: {setup.proxies[key].url} (pid {setup.proxies[key].pid})")
-            base, gw = setup.proxies["baseline"], setup.proxies["gateway"]
+                proxy = setup.proxies[key]
+                where = f"sandbox {proxy.sandbox_ns} -> :{proxy.port}" if proxy.sandbox_ns else proxy.url
+                log(f"{key}: {where} (pid {proxy.pid})")
 
-            log("warm-up (not counted)")
-            for proxy in (base, gw):
-                run_hey(setup, proxy, min(2.0, args.duration), args.concurrency, True)
-                run_hey(setup, proxy, min(2.0, args.duration), args.concurrency, False)
+            # (figure, keep-alive?, baseline key, gateway key)
+            figures: list[tuple[str, bool, str, str]] = []
+            if "explicit" in groups:
+                figures += [("keepalive", True, "baseline", "gateway"), ("newconn", False, "baseline", "gateway")]
+            if "transparent" in groups:
+                figures += [("transparent_keepalive", True, "baseline_transparent", "gateway_transparent"),
+                            ("transparent_newconn", False, "baseline_transparent", "gateway_transparent")]
 
+            if figures:
+                log("warm-up (not counted)")
+                for key in dict.fromkeys(k for f in figures for k in f[2:]):
+                    run_hey(setup, setup.proxies[key], min(2.0, args.duration), args.concurrency, True)
+                    run_hey(setup, setup.proxies[key], min(2.0, args.duration), args.concurrency, False)
+
+            bulk_keys = [k for k in ("baseline", "gateway", "baseline_stream") if k in keys] if "bulk" in groups else []
             for rnd in range(args.rounds):
                 if time.monotonic() > deadline:
                     meta["warnings"].append(f"time limit reached: stopped after {rnd} rounds")
                     break
-                pair = [base, gw] if rnd % 2 == 0 else [gw, base]
-                log(f"round {rnd + 1}/{args.rounds}: order {' → '.join(p.key for p in pair)}")
-                for figure, keepalive in (("keepalive", True), ("newconn", False)):
+                meta["loadavg_rounds"].append(loadavg())
+                log(f"round {rnd + 1}/{args.rounds}: order {'a → b' if rnd % 2 == 0 else 'b → a'}; "
+                    f"load average {meta['loadavg_rounds'][-1]}")
+                for figure, keepalive, a_key, b_key in figures:
+                    pair = [setup.proxies[a_key], setup.proxies[b_key]]
+                    if rnd % 2:
+                        pair.reverse()
+                    raw.setdefault(figure, []).append(
+                        run_figure(setup, meta, rnd, figure, pair, args.duration, args.concurrency, keepalive))
+                if bulk_keys:
+                    order = [setup.proxies[k] for k in bulk_keys]
+                    shift = rnd % len(order)
+                    order = order[shift:] + order[:shift]
+                    if rnd % 2:
+                        order.reverse()
                     results = {}
-                    for proxy in pair:
-                        res = run_hey(setup, proxy, args.duration, args.concurrency, keepalive)
-                        if res["failure_fraction"] > 0.001:
-                            meta["warnings"].append(
-                                f"round {rnd + 1} {figure} {proxy.key}: {res['non_200']} non-200 and "
-                                f"{res['errors']} errors ({res['failure_fraction']:.2%})")
-                        results[proxy.key] = res
-                        log(f"  {figure:9s} {proxy.key:15s} {res['rps']:8.1f}/s  p50 {fmt(res['p50_ms'])} ms  "
-                            f"p99 {fmt(res['p99_ms'])} ms  cpu {fmt(res.get('cpu_us_per_req'), 0)} µs/req")
+                    for proxy in order:
+                        res = run_bulk(setup, proxy, bulk_bytes)
+                        results[proxy.role] = res
+                        log(f"  bulk                  {proxy.key:20s} {res['mb_per_s']:8.1f} MB/s  RSS "
+                            f"{res['rss_before_mib']:.0f} → peak {res['rss_peak_mib']:.0f} MiB "
+                            f"(after {res['rss_after_mib']:.0f})")
                         time.sleep(0.5)
-                    raw.setdefault(figure, []).append(results)
-                order = [setup.proxies[k] for k in keys]
-                shift = rnd % len(order)
-                order = order[shift:] + order[:shift]
-                if rnd % 2:
-                    order.reverse()
-                results = {}
-                for proxy in order:
-                    res = run_bulk(setup, proxy, bulk_bytes)
-                    results[proxy.key] = res
-                    log(f"  bulk      {proxy.key:15s} {res['mb_per_s']:8.1f} MB/s  RSS {res['rss_before_mib']:.0f} → "
-                        f"peak {res['rss_peak_mib']:.0f} MiB (after {res['rss_after_mib']:.0f})")
-                    time.sleep(0.5)
-                raw.setdefault("bulk", []).append(results)
+                    raw.setdefault("bulk", []).append(results)
                 meta["rounds_done"] = rnd + 1
             for proxy in setup.proxies.values():
                 if proxy.service.proc.poll() is not None:
@@ -875,18 +1145,31 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         meta["warnings"].append("interrupted")
         failed = True
-    except BenchError as exc:
+    except (BenchError, RuntimeError, subprocess.TimeoutExpired) as exc:
         log(f"ERROR: {exc}")
         meta["warnings"].append(f"error: {exc}".splitlines()[0])
         failed = True
     finally:
-        if setup is not None:
-            for proxy in setup.proxies.values():
-                proxy.service.stop()
-            if setup.nginx is not None:
-                setup.nginx.stop()
+        # Clean-up must not be cut short by a second Ctrl-C or SIGTERM: ignore both until it is done.
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if setup is not None:
+                for proxy in setup.proxies.values():
+                    proxy.service.stop()
+                for nginx in setup.nginx.values():
+                    nginx.stop()
+                if setup.net is not None:
+                    leftovers = setup.net.destroy()
+                    if leftovers:
+                        meta["warnings"].append(f"not cleaned up: {leftovers}")
+                        log(f"WARNING: not cleaned up: {leftovers}")
+                    else:
+                        log("transparent: namespaces and /etc/netns entries removed")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
-    if not args.skip_policy and not failed:
+    if "decision" in groups and not failed:
         try:
             # the proxies are stopped: the policy timing has the machine to itself
             if args.nice:
@@ -899,7 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
 
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    meta["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta["loadavg_end"] = loadavg()
     args.results.mkdir(parents=True, exist_ok=True)
     try:
         summary = summarise(raw)
