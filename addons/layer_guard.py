@@ -79,6 +79,16 @@ _ROLES = (
 )
 
 
+def _no_wait_for_http(kind: str, data: bytes) -> str:
+    """Where nothing but TLS or HTTP may follow (the proxy port, tunnels, inside TLS), bytes that
+    start like a method are handed to the HTTP layer at once: its parser refuses a bad line, and
+    its head timer also covers a client that goes silent half-way. Only transparent connections,
+    where a raw TCP rule may apply, wait for the whole first line."""
+    if kind == WAIT and _METHOD_PREFIX.match(data[:21]) and not H2_PREFACE.startswith(data[: len(H2_PREFACE)]):
+        return HTTP
+    return kind
+
+
 def _shape(stack) -> tuple[str, ...]:
     roles = []
     for item in stack:
@@ -125,7 +135,7 @@ class LayerGuard:
             self._refuse(nextlayer, "non_http", f"this connection cannot be inspected ({names})", speak_http=False)
 
     def _proxy_port(self, nextlayer: layer.NextLayer, data: bytes) -> None:
-        kind = classify(data)
+        kind = _no_wait_for_http(classify(data), data)
         if kind == WAIT:
             self._wait(nextlayer)
         elif kind == H2C:
@@ -138,7 +148,7 @@ class LayerGuard:
             nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal, *self._head_limits())
 
     def _tunnel_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
-        kind = classify(data)
+        kind = _no_wait_for_http(classify(data), data)
         if kind == WAIT:
             self._wait(nextlayer)
         elif kind == TLS:
@@ -209,7 +219,7 @@ class LayerGuard:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
             self._refuse(nextlayer, "non_http", "only HTTP is allowed inside TLS", speak_http=False)
-        elif (kind := classify(data)) == WAIT:
+        elif (kind := _no_wait_for_http(classify(data), data)) == WAIT:
             self._wait(nextlayer)
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 without ALPN negotiation is refused")

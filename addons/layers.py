@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -99,12 +100,35 @@ class GatewayHttp1Server(Http1Server):
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
         self._head_started: float | None = None  # when the first byte of the current head came
+        self._head_wakeup: commands.RequestWakeup | None = None  # the timer for that head
 
     def _refuse(self, decision: Decision, request=None, method: str | None = None) -> layer.CommandGenerator[None]:
-        self.on_refusal(self.context, decision, request, method)
+        try:
+            self.on_refusal(self.context, decision, request, method)
+        except Exception:  # e.g. the audit disk is full: the refusal still goes out
+            logging.getLogger("egress").exception("egress gateway: could not record a refusal")
         yield commands.SendData(self.conn, raw_http_refusal(decision))
         yield commands.CloseConnection(self.conn)
         self.state = self.done
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Wakeup):
+            if event.command is self._head_wakeup:
+                self._head_wakeup = None
+                yield from self._head_deadline()
+            return
+        yield from super()._handle_event(event)
+
+    def _head_deadline(self) -> layer.CommandGenerator[None]:
+        """A head started but did not complete in time, even if the client went silent."""
+        started = self._head_started
+        if self.state == self.read_headers and started is not None:
+            if time.monotonic() - started >= self.head_timeout:
+                yield from self._refuse(Decision.deny(
+                    "request_head_timeout", f"the request head took more than {self.head_timeout:g}s"))
+            else:
+                self._head_wakeup = commands.RequestWakeup(self.head_timeout - (time.monotonic() - started))
+                yield self._head_wakeup
 
     def read_headers(self, event: events.ConnectionEvent) -> layer.CommandGenerator[None]:
         if not isinstance(event, events.DataReceived):
@@ -112,6 +136,9 @@ class GatewayHttp1Server(Http1Server):
         now = time.monotonic()
         if self._head_started is None:
             self._head_started = now
+            if self.head_timeout and self._head_wakeup is None:
+                self._head_wakeup = commands.RequestWakeup(self.head_timeout)
+                yield self._head_wakeup
         request_head = self.buf.maybe_extract_lines()
         if not request_head:
             if len(self.buf) > self.max_head_bytes:
@@ -151,7 +178,10 @@ class GatewayHttp1Server(Http1Server):
             if decision is None and event.code in _ERROR_REASONS:
                 reason, what = _ERROR_REASONS[event.code]
                 decision = Decision.deny(reason, f"{what}: {event.message[:300]}")
-                self.on_refusal(self.context, decision, self.request, getattr(self.request, "method", None))
+                try:
+                    self.on_refusal(self.context, decision, self.request, getattr(self.request, "method", None))
+                except Exception:
+                    logging.getLogger("egress").exception("egress gateway: could not record a refusal")
             if decision is not None and event.code.http_status_code() is not None:
                 if self.conn.state & ConnectionState.CAN_WRITE:
                     yield commands.SendData(self.conn, raw_http_refusal(decision))

@@ -113,6 +113,7 @@ class AuditLog:
         self.scrub: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self.lines_written = 0
         self.rotations = 0
+        self._broken_line = False  # a write was cut short mid-line (e.g. disk full)
         with self._lock:
             self._open()
             self._configure(chain, max_bytes, backups)
@@ -175,10 +176,18 @@ class AuditLog:
                 self._continue_chain()
 
     def reopen(self) -> None:
-        """For log rotation: close and reopen the same path (a moved file is left to its mover)."""
+        """For log rotation: reopen the same path (a moved file is left to its mover). If the path
+        cannot be opened, the old file stays in use (nothing is lost) and the error is raised."""
         with self._lock:
-            self._close()
-            self._open()
+            old, old_binary, old_size = self._stream, self._binary, self._size
+            self._stream = None
+            try:
+                self._open()
+            except OSError:
+                self._stream, self._binary, self._size = old, old_binary, old_size
+                raise
+            if old is not None and old is not sys.stdout and old is not self._stream:
+                old.close()
 
     def close(self) -> None:
         with self._lock:
@@ -214,8 +223,9 @@ class AuditLog:
 
     @property
     def enabled(self) -> bool:
-        """Is there anywhere to write to? (Without a log, nothing needs building per decision.)"""
-        return self._stream is not None
+        """Is an audit log configured? (Without one, nothing needs building per decision.) A
+        configured log that is not open right now still counts: record() then fails closed."""
+        return self.target is not None
 
     def record(self, **values: Any) -> dict[str, Any]:
         if self.scrub is not None:
@@ -229,13 +239,15 @@ class AuditLog:
         for key, value in values.items():
             if key not in entry:
                 entry[key] = _clip(value)
-        if self._stream is None:
+        if self.target is None:
             return entry
         # ensure_ascii: sandbox text cannot carry raw U+2028/U+2029/U+0085, which some log
         # shippers treat as line breaks; it also makes every line pure ASCII (bytes == characters).
         with self._lock:
             if self._stream is None:
-                return entry
+                # Configured but closed (shut down, or a failed open): open again, or raise, so
+                # that the decision fails closed instead of going unrecorded.
+                self._open()
             if self.chain:
                 entry.pop(CHAIN_KEY, None)
             line = json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
@@ -250,10 +262,23 @@ class AuditLog:
                 data = line.encode("ascii") + b"\n"
                 if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
                     self._rotate()
+                if self._broken_line:
+                    # The last write was cut short (disk full): end that line first, so this
+                    # record parses on its own line.
+                    data = b"\n" + data
                 view = memoryview(data)
-                while view:  # unbuffered: each write goes straight to the kernel
-                    written = self._stream.write(view)
-                    view = view[written:]
+                try:
+                    while view:  # unbuffered: each write goes straight to the kernel
+                        written = self._stream.write(view)
+                        view = view[written:]
+                except OSError:
+                    if len(view) != len(data):  # part of the line is on disk: take it back
+                        try:
+                            os.ftruncate(self._stream.fileno(), self._size)
+                        except OSError:
+                            self._broken_line = True
+                    raise
+                self._broken_line = False
                 self._size += len(data)
             if self.chain:
                 self._prev = line_hash(line.encode("ascii"))

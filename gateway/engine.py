@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
 from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
-from .paths import PathError, normalise_path
+from .paths import PathError, check_target, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
 from .resolver import ResolveError, Resolver
 from .secrets import SecretStore
@@ -132,6 +132,7 @@ class Engine:
         if method in FORBIDDEN_METHODS:
             return Decision.deny("method_forbidden", f"{method} is always refused")
         try:
+            check_target(facts.target)
             path = normalise_path(facts.target)
         except PathError as exc:
             return Decision.deny("bad_path", f"bad request path: {exc}")

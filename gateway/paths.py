@@ -36,15 +36,19 @@ def _decode_fully(text: str) -> str:
     return text
 
 
+def check_target(target: str) -> None:
+    """Refuse what no request target may hold, since the raw target is what goes upstream: a
+    space or tab (an HTTP/2 :path with one splits the HTTP/1 request line) or '#' (the check
+    would ignore what follows it, an upstream might not)."""
+    if any(ch in target for ch in " \t#"):
+        raise PathError("space, tab or '#' in the request target")
+
+
 def normalise_path(target: str) -> str:
     """The path part of an origin-form target (query dropped), normalised for matching."""
     if target == "*":
         return "*"
-    if any(ch in target for ch in " \t#"):
-        # Not allowed in a request target; forwarded raw, an upstream could split the request
-        # line at the space (HTTP/2 -> HTTP/1) or read a path after the '#' the check ignored.
-        raise PathError("space, tab or '#' in the request target")
-    path = target.split("?", 1)[0]
+    path = target.split("?", 1)[0].split("#", 1)[0]
     if not path.startswith("/"):
         raise PathError("request target must start with '/'")
     try:

@@ -8,12 +8,16 @@ those, so a second lookup (DNS rebinding) never happens between the check and th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ipaddress
 import socket
 
 from .hostnames import Host, IPAddress
 
 DEFAULT_TIMEOUT = 5.0
+# Threads only for name lookups; more than the loop's default pool, since a lookup that hangs
+# holds its thread until the system resolver gives up (its own timeouts, not ours).
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="egress-dns")
 
 
 class ResolveError(Exception):
@@ -24,6 +28,7 @@ class Resolver:
     def __init__(self, static_hosts: dict[str, tuple[IPAddress, ...]] | None = None, timeout: float = DEFAULT_TIMEOUT):
         self.static_hosts = dict(static_hosts or {})
         self.timeout = timeout
+        self._in_flight: dict[tuple[str, int], asyncio.Future] = {}
 
     async def resolve(self, host: Host, version: int | None = None) -> tuple[IPAddress, ...]:
         """Every address of the host (only IPv4 or IPv6 ones with version=4/6)."""
@@ -40,11 +45,18 @@ class Resolver:
     async def _lookup(self, host: Host, version: int | None) -> tuple[IPAddress, ...]:
         family = {4: socket.AF_INET, 6: socket.AF_INET6}.get(version, socket.AF_UNSPEC)
         loop = asyncio.get_running_loop()
-        try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host.value, None, family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP),
-                self.timeout,
+        key = (host.value, family)
+        # One lookup per name in flight, on the resolver's own threads: a getaddrinfo that hangs
+        # cannot be cancelled, and must not starve other names (or the loop's default executor).
+        pending = self._in_flight.get(key)
+        if pending is None:
+            pending = loop.run_in_executor(
+                _EXECUTOR, socket.getaddrinfo, host.value, None, family, socket.SOCK_STREAM, socket.IPPROTO_TCP
             )
+            self._in_flight[key] = pending
+            pending.add_done_callback(lambda _f, k=key: self._in_flight.pop(k, None))
+        try:
+            infos = await asyncio.wait_for(asyncio.shield(pending), self.timeout)
         except TimeoutError:
             raise ResolveError(f"resolving {host.value} timed out after {self.timeout:g}s") from None
         except (OSError, UnicodeError) as exc:

@@ -61,7 +61,43 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     pass
 
 
-def _convert(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIssue], path: str) -> Node:
+MAX_NODES = 2_000_000  # after alias expansion; a 100,000-rule policy needs ~600,000
+MAX_ALIAS_REVISITS = 100_000  # nodes reached again through aliases (a "billion laughs" needs far more)
+
+
+class _Budget:
+    """Counts converted nodes and tracks the nodes being converted: an alias bomb (each level
+    doubling the tree) runs out of budget, a cyclic alias is seen on the way down."""
+
+    def __init__(self, limit: int = MAX_NODES, revisits: int = MAX_ALIAS_REVISITS):
+        self.left = limit
+        self.revisits = revisits  # conversions of a node already converted once (alias uses)
+        self.active: set[int] = set()
+        self.seen: set[int] = set()
+
+
+def _convert(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIssue], path: str,
+             budget: _Budget | None = None) -> Node:
+    budget = budget or _Budget()
+    budget.left -= 1
+    if id(node) in budget.seen:
+        budget.revisits -= 1
+    else:
+        budget.seen.add(id(node))
+    if budget.left < 0 or budget.revisits < 0:
+        raise PolicyError([ConfigIssue(_location(file, node), path, "the policy is too large once its YAML "
+                                                                      "aliases are expanded (alias bomb?)")])
+    if id(node) in budget.active:
+        raise PolicyError([ConfigIssue(_location(file, node), path, "a YAML alias refers to itself")])
+    budget.active.add(id(node))
+    try:
+        return _convert_node(file, node, loader, issues, path, budget)
+    finally:
+        budget.active.discard(id(node))
+
+
+def _convert_node(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIssue], path: str,
+                  budget: _Budget) -> Node:
     location = _location(file, node)
     if isinstance(node, yaml.MappingNode):
         explicit = sum(1 for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge")
@@ -89,11 +125,11 @@ def _convert(file: str, node: yaml.Node, loader: _Loader, issues: list[ConfigIss
             elif index < merged_count:
                 merged_keys.add(key)
             keys[key] = key_location
-            result[key] = _convert(file, value_node, loader, issues, child_path)
+            result[key] = _convert(file, value_node, loader, issues, child_path, budget)
         return Node(result, location, keys)
     if isinstance(node, yaml.SequenceNode):
         items = [
-            _convert(file, child, loader, issues, f"{path}[{index}]")
+            _convert(file, child, loader, issues, f"{path}[{index}]", budget)
             for index, child in enumerate(node.value)
         ]
         return Node(items, location)
@@ -115,6 +151,8 @@ def parse(text: str, file: str) -> tuple[Node, list[ConfigIssue]]:
             tree = _convert(file, root, loader, issues, "")
         finally:
             loader.dispose()
+    except RecursionError:
+        raise PolicyError([ConfigIssue(Location(file, 1, 1), "", "the YAML nests too deeply (a recursive alias?)")]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         location = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file, 1, 1)

@@ -1,0 +1,196 @@
+"""The audit log cannot be written: its disk is full, or it became read-only and the gateway is
+asked to reopen it (SIGHUP, as logrotate does).
+
+The audit log is the security team's record; a decision that takes effect without its line is an
+unrecorded allow. The gateway must fail closed: refuse (500 internal_error) rather than forward a
+request it could not record, say so in its log, and recover once the log is writable again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import connect_proxy, get, tunnel
+
+from .harness import drain, make_gateway
+
+RULES = """
+- id: allowed
+  hosts: [allowed.test]
+  schemes: [http, https]
+"""
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount)")
+
+
+def mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True)
+
+
+def umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fill a filesystem to the last byte; returns the filler file."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (65536, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"f" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def audit_lines(path: Path) -> tuple[list[dict], list[bytes]]:
+    """(parsed records, lines that are not one JSON object)."""
+    good, bad = [], []
+    for line in path.read_bytes().split(b"\n"):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+            assert isinstance(record, dict)
+            good.append(record)
+        except (ValueError, AssertionError):
+            bad.append(line)
+    return good, bad
+
+
+def fetch(gateway, n: int, host: str = "allowed.test"):
+    with connect_proxy(gateway) as conn:
+        return get(conn, f"http://{host}/req/{n}", host)
+
+
+@pytest.fixture(scope="module")
+def full_disk(tmp_path_factory, upstreams, pki):
+    """One gateway whose audit log lives on a 64 KiB tmpfs; the disk is filled while it runs, traffic
+    is sent, then space is freed. Returns what happened, for the tests below to judge."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mount)")
+    base = tmp_path_factory.mktemp("full-disk")
+    tiny = base / "tiny"
+    tiny.mkdir()
+    mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny))
+    audit = tiny / "audit.jsonl"
+    gateway = make_gateway(base, upstreams, pki, RULES, audit_path=audit, args=["--set", "tcp_timeout=5"])
+    seen: dict = {}
+    try:
+        assert fetch(gateway, 0).status == 200
+        filler = fill(tiny)
+        upstreams.reset()
+        # The file's last page still has room for a few lines; then every write fails.
+        seen["statuses"] = {n: (r.status, r.egress_reason) for n in range(1, 41) for r in [fetch(gateway, n)]}
+        seen["forwarded"] = {r.path for r in upstreams.plain["allowed.test"].requests}
+        seen["recorded_while_full"] = {r["path"] for r in audit_lines(audit)[0]
+                                       if r["event"] == "request" and r["decision"] == "allow"}
+        # Other kinds of decision: a denial, a CONNECT, bytes that are not HTTP, a malformed request.
+        seen["denied"] = fetch(gateway, 99, "other.test")
+        conn, seen["connect"] = tunnel(gateway, "allowed.test:443")
+        conn.close()
+        for name, raw in (("non_http", b"SSH-2.0-OpenSSH_9.6\r\n"),
+                          ("malformed", b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\nBad Header\r\n\r\n")):
+            with connect_proxy(gateway) as conn:
+                conn.send(raw)
+                seen[name] = drain(conn.sock, 3)
+        seen["untouched"] = upstreams.untouched("other.test") and not upstreams.tls["allowed.test"].touched
+        seen["log_while_full"] = gateway.log()
+        # Space again.
+        filler.unlink()
+        seen["after"] = fetch(gateway, 100)
+        seen["records"], seen["bad_lines"] = audit_lines(audit)
+        seen["alive"] = gateway.process.poll() is None
+    finally:
+        gateway.stop()
+        umount(tiny)
+    return seen
+
+
+def test_disk_full_refuses_instead_of_allowing_unrecorded(full_disk):
+    statuses = full_disk["statuses"]
+    refused = [n for n, s in statuses.items() if s == (500, "internal_error")]
+    assert refused, f"the disk never filled up: {statuses}"
+    assert all(s in ((200, None), (500, "internal_error")) for s in statuses.values()), statuses
+    assert all(statuses[n][0] == 500 for n in range(refused[0], 41)), statuses  # no allow once full
+    # Nothing reached the upstream without its audit line.
+    forwarded = full_disk["forwarded"]
+    assert forwarded <= full_disk["recorded_while_full"], forwarded - full_disk["recorded_while_full"]
+    assert forwarded == {f"/req/{n}" for n, s in statuses.items() if s[0] == 200}
+    # Denials and CONNECTs fail closed too (500), bytes that are not HTTP are closed at once
+    # (the layer guard's fallback refuses without speaking HTTP); nothing else was reached.
+    assert (full_disk["denied"].status, full_disk["denied"].egress_reason) == (500, "internal_error")
+    assert (full_disk["connect"].status, full_disk["connect"].egress_reason) == (500, "internal_error")
+    non_http = full_disk["non_http"]
+    assert not non_http.timed_out and non_http.closed and all(s >= 400 for s in non_http.statuses), non_http
+    assert full_disk["untouched"]
+    # The log says why: a hook failed closed on a write error.
+    log = full_disk["log_while_full"]
+    assert "failed closed" in log and "No space left on device" in log, log[-3000:]
+    # And with space again, requests are recorded and allowed, without a restart.
+    assert full_disk["alive"] and full_disk["after"].status == 200
+    assert any(r["path"] == "/req/100" and r["decision"] == "allow" for r in full_disk["records"]) or \
+        full_disk["bad_lines"], full_disk["records"][-3:]
+
+
+def test_disk_full_leaves_the_audit_log_one_record_per_line(full_disk):
+    """A line cut short by the full disk must not swallow the next record once there is space."""
+    bad = [line[:160] + b" ... " + line[-120:] for line in full_disk["bad_lines"]]
+    assert bad == [], f"BUG: audit lines that are not one JSON object after the disk filled up: {bad}"
+    assert any(r["path"] == "/req/100" and r["decision"] == "allow" for r in full_disk["records"])
+
+
+def test_disk_full_malformed_request_is_answered_not_left_hanging(full_disk):
+    """A request mitmproxy's parser refuses is recorded from inside the HTTP layer; a failed write
+    there must still end in a refusal or a close, not a connection left open until tcp_timeout."""
+    outcome = full_disk["malformed"]
+    crashed = "mitmproxy has crashed" in full_disk["log_while_full"]
+    assert not outcome.timed_out, (
+        f"BUG: no answer and no close within 3 s (the connection is held until tcp_timeout; "
+        f"layer crashed: {crashed}): {outcome}")
+    assert all(s >= 400 for s in outcome.statuses), outcome
+
+
+def test_audit_log_that_cannot_be_reopened_stops_allowing(tmp_path, upstreams, pki):
+    """logrotate moves the file and sends SIGHUP, but the path cannot be opened any more (here: a
+    read-only bind mount over it). The gateway must not carry on deciding without a log."""
+    audit = tmp_path / "audit.jsonl"
+    gateway = make_gateway(tmp_path / "gw", upstreams, pki, RULES, audit_path=audit)
+    readonly = tmp_path / "readonly-audit"
+    readonly.write_text("")
+    mounted = False
+    try:
+        assert fetch(gateway, 1).status == 200
+        mount("--bind", str(readonly), str(audit))
+        mounted = True
+        mount("-o", "remount,bind,ro", str(audit))
+        gateway.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "reopen" not in gateway.log() and "SIGHUP" not in gateway.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        upstreams.reset()
+
+        response = fetch(gateway, 2)
+        forwarded = [r.path for r in upstreams.plain["allowed.test"].requests]
+        umount(audit)
+        mounted = False
+        recorded = [r["path"] for r in audit_lines(audit)[0]]
+        assert "/req/2" in recorded or (response.status >= 500 and forwarded == []), (
+            f"BUG: after a failed reopen the gateway forwarded {forwarded} with status {response.status} "
+            f"and wrote no audit line (audit has {recorded}); log:\n{gateway.log()[-1500:]}")
+    finally:
+        if mounted:
+            umount(audit)
+        gateway.stop()
