@@ -42,6 +42,11 @@ class Resolver:
             found = tuple(a for a in found if a.version == version)
         return found
 
+    def _finished(self, key: tuple[str, int], future: asyncio.Future) -> None:
+        self._in_flight.pop(key, None)
+        if not future.cancelled():
+            future.exception()  # seen: a lookup that failed after everyone stopped waiting is no error
+
     async def _lookup(self, host: Host, version: int | None) -> tuple[IPAddress, ...]:
         family = {4: socket.AF_INET, 6: socket.AF_INET6}.get(version, socket.AF_UNSPEC)
         loop = asyncio.get_running_loop()
@@ -54,7 +59,7 @@ class Resolver:
                 _EXECUTOR, socket.getaddrinfo, host.value, None, family, socket.SOCK_STREAM, socket.IPPROTO_TCP
             )
             self._in_flight[key] = pending
-            pending.add_done_callback(lambda _f, k=key: self._in_flight.pop(k, None))
+            pending.add_done_callback(lambda f, k=key: self._finished(k, f))
         try:
             infos = await asyncio.wait_for(asyncio.shield(pending), self.timeout)
         except TimeoutError:

@@ -225,7 +225,7 @@ class FrontDoor:
 def front(tmp_path_factory, upstreams, pki):
     dns = None
     if can_isolate_dns():
-        dns = shared_loopback_dns(f"{upstreams.block}.53")
+        dns = shared_loopback_dns(f"{upstreams.block}.153")  # .53 belongs to tests/faults
     gateway = make_gateway(tmp_path_factory.mktemp("front-door"), upstreams, pki, RULES, dns=dns, args=[
         "--set", f"tcp_timeout={TCP_TIMEOUT}", "--set", "egress_max_connections_per_sandbox=0"])
     upstreams.reset()

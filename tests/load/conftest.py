@@ -99,7 +99,7 @@ class LoadUpstream:
 
 @pytest.fixture(scope="session")
 def load_upstream(pki, upstreams, tmp_path_factory) -> LoadUpstream:
-    host = f"{upstreams.block}.20"
+    host = f"{upstreams.block}.120"  # .20-.23 belong to tests/credentials
     cert, key = pki.issue([LOAD_HOST], [host], stem=LOAD_HOST)
     workdir = tmp_path_factory.mktemp("load-upstream")
     stats = workdir / "stats.json"

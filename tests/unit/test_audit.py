@@ -179,13 +179,19 @@ def test_disabled_log_and_stdout(capsys):
     assert [json.loads(line)["event"] for line in captured] == ["to-stdout", "again"]
 
 
-def test_record_after_close_writes_nothing(tmp_path):
+def test_record_after_close_reopens_rather_than_lose_the_line(tmp_path):
+    # A configured log is never silently off: a decision recorded after close() (late in a
+    # shutdown) reopens the file, and where it cannot, record() raises so the decision fails closed.
     path = tmp_path / "audit.log"
     log = AuditLog(str(path))
     log.close()
     log.record(event="late")
-    assert path.read_text() == ""
-    assert log.lines_written == 0
+    assert json.loads(path.read_text())["event"] == "late"
+    log.close()
+    path.unlink()
+    path.mkdir()  # the path can no longer be opened as a file
+    with pytest.raises(OSError):
+        log.record(event="lost")
 
 
 def test_now_rfc3339_format():
