@@ -22,7 +22,7 @@ from mitmproxy.utils import human
 
 from gateway.credentials import placeholder
 from gateway.decision import Decision
-from gateway.engine import Engine, Pin
+from gateway.engine import Engine, Pin, credential_refusal
 from gateway.policy import Rule, Scope
 from gateway.decompress import streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
@@ -48,11 +48,8 @@ class CredentialInjector:
         if rule is None or not rule.secrets or decision.would_deny:
             return decision, []
         request = flow.request
-        if request.scheme != "https" and not rule.allow_plaintext_credentials:
-            return Decision.deny("plaintext_credentials", f"rule {rule.id} injects credentials, which never go over plain http", rule.id), []
-        exact_hosts = {p.value for p in rule.hosts if p.kind == "exact"}
-        if pin.host.value not in exact_hosts and not rule.allow_wildcard_credentials:
-            return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id), []
+        if refusal := credential_refusal(rule, request.scheme, pin.host):
+            return refusal, []
         try:
             values = engine.secrets.values(rule.secrets)
         except SecretUnavailable as exc:

@@ -271,3 +271,17 @@ def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str) -> t
     if not rule.allows_path(path):
         return 3, f"path {path} matches none of [{', '.join(rule.path_globs or ())}]"
     return None, ""
+
+
+def credential_refusal(rule: Rule, scheme: str, host: Host) -> Decision | None:
+    """The checks before a rule's credentials go into a request: never over plain http, and only to
+    the rule's exact hosts, unless the rule says otherwise. (The proxy, explain and replay all ask.)"""
+    if not rule.secrets:
+        return None
+    if scheme != "https" and not rule.allow_plaintext_credentials:
+        return Decision.deny("plaintext_credentials",
+                             f"rule {rule.id} injects credentials, which never go over plain http", rule.id)
+    exact = {p.value for p in rule.hosts if p.kind == "exact"}
+    if host.value not in exact and not rule.allow_wildcard_credentials:
+        return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id)
+    return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .addresses import AddressVerdict
 from .decision import Decision
-from .engine import Engine, RequestFacts
+from .engine import Engine, RequestFacts, credential_refusal
 from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
 from .paths import PathError, normalise_path
 from .policy import DEFAULT_PORTS, Policy, Rule, Scope
@@ -181,20 +181,6 @@ def scope_for(policy: Policy, sandbox: str | None = None, source_ip: str | None 
     if scope.sandbox is None:
         return scope, f"{who}: no sandbox (no rule at all)"
     return scope, f"{who}: sandbox {scope.sandbox}"
-
-
-def credential_refusal(rule: Rule, scheme: str, host: Host) -> Decision | None:
-    """The gateway's checks before injecting (addons/credentials.py): never over plain http, and only
-    to the rule's exact hosts, unless the rule says otherwise."""
-    if not rule.secrets:
-        return None
-    if scheme != "https" and not rule.allow_plaintext_credentials:
-        return Decision.deny("plaintext_credentials",
-                             f"rule {rule.id} injects credentials, which never go over plain http", rule.id)
-    exact = {p.value for p in rule.hosts if p.kind == "exact"}
-    if host.value not in exact and not rule.allow_wildcard_credentials:
-        return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id)
-    return None
 
 
 def credentials_of(rule: Rule) -> list[Credential]:

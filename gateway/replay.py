@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .decision import Decision
 from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine, RequestFacts
-from .explain import credential_refusal
+from .engine import credential_refusal
 from .hostnames import Host, HostError, IPAddress, canonical_host
 from .policy import Policy, Scope
 
