@@ -18,7 +18,7 @@ from gateway.decision import Decision
 from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine, Pin
 from gateway.hostnames import IPAddress
-from gateway.policy import Scope
+from gateway.policy import Rule, Scope
 
 from .signals import SignalHub
 
@@ -29,12 +29,24 @@ class ConnectionState:
     mode: str
     address: IPAddress | None = None  # the client's IP: names its sandbox
     tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
+    # The rule that allowed the tunnel's destination, when it is a passthrough (inspect: false) rule:
+    # the TLS guard then relays the connection unread once its ClientHello passes.
+    passthrough_rule: Rule | None = None
     poisoned: Decision | None = None  # set when the TLS SNI restated or named a refused destination
     original_destination: tuple[str, int] | None = None  # transparent mode: what the sandbox dialled
     named: tuple[str, int] | None = None  # transparent plain HTTP: the first request's Host, even if denied
     # (address, port) -> TLS server name the gateway may dial for this client, added only
     # when a request passed every check.
     admitted: dict[tuple[str, int], str | None] = field(default_factory=dict)
+
+
+def passthrough_rule(engine: Engine, decision: Decision) -> Rule | None:
+    """The passthrough rule behind an allowed destination, if that is what allowed it. A report-mode
+    `would_deny` is never relayed unread: its requests must stay visible to be reported."""
+    if not decision.allowed or decision.would_deny or not decision.rule:
+        return None
+    rule = engine.policy.rules_by_id.get(decision.rule)
+    return rule if rule is not None and not rule.inspect else None
 
 
 class GatewayState:

@@ -13,13 +13,14 @@ import ipaddress
 
 from mitmproxy import tls
 
+from gateway.clienthello import check_passthrough_hello
 from gateway.decision import Decision
 from gateway.engine import Pin
 from gateway.hostnames import HostError, canonical_host, ip_host
 
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .state import ConnectionState, GatewayState
+from .state import ConnectionState, GatewayState, passthrough_rule
 
 ECH_EXTENSION = 0xFE0D
 
@@ -63,6 +64,8 @@ class TlsGuard:
                     "sni_mismatch", f"TLS SNI {sni[:100]!r} is not the pinned destination {pin.host.authority(pin.port)}"
                 )
         if decision is None:
+            if conn.passthrough_rule is not None:
+                self._passthrough(data, conn, pin)
             return
         conn.poisoned = decision
         data.context.server.error = "egress gateway: TLS SNI does not match the pinned destination"
@@ -121,3 +124,33 @@ class TlsGuard:
         conn.tunnel = pin
         data.context.server.address = (pin.address.compressed, pin.port)
         data.context.server.sni = pin.sni or pin.address.compressed
+        conn.passthrough_rule = passthrough_rule(engine, decision)
+        if conn.passthrough_rule is not None:
+            self._passthrough(data, conn, pin)
+
+    def _passthrough(self, data: tls.ClientHelloData, conn: ConnectionState, pin: Pin) -> None:
+        """An inspect: false rule allowed the pinned destination: relay the TLS unread, to the pinned
+        address only, if this ClientHello can only mean that destination (gateway.clienthello)."""
+        hello = data.client_hello
+        rule = conn.passthrough_rule
+        refusal = check_passthrough_hello(hello.sni, hello.extensions)
+        allowed = refusal is None
+        self.state.record(
+            event="tls", **connection_fields(conn, self.state.scope(conn).sandbox),
+            decision="allow" if allowed else "deny", reason=None if allowed else refusal.reason,
+            status=None if allowed else refusal.status, rule=rule.id,
+            message=f"rule {rule.id} relays TLS to {pin.host.authority(pin.port)} unread (inspect: false)"
+            if allowed else refusal.message,
+            host=pin.host.value, port=pin.port, address=pin.address.compressed if allowed else None,
+            sni=hello.sni, ech=any(t == ECH_EXTENSION for t, _ in hello.extensions), passthrough=True,
+        )
+        if not allowed:
+            conn.poisoned = refusal
+            conn.passthrough_rule = None
+            data.context.server.error = "egress gateway: ClientHello refused for passthrough"
+            return
+        # The upstream is the pinned address whatever the sandbox dialled; mitmproxy relays the
+        # buffered ClientHello and everything after it, and no HTTP hook fires on this connection.
+        data.context.server.address = (pin.address.compressed, pin.port)
+        conn.admitted[(pin.address.compressed, pin.port)] = None
+        data.ignore_connection = True

@@ -25,6 +25,9 @@ REASONS: dict[str, tuple[int, str]] = {
     "self_address": (403, "the destination is the gateway itself"),
     # 421: the sandbox restated its destination after it was pinned
     "sni_mismatch": (421, "the TLS SNI names another host than the pinned destination"),
+    "sni_required": (421, "a passthrough (inspect: false) connection needs a TLS SNI naming its destination"),
+    "ech_refused": (403, "Encrypted ClientHello hides the destination of a passthrough (inspect: false) connection"),
+    "bad_client_hello": (400, "the TLS ClientHello is ambiguous (repeated extensions or server names)"),
     "host_mismatch": (421, "the Host header names another host than the pinned destination"),
     "authority_mismatch": (421, "the request authority names another host than the pinned destination"),
     # 400: malformed or not inspectable

@@ -244,6 +244,13 @@ def explain(
             if credentials:
                 notes.append("credentials: only secret names are shown; a secret that cannot be read at "
                              "request time makes the gateway refuse (502 secret_unavailable)")
+    if decision.allowed and not decision.would_deny and target.scheme == "https":
+        tunnel = engine.check_destination(host, port, scope)
+        relay = policy.rules_by_id.get(tunnel.rule or "") if tunnel.allowed and not tunnel.would_deny else None
+        if relay is not None and not relay.inspect:
+            notes.append(f"passthrough: the tunnel to {host.authority(port)} is decided by rule {relay.id} "
+                         f"(inspect: false), so its TLS is relayed unread: the gateway checks only the "
+                         f"ClientHello (SNI = {host}, no ECH), never this method or path")
     mode = policy.mode
     if rule is not None:
         mode = rule.mode or mode

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from .addresses import AddressGuard
+from .cdn import shared_cdn
 from .hostnames import HostError, canonical_host
 from .matcher import HostPattern
 from .policy import DEFAULT_PORTS, STANDARD_METHODS, Policy, Rule
@@ -27,6 +28,8 @@ WARNING_CODES: dict[str, str] = {
     "multi-tenant-wildcard": "a wildcard over a platform where anyone can host a name",
     "broad-credentials": "credentials bound to a broad rule (wildcards, many hosts, any method and path)",
     "static-host-denied": "a static_hosts address the deny list refuses (not exempted by allow_ip_ranges)",
+    "passthrough-shared-cdn": "an inspect: false host on a shared CDN: domain fronting inside the tunnel",
+    "passthrough-overlap": "an inspect: false rule and an inspecting rule cover the same host",
 }
 
 # Platforms where the names under a domain belong to different customers: a wildcard at (or above)
@@ -93,6 +96,8 @@ def lint(policy: Policy, text: str) -> list[Finding]:
     findings += _multi_tenant_wildcards(policy, view)
     findings += _broad_credentials(policy, view)
     findings += _denied_static_hosts(policy, view)
+    findings += _passthrough_shared_cdn(policy, view)
+    findings += _passthrough_overlap(policy, view)
     return sorted(findings, key=lambda f: (f.location.line, f.location.column, f.code))
 
 
@@ -356,4 +361,52 @@ def _denied_static_hosts(policy: Policy, view: _Tree) -> list[Finding]:
                     f"{name} -> {verdict.describe()}: every request to {name} will be refused "
                     f"({verdict.reason}); add the address to network.allow_ip_ranges if it is really meant",
                 ))
+    return findings
+
+
+# --------------------------------------------------------------------------------------------
+# passthrough (inspect: false) rules
+
+
+def _passthrough_shared_cdn(policy: Policy, view: _Tree) -> list[Finding]:
+    findings = []
+    for rule in policy.rules:
+        if rule.inspect:
+            continue
+        for j, pattern in enumerate(rule.hosts):
+            cdn = shared_cdn(pattern.value, wildcard=pattern.kind == "wildcard")
+            if cdn is None:
+                continue
+            findings.append(Finding(
+                "passthrough-shared-cdn", view.location("rules", rule.index, "hosts", j),
+                f"rules[{rule.index}].hosts[{j}]",
+                f"{pattern} is served by a shared CDN ({cdn}) and rule {rule.id} relays it unread "
+                f"(inspect: false): inside the TLS the sandbox can send a Host header naming any other site "
+                f"on that CDN (domain fronting), which the gateway cannot see; inspect this host unless the "
+                f"bulk traffic really needs passthrough (docs/policy.md, Passthrough)",
+            ))
+    return findings
+
+
+def _passthrough_overlap(policy: Policy, view: _Tree) -> list[Finding]:
+    """Whether a tunnel is inspected is decided by the first rule (in file order) that allows its
+    destination; when an inspecting rule covers the same names, the order silently decides."""
+    findings = []
+    http_rules = [r for r in policy.rules if r.protocol == "http"]
+    for rule in http_rules:
+        if rule.inspect:
+            continue
+        for other in http_rules:
+            if not other.inspect:
+                continue
+            shared = [str(p) for p in rule.hosts for q in other.hosts if _pattern_covers(p, q) or _pattern_covers(q, p)]
+            if not shared:
+                continue
+            first, then = (rule, other) if rule.index < other.index else (other, rule)
+            findings.append(Finding(
+                "passthrough-overlap", _rule_id_location(view, rule), f"rules[{rule.index}]",
+                f"rule {rule.id} (inspect: false) and rule {other.id} (inspected) both cover "
+                f"{', '.join(dict.fromkeys(shared))}: tunnels there follow rule {first.id}, the first in the file, "
+                f"so {'they are relayed unread and rule ' + then.id + ' never sees their requests' if first is rule else 'they are inspected and rule ' + rule.id + ' only relays the names rule ' + other.id + ' does not cover'}",
+            ))
     return findings

@@ -40,7 +40,7 @@ NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destinatio
 RESOLVER_KEYS = {"static_hosts"}
 RULE_KEYS = {
     "id", "hosts", "ports", "schemes", "methods", "paths", "protocol", "mode",
-    "inject", "allow_wildcard_credentials", "allow_plaintext_credentials",
+    "inject", "allow_wildcard_credentials", "allow_plaintext_credentials", "inspect",
 }
 INJECT_KEYS = {"header", "query", "value"}
 SECRET_SOURCE_KEYS = {"env", "file"}
@@ -68,6 +68,9 @@ class Rule:
     mode: str | None = None  # enforce | report | None (the policy's mode)
     allow_wildcard_credentials: bool = False
     allow_plaintext_credentials: bool = False
+    # False: TLS passthrough. The ClientHello's SNI is checked and the destination pinned, then the
+    # TLS bytes are relayed unread (no Host, method, path or credential checks are possible).
+    inspect: bool = True
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -454,10 +457,55 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
             v.error(where, f"{path}.inject", "credentials would be sent over plain http; "
                     "set allow_plaintext_credentials: true if that is really meant")
 
+    inspect = _inspect(v, fields, path, protocol, hosts, schemes)
+
     if rule_id is None or not hosts:
         return None
     return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol,
-                injections, rule_mode, flags["allow_wildcard_credentials"], flags["allow_plaintext_credentials"])
+                injections, rule_mode, flags["allow_wildcard_credentials"], flags["allow_plaintext_credentials"],
+                inspect)
+
+
+# What a passthrough rule cannot have: the gateway never sees the requests inside its tunnels.
+PASSTHROUGH_FORBIDDEN_KEYS = {
+    "methods": "methods cannot be checked inside an uninspected (inspect: false) TLS tunnel",
+    "paths": "paths cannot be checked inside an uninspected (inspect: false) TLS tunnel",
+    "inject": "credentials cannot be injected into an uninspected (inspect: false) TLS tunnel",
+}
+
+
+def _is_ip_text(value: str) -> bool:
+    try:
+        return canonical_host(value).is_ip
+    except HostError:
+        return False
+
+
+def _inspect(v: _Validator, fields: dict[str, Node], path: str, protocol: str,
+             hosts: list[HostPattern], schemes: frozenset[str]) -> bool:
+    """`inspect: false` (TLS passthrough) and what it rules out."""
+    if "inspect" not in fields:
+        return True
+    node = fields["inspect"]
+    if not isinstance(node.value, bool):
+        v.error(node, f"{path}.inspect", "must be true or false")
+        return True
+    if node.value:
+        return True
+    for key, why in PASSTHROUGH_FORBIDDEN_KEYS.items():
+        if key in fields:
+            v.error(fields[key], f"{path}.{key}", why)
+    if protocol != "http":
+        v.error(node, f"{path}.inspect", "inspect: false applies to TLS (protocol: http with https) only; "
+                "a protocol: tcp rule is never inspected anyway")
+    if "schemes" in fields and schemes != {"https"}:
+        v.error(fields["schemes"], f"{path}.schemes", "an inspect: false rule allows https only: plain http "
+                "is always inspected, and a passthrough tunnel is pinned by its TLS SNI")
+    for i, pattern in enumerate(hosts):
+        if pattern.kind == "network" or (pattern.kind == "exact" and _is_ip_text(pattern.value)):
+            v.error(fields["hosts"], f"{path}.hosts", f"{pattern}: an inspect: false rule needs host names: "
+                    "the TLS SNI that pins a passthrough tunnel cannot be an IP address")
+    return False
 
 
 def compile_policy(text: str, source: str) -> Policy:

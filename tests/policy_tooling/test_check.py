@@ -105,7 +105,8 @@ def test_json_errors(tmp_path):
 
 def test_warning_codes_are_documented():
     assert set(WARNING_CODES) == {"unused-rule", "unused-secret", "shadowed-rule", "multi-tenant-wildcard",
-                                  "broad-credentials", "static-host-denied"}
+                                  "broad-credentials", "static-host-denied", "passthrough-shared-cdn",
+                                  "passthrough-overlap"}
 
 
 def test_unused_rule():
