@@ -21,7 +21,7 @@ from tests.support.gateway import free_port
 
 from . import procs
 from .conftest import (
-    RELOADED_RULES, TIMEOUT, Probe, by_worker, egress_cli, log_tail, make_gateway, open_conn, probe_http,
+    RELOADED_RULES, TIMEOUT, Probe, egress_cli, log_tail, make_gateway, open_conn, probe_http,
     probe_https, probe_until_every_worker, write_policy,
 )
 

@@ -1,0 +1,61 @@
+"""`--audit-log` with `--workers N`: one stream. Every decision of every worker is one whole JSON line
+in the one file (no interleaving, no loss), and with `--audit-chain` the file is one valid chain."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections import Counter
+
+from . import procs
+from .conftest import by_worker, egress_cli, probe_http, probe_https
+
+LONG = "/" + "x" * 1900  # long lines: several KB each, more than a pipe writes atomically
+
+
+def test_one_audit_stream_whole_lines_no_loss_one_chain(worker_gateway, upstreams):
+    gateway = worker_gateway(workers=2, args=["--audit-chain"])
+    jobs = ([lambda i=i: probe_http(gateway, "allowed.test", f"{LONG}/allow/{i}") for i in range(40)]
+            + [lambda i=i: probe_http(gateway, "other.test", f"{LONG}/deny/{i}") for i in range(20)]
+            + [lambda i=i: probe_https(gateway, "allowed.test", f"{LONG}/tls/{i}") for i in range(20)])
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        probes = list(pool.map(lambda job: job(), jobs))
+    k = len(probes)
+    workers = by_worker(probes)
+    assert set(workers) == set(gateway.serving_pids()), f"traffic did not reach every worker: {list(workers)}"
+    assert [p.status for p in probes] == [200] * 40 + [403] * 20 + [200] * 20, probes
+
+    def request_lines():
+        return [e for e in gateway.audit_entries() if e["event"] == "request"]
+
+    try:
+        procs.wait_for(lambda: len(request_lines()) >= k, 10)
+    except AssertionError:
+        raise AssertionError(f"{k} requests, {len(request_lines())} request lines in the audit log") from None
+
+    data = gateway.audit_path.read_bytes()
+    assert data.endswith(b"\n"), "the audit log ends in the middle of a line"
+    raw_lines = data.split(b"\n")[:-1]
+    entries = []
+    for number, line in enumerate(raw_lines, 1):
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"audit line {number} is not one JSON object (interleaved?): {line[:300]!r}...") from None
+    requests = [e for e in entries if e["event"] == "request"]
+    assert len(requests) == k, f"{k} requests, {len(requests)} request lines"
+    clients = Counter(e["client"] for e in requests)
+    assert clients == {p.client: 1 for p in probes}, "request lines do not match the requests one to one"
+    by_client = {e["client"]: e for e in requests}
+    for probe in probes:
+        line = by_client[probe.client]
+        expected = "allow" if probe.status == 200 else "deny"
+        assert line["decision"] == expected, (probe, line)
+        assert line["path"].startswith(LONG), line["path"][:80]
+    connects = [e for e in entries if e["event"] == "connect"]
+    assert len(connects) == 20, f"{len(connects)} connect lines for 20 CONNECTs"
+    assert all("prev" in e for e in entries), "a line without prev under --audit-chain"
+
+    result = egress_cli("audit", "verify", str(gateway.audit_path))
+    assert result.returncode == 0, f"audit verify: {result.stdout}{result.stderr}"
+
