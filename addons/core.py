@@ -14,7 +14,7 @@ import os
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
-from gateway.audit import AuditLog
+from gateway.audit import open_audit_log
 from gateway.credentials import load_placeholder_key
 from gateway.engine import Engine
 from gateway.localaddrs import local_addresses
@@ -96,7 +96,7 @@ class EgressCore:
             self.state.audit.close()
             target = ctx.options.egress_audit_log or None
             try:
-                self.state.audit = AuditLog(target)
+                self.state.audit = open_audit_log(target)
             except OSError as exc:
                 raise exceptions.OptionsError(f"cannot open audit log {target}: {exc.strerror}") from None
 

@@ -36,7 +36,9 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.utils import human
 from prometheus_client import make_wsgi_app
 
+from gateway.audit import PipeAuditLog
 from gateway.metrics import GatewayMetrics
+from gateway.workers import worker_index
 
 from .state import GatewayState
 
@@ -101,6 +103,8 @@ class HealthServer:
 
         class Server(_Server):
             address_family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+            # `run --workers N`: every worker serves the (merged) metrics on the same port.
+            allow_reuse_port = worker_index() is not None
 
         self.server = make_server(str(address), port, self._app, server_class=Server, handler_class=_QuietHandler)
         self.address = address
@@ -302,7 +306,7 @@ class Observability:
             self.state.extra_listeners[:] = []
         if listen is not None:
             try:
-                server = HealthServer(*listen, make_wsgi_app(self.metrics.registry), self.health, self.readiness)
+                server = HealthServer(*listen, make_wsgi_app(self.metrics.exposition_registry), self.health, self.readiness)
             except OSError as exc:
                 if strict:
                     # Like a proxy port in use: logged as an error, which stops a gateway that is
@@ -349,7 +353,9 @@ class Observability:
         if self.server is not None:
             logger.info("egress gateway: metrics at %s/metrics (health: /healthz, readiness: /readyz)", self.server.url)
         audit = self.state.audit
-        if audit.target:
+        if isinstance(audit, PipeAuditLog):
+            logger.info("egress gateway: audit lines go to the supervisor (worker %s)", worker_index())
+        elif audit.target:
             extras = [f"rotated at {audit.max_bytes} bytes, {audit.backups} kept" if audit.max_bytes else "",
                       "hash-chained" if audit.chain else ""]
             extra = ", ".join(e for e in extras if e)
@@ -394,7 +400,7 @@ class Observability:
     def reopen_audit(self) -> None:
         audit = self.state.audit
         audit.reopen()
-        if audit.target not in (None, "-"):
+        if audit.target not in (None, "-") and not isinstance(audit, PipeAuditLog):
             logger.info("egress gateway: audit log %s reopened", audit.target)
 
     # --- /healthz and /readyz (called from the endpoint's thread) ----------------------------------

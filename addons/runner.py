@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import types
 
-from mitmproxy import exceptions, master, options
+from mitmproxy import certs, exceptions, master, options
+from mitmproxy.proxy import mode_servers
+
+from gateway.credentials import load_placeholder_key
+from gateway.workers import bind_to_supervisor, worker_index
 from mitmproxy.addons import block, core, errorcheck, proxyauth, proxyserver, tlsconfig
 
 from .egress import make_addons
@@ -131,10 +137,40 @@ def operational_options(extra) -> dict:
     return {name: value for name, value in found.items() if value is not None}
 
 
+def share_listen_ports() -> None:
+    """In a worker of `run --workers N`: listen with SO_REUSEPORT, so that N processes share each
+    proxy port and the kernel spreads connections across them. mitmproxy's TCP servers call
+    asyncio.start_server through their module's `asyncio`; only that module sees the change.
+    (UDP servers are mitmproxy_rs's: DNS mode runs in one worker only.)"""
+    shim = types.ModuleType("asyncio")
+    shim.__getattr__ = lambda name: getattr(asyncio, name)
+
+    async def start_server(*args, **kwargs):
+        kwargs.setdefault("reuse_port", True)
+        return await asyncio.start_server(*args, **kwargs)
+
+    shim.start_server = start_server
+    mode_servers.asyncio = shim
+
+
+def prepare_confdir(confdir: str) -> None:
+    """Create the CA (and the placeholder key) once, before N workers would each create their own."""
+    path = os.path.expanduser(confdir)
+    certs.CertStore.from_store(path, "mitmproxy", 2048)
+    load_placeholder_key(path)
+
+
 def run_gateway(*, policy_path: str, modes: list[str], confdir: str, audit_log: str | None,
                 set_options: list[str], quiet: bool, policy_sha256: str, extra=None) -> int:
     """`extra` is the parsed command line, for options that later subcommand flags add."""
+    if worker_index() is not None:
+        if not bind_to_supervisor():
+            return 1
+        share_listen_ports()
     logging.getLogger().setLevel(logging.INFO)
+    # The layer guard is the next-layer addon here (it joins after the built-ins, under that name).
+    logging.getLogger("mitmproxy.addons.proxyserver").addFilter(
+        lambda record: "without nextlayer addon" not in record.getMessage())
     for noisy in ("tornado", "asyncio", "hpack", "quic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return asyncio.run(_serve(policy_path, modes, confdir, audit_log, set_options, quiet, operational_options(extra)))

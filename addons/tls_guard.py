@@ -137,7 +137,7 @@ class TlsGuard:
         allowed = refusal is None
         self.state.record(
             event="tls", **connection_fields(conn, self.state.scope(conn).sandbox),
-            decision="allow" if allowed else "deny", reason=None if allowed else refusal.reason,
+            decision="allow" if allowed else "deny", reason="allowed" if allowed else refusal.reason,
             status=None if allowed else refusal.status, rule=rule.id,
             message=f"rule {rule.id} relays TLS to {pin.host.authority(pin.port)} unread (inspect: false)"
             if allowed else refusal.message,

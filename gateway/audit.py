@@ -241,20 +241,43 @@ class AuditLog:
                 entry[key] = _clip(value)
         if self.target is None:
             return entry
+        if self.chain:
+            entry.pop(CHAIN_KEY, None)
         # ensure_ascii: sandbox text cannot carry raw U+2028/U+2029/U+0085, which some log
         # shippers treat as line breaks; it also makes every line pure ASCII (bytes == characters).
+        line = json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
+        prev = self._emit(line)
+        if prev is not None:
+            entry[CHAIN_KEY] = prev
+        return entry
+
+    def append_line(self, line: str) -> None:
+        """Write a line another process built with record() (`--workers`: the workers' lines reach
+        the supervisor's log through pipes). It must be one JSON object, nothing else; chaining and
+        rotation happen here, so the one stream stays one chain."""
+        if self.target is None:
+            return
+        try:
+            value = json.loads(line)
+        except ValueError:
+            raise ValueError("not a JSON audit line") from None
+        if not isinstance(value, dict) or not line.isascii() or "\n" in line:
+            raise ValueError("not a JSON audit line")
+        if CHAIN_KEY in value:
+            raise ValueError("an audit line from a worker cannot carry its own chain")
+        self._emit(line)
+
+    def _emit(self, line: str) -> str | None:
+        """Chain (if chaining), rotate (if due) and write one serialised line; returns its prev."""
+        prev = None
         with self._lock:
             if self._stream is None:
                 # Configured but closed (shut down, or a failed open): open again, or raise, so
                 # that the decision fails closed instead of going unrecorded.
                 self._open()
             if self.chain:
-                entry.pop(CHAIN_KEY, None)
-            line = json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
-            if self.chain:
                 prev = self._prev or GENESIS
                 line = f'{line[:-1]},"{CHAIN_KEY}":"{prev}"}}'
-                entry[CHAIN_KEY] = prev
             if not self._binary:
                 self._stream.write(line + "\n")
                 self._stream.flush()
@@ -283,7 +306,44 @@ class AuditLog:
             if self.chain:
                 self._prev = line_hash(line.encode("ascii"))
             self.lines_written += 1
-        return entry
+        return prev
+
+
+class PipeAuditLog(AuditLog):
+    """A worker's audit log (`--workers`): lines go down a pipe to the supervisor, which chains,
+    rotates and writes them (AuditLog.append_line). A broken pipe (the supervisor is gone) raises,
+    so decisions fail closed. Target `fd:N`."""
+
+    def __init__(self, target: str):
+        self.fd = int(target[3:])
+        super().__init__(target)
+
+    def _open(self) -> None:
+        if self._stream is None:
+            self._stream = open(self.fd, "wb", buffering=0, closefd=False)
+        self._binary, self._size = True, 0
+
+    def _configure(self, chain: bool | None, max_bytes: int | None, backups: int | None) -> None:
+        pass  # the supervisor chains and rotates the one stream
+
+    def _rotate(self) -> None:
+        pass
+
+    def reopen(self) -> None:
+        pass  # SIGHUP reopens the supervisor's file; the pipe stays
+
+    def close(self) -> None:
+        with self._lock:
+            if self._stream is not None:
+                self._stream.close()
+            self._stream = None
+
+
+def open_audit_log(target: str | None) -> AuditLog:
+    """The audit log for a target: a path, '-' (stdout), 'fd:N' (a worker's pipe) or None."""
+    if target is not None and target.startswith("fd:") and target[3:].isdigit():
+        return PipeAuditLog(target)
+    return AuditLog(target)
 
 
 # --- verification ------------------------------------------------------------------------------

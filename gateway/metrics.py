@@ -14,6 +14,7 @@ sandbox. The event contract (which entries count where) is documented in docs/me
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -49,6 +50,13 @@ DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 
 _SECRET_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 
 
+def multiprocess_dir() -> str | None:
+    """Set (by `run --workers N`) when several processes share the metrics: prometheus-client's
+    multiprocess mode, in which every process writes its values to files in this directory and
+    any process can serve the sum."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir") or None
+
+
 class GatewayMetrics:
     """All gateway metrics, in a registry of their own (so several gateways can live in one process)."""
 
@@ -56,6 +64,14 @@ class GatewayMetrics:
         # `_created` series double the series count for no use here.
         disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.multiprocess = multiprocess_dir() is not None
+        # What /metrics serves: this registry, or with workers the sum over every worker's files.
+        self.exposition_registry = self.registry
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            self.exposition_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposition_registry)
         r = self.registry
         self.requests = Counter(
             "egress_requests", "HTTP request decisions, by sandbox, rule, decision and reason code.",
@@ -67,6 +83,7 @@ class GatewayMetrics:
         )
         self.active_connections = Gauge(
             "egress_active_connections", "Client connections open now, by proxy mode.", ["mode"], registry=r,
+            multiprocess_mode="livesum",
         )
         self.upstream_duration = Histogram(
             "egress_upstream_request_duration_seconds",
@@ -92,12 +109,19 @@ class GatewayMetrics:
         self.reloads = Counter(
             "egress_policy_reloads", "Policy reload attempts, by result (ok|error).", ["result"], registry=r,
         )
-        self.policy_info = Info(
-            "egress_policy", "The policy in force: its format version and the SHA-256 of its file.", registry=r,
-        )
+        policy_help = "The policy in force: its format version and the SHA-256 of its file."
+        if self.multiprocess:
+            # Info metrics do not work across processes; a gauge of the same name and labels does
+            # (1: in force in some live worker, 0: replaced).
+            self.policy_info = Gauge("egress_policy_info", policy_help, ["version", "sha256"], registry=r,
+                                     multiprocess_mode="livemax")
+        else:
+            self.policy_info = Info("egress_policy", policy_help, registry=r)
+        self._policy_labels: tuple[str, str] | None = None
         self.policy_loaded_at = Gauge(
             "egress_policy_last_reload_timestamp_seconds",
             "Unix time at which the policy in force was loaded (the initial load counts).", registry=r,
+            multiprocess_mode="livemax",
         )
         self.upstream_failures = Counter(
             "egress_upstream_failures", "Allowed requests that failed afterwards (upstream connection or TLS "
@@ -161,7 +185,14 @@ class GatewayMetrics:
             self._rules |= rules
             self._sandboxes |= sandboxes
             self._secrets |= secrets
-        self.policy_info.info({"version": str(getattr(policy, "version", "")), "sha256": str(getattr(policy, "sha256", ""))})
+        labels = (str(getattr(policy, "version", "")), str(getattr(policy, "sha256", "")))
+        if self.multiprocess:
+            if self._policy_labels is not None and self._policy_labels != labels:
+                self.policy_info.labels(*self._policy_labels).set(0)
+            self.policy_info.labels(*labels).set(1)
+        else:
+            self.policy_info.info({"version": labels[0], "sha256": labels[1]})
+        self._policy_labels = labels
         self.policy_loaded_at.set(time.time() if when is None else when)
 
     def on_timing(self, kind: str, seconds: float) -> None:

@@ -18,6 +18,11 @@ from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
 from tests.support.upstream import RecordingUpstream
 
+# Every gateway a test starts is one process unless the test asks for `--workers N` itself
+# (tests/workers): the suites check one process's behaviour, and a supervisor per test would only
+# add start-up time. `egress-gateway run` defaults to the machine's cores otherwise.
+os.environ.setdefault("EGRESS_WORKERS", "1")
+
 UPSTREAM_NAMES = ("allowed.test", "other.test", "api.test", "deep.wild.test")
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
+import socket
 import sys
 
+from ..audit import AuditLog
 from ..policy import PolicyError, load_default_policy, load_policy
+from ..workers import MAX_WORKERS, WORKERS_ENV, Supervisor, default_workers, log_to_stderr, worker_index
 from . import EXIT_INVALID
 
 DEFAULT_MODE = "regular@127.0.0.1:8080"
@@ -65,8 +69,21 @@ def register(sub) -> None:
         "--drain-timeout", metavar="SECONDS", type=_non_negative_float, default=10.0,
         help="on SIGTERM/SIGINT, stop accepting and wait up to SECONDS for in-flight requests, then exit 0",
     )
+    run.add_argument(
+        "--workers", metavar="N", type=_workers, default=None,
+        help="gateway processes sharing the listening ports (SO_REUSEPORT), one core each; with N > 1 a "
+        "supervisor restarts dead workers, passes SIGHUP on, merges metrics and writes the one audit log "
+        f"(default: ${WORKERS_ENV}, else the usable CPU cores; see docs/deploy.md)",
+    )
     run.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     run.set_defaults(func=main)
+
+
+def _workers(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{text}: must be from 1 to {MAX_WORKERS}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -96,11 +113,22 @@ def main(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"egress-gateway: invalid policy:\n{exc}", file=sys.stderr)
         return EXIT_INVALID
+    try:
+        workers = args.workers if args.workers is not None else default_workers()
+    except ValueError as exc:
+        print(f"egress-gateway: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    modes = args.mode or [DEFAULT_MODE]
+    if workers > 1 and worker_index() is None:
+        if all(_is_dns(mode) for mode in modes):
+            workers = 1  # DNS mode is UDP and runs in one worker only: nothing to share
+        else:
+            return supervise(args, modes, workers)
     from addons.runner import run_gateway  # mitmproxy is imported only when running
 
     return run_gateway(
         policy_path=args.policy or "",
-        modes=args.mode or [DEFAULT_MODE],
+        modes=modes,
         confdir=args.confdir,
         audit_log=args.audit_log,
         set_options=args.setoptions,
@@ -108,3 +136,77 @@ def main(args: argparse.Namespace) -> int:
         policy_sha256=policy.sha256,
         extra=args,
     )
+
+
+# --- run --workers N (N > 1): the supervisor -------------------------------------------------------
+
+
+def _is_dns(mode: str) -> bool:
+    return mode.split("@", 1)[0].split(":", 1)[0] == "dns"
+
+
+def _with_port(spec: str, kind: str) -> str:
+    """A spec ending in port 0 gets a free port now: every worker must bind the same one."""
+    match = re.fullmatch(r"(?P<head>.*?)(?P<host>\[[^\]]*\]|[^:@\[\]]*):0", spec)
+    if not match:
+        return spec
+    host = match["host"].strip("[]") or "0.0.0.0"
+    if host == "localhost":
+        host = "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM if kind == "tcp" else socket.SOCK_DGRAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return f"{spec[:-1]}{port}"
+
+
+def worker_command(args: argparse.Namespace, modes: list[str], index: int, audit_fd: int | None) -> list[str]:
+    """The command line of worker `index`: the same gateway, one process, audit lines to a pipe."""
+    cmd = [sys.executable, "-m", "gateway", "run", "--workers", "1", "--confdir", args.confdir,
+           "--drain-timeout", repr(args.drain_timeout)]
+    if args.policy:
+        cmd += ["--policy", args.policy]
+    for mode in modes:
+        if index == 0 or not _is_dns(mode):
+            cmd += ["--mode", mode]
+    if audit_fd is not None:
+        cmd += ["--audit-log", f"fd:{audit_fd}"]
+    if args.metrics:
+        cmd += ["--metrics", args.metrics]
+    for option in args.setoptions:
+        cmd += ["--set", option]
+    if args.quiet:
+        cmd.append("-q")
+    return cmd
+
+
+def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
+    log_to_stderr(args.quiet)
+    try:
+        modes = [_with_port(m, "udp" if _is_dns(m) else "tcp") for m in modes]
+        if args.metrics:
+            args.metrics = _with_port(args.metrics, "tcp")
+    except OSError as exc:
+        print(f"egress-gateway: cannot pick a free port: {exc}", file=sys.stderr)
+        return 1
+    audit = None
+    if args.audit_log:
+        try:
+            audit = AuditLog(args.audit_log, chain=args.audit_chain, max_bytes=args.audit_max_bytes,
+                             backups=args.audit_backups)
+        except OSError as exc:
+            print(f"egress-gateway: cannot open audit log {args.audit_log}: {exc.strerror}", file=sys.stderr)
+            return 1
+        if args.audit_max_bytes and args.audit_log == "-":
+            print("egress-gateway: audit log rotation (--audit-max-bytes) needs a file, not stdout", file=sys.stderr)
+            return 2
+    from addons.runner import prepare_confdir  # mitmproxy is imported only when running
+
+    try:
+        prepare_confdir(args.confdir)
+    except OSError as exc:
+        print(f"egress-gateway: cannot prepare the CA in {args.confdir}: {exc}", file=sys.stderr)
+        return 1
+    supervisor = Supervisor(workers, lambda index, fd: worker_command(args, modes, index, fd), audit=audit,
+                            drain_timeout=args.drain_timeout)
+    return supervisor.run()

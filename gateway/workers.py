@@ -1,0 +1,338 @@
+"""`run --workers N`: one supervisor process, N gateway worker processes on the same port(s).
+
+mitmproxy runs one asyncio loop per process, so one process uses one core. The supervisor starts N
+full gateways (workers) that listen on the same addresses with SO_REUSEPORT, so the kernel spreads
+new connections across them. A connection lives and dies in one worker, and the gateway keeps no
+state between connections, so nothing has to be shared but:
+
+- the CA and the placeholder key in the confdir: created by the supervisor before any worker
+  starts (N workers creating them at once would each make their own);
+- the policy: every worker loads the same file and polls it; SIGHUP to the supervisor is passed
+  on to every worker;
+- the metrics: prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a fresh directory
+  per supervisor); every worker serves the sum on the shared metrics port;
+- the audit log: every worker writes its lines down a pipe of its own to the supervisor, the one
+  writer of the file, which chains and rotates the one stream (gateway.audit.AuditLog.append_line).
+
+A worker that dies is started again (with a back-off when it keeps dying young); the others keep
+serving. SIGTERM/SIGINT drain every worker and exit 0 when all have. Workers die with the
+supervisor (PR_SET_PDEATHSIG), and a worker whose audit pipe breaks fails its decisions closed.
+
+Nothing here knows mitmproxy: a worker is a command line (`worker_command`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .audit import AuditLog
+
+logger = logging.getLogger("egress")
+
+WORKER_ENV = "EGRESS_WORKER_INDEX"  # set in each worker's environment: its index (0-based)
+WORKERS_ENV = "EGRESS_WORKERS"  # the default for --workers
+SUPERVISOR_ENV = "EGRESS_SUPERVISOR_PID"  # set in each worker's environment
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+MAX_WORKERS = 256
+
+STARTUP_GRACE_SECONDS = 5.0  # a worker that exits sooner than this (at start-up) stops the supervisor
+YOUNG_SECONDS = 10.0  # a worker that dies younger than this is restarted with a growing delay
+MAX_BACKOFF_SECONDS = 30.0
+POLL_SECONDS = 0.1
+
+
+def worker_index() -> int | None:
+    """This process's index when it is a worker of `run --workers N` (N > 1), else None."""
+    value = os.environ.get(WORKER_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
+def usable_cpus() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (containers:
+    Kubernetes `limits.cpu` shows up as a quota, not as fewer visible cores)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, max(1, math.ceil(quota)))
+    return max(1, count)
+
+
+def _cgroup_cpu_quota() -> float | None:
+    try:  # cgroup v2: "max 100000" or "150000 100000"
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota_us = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period_us = int(f.read())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def default_workers() -> int:
+    """--workers when not given: $EGRESS_WORKERS, else the usable cores."""
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if value:
+        if not value.isdigit() or not 1 <= int(value) <= MAX_WORKERS:
+            raise ValueError(f"{WORKERS_ENV}={value!r}: expected a number from 1 to {MAX_WORKERS}")
+        return int(value)
+    return usable_cpus()
+
+
+def bind_to_supervisor(sig: int = signal.SIGTERM) -> bool:
+    """In a worker: get `sig` when the supervisor dies (Linux PR_SET_PDEATHSIG), so no worker
+    outlives it. False if the supervisor is already gone (the worker should exit)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    expected = os.environ.get(SUPERVISOR_ENV, "")
+    return not expected.isdigit() or os.getppid() == int(expected)
+
+
+@dataclass
+class Worker:
+    index: int
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    backoff: float = 0.0
+    restart_at: float | None = None
+    reader: threading.Thread | None = None
+    exits: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Starts, watches and restarts the workers; owns the audit file and the metrics directory.
+
+    `worker_command(index, audit_fd)` returns the argv of worker `index`; `audit_fd` is the write
+    end of its audit pipe (None without an audit log)."""
+
+    def __init__(self, count: int, worker_command: Callable[[int, int | None], list[str]], *,
+                 audit: AuditLog | None = None, drain_timeout: float = 10.0, env: dict[str, str] | None = None):
+        self.count = count
+        self.worker_command = worker_command
+        self.audit = audit
+        self.drain_timeout = drain_timeout
+        self.env = dict(os.environ if env is None else env)
+        self.workers = [Worker(i) for i in range(count)]
+        self.metrics_dir = tempfile.mkdtemp(prefix="egress-metrics-")
+        self.env[MULTIPROC_ENV] = self.metrics_dir
+        self.stopping = False
+        self.audit_errors = 0
+        self._signals: list[int] = []
+        self._audit_lock = threading.Lock()
+
+    # --- running -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Until SIGTERM/SIGINT (exit 0 when every worker drained) or a start-up failure (exit 1)."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        if hasattr(signal, "SIGPIPE"):
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        born = time.monotonic()
+        try:
+            for worker in self.workers:
+                self._start(worker)
+            logger.info("egress gateway: supervisor (pid %d) running %d workers", os.getpid(), self.count)
+            while not self.stopping:
+                self._handle_signals()
+                if self.stopping:
+                    break
+                failed = self._reap(starting=time.monotonic() - born < STARTUP_GRACE_SECONDS)
+                if failed is not None:
+                    logger.error("egress gateway: worker %d failed at start-up (exit %s); stopping",
+                                 failed.index, failed.exits[-1])
+                    self._stop_all()
+                    return 1
+                self._restart_due()
+                time.sleep(POLL_SECONDS)
+            return self._stop_all()
+        finally:
+            self._cleanup()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals.append(signum)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGHUP:
+                self._reopen_audit()
+                self._send_all(signal.SIGHUP)
+            else:
+                logger.info("egress gateway: %s: stopping %d workers", signal.Signals(signum).name, self.count)
+                self.stopping = True
+
+    def _reopen_audit(self) -> None:
+        if self.audit is None or self.audit.target in (None, "-"):
+            return
+        try:
+            with self._audit_lock:
+                self.audit.reopen()
+            logger.info("egress gateway: audit log %s reopened", self.audit.target)
+        except OSError as exc:
+            logger.error("egress gateway: cannot reopen audit log %s: %s", self.audit.target, exc.strerror)
+
+    # --- workers -----------------------------------------------------------------------------------
+
+    def _start(self, worker: Worker) -> None:
+        read_fd = write_fd = None
+        if self.audit is not None and self.audit.target is not None:
+            read_fd, write_fd = os.pipe()
+        env = dict(self.env, **{WORKER_ENV: str(worker.index), SUPERVISOR_ENV: str(os.getpid())})
+        try:
+            worker.process = subprocess.Popen(
+                self.worker_command(worker.index, write_fd), env=env,
+                pass_fds=(write_fd,) if write_fd is not None else (),
+            )
+        finally:
+            if write_fd is not None:
+                os.close(write_fd)  # the worker holds the only write end: EOF when it exits
+        worker.started = time.monotonic()
+        worker.restart_at = None
+        if read_fd is not None:
+            worker.reader = threading.Thread(target=self._read_audit, args=(worker.index, read_fd),
+                                             name=f"egress-audit-{worker.index}", daemon=True)
+            worker.reader.start()
+        logger.info("egress gateway: worker %d started (pid %d)", worker.index, worker.process.pid)
+
+    def _read_audit(self, index: int, fd: int) -> None:
+        """One worker's audit lines, into the one stream, whole lines only."""
+        with open(fd, "rb") as pipe:
+            for raw in pipe:
+                if not raw.endswith(b"\n"):
+                    logger.error("egress gateway: worker %d: partial audit line dropped", index)
+                    continue
+                try:
+                    line = raw[:-1].decode("ascii")
+                    with self._audit_lock:
+                        self.audit.append_line(line)
+                except (ValueError, UnicodeDecodeError):
+                    self.audit_errors += 1
+                    logger.error("egress gateway: worker %d: malformed audit line dropped", index)
+                except OSError as exc:
+                    self.audit_errors += 1
+                    logger.error("egress gateway: audit log write failed: %s (worker %d's line lost)",
+                                 exc.strerror, index)
+
+    def _reap(self, starting: bool) -> Worker | None:
+        """Notice workers that exited; schedule their restart. Returns a worker that failed while
+        the supervisor was still starting (a bad port, a bad option: restarting would not help)."""
+        for worker in self.workers:
+            process = worker.process
+            if process is None or process.poll() is None:
+                continue
+            code = process.returncode
+            worker.exits.append(code)
+            worker.process = None
+            self._forget_metrics(process.pid)
+            if worker.reader is not None:
+                worker.reader.join(timeout=2)
+                worker.reader = None
+            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.Signals._value2member_map_ \
+                else f"status {code}"
+            if starting:
+                return worker
+            lifetime = time.monotonic() - worker.started
+            worker.backoff = min(MAX_BACKOFF_SECONDS, max(0.5, worker.backoff * 2)) if lifetime < YOUNG_SECONDS else 0.0
+            worker.restart_at = time.monotonic() + worker.backoff
+            worker.restarts += 1
+            logger.warning("egress gateway: worker %d (pid %d) exited with %s after %.1fs; restarting in %.1fs",
+                           worker.index, process.pid, how, lifetime, worker.backoff)
+        return None
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for worker in self.workers:
+            if worker.process is None and worker.restart_at is not None and now >= worker.restart_at:
+                try:
+                    self._start(worker)
+                except OSError as exc:
+                    worker.backoff = min(MAX_BACKOFF_SECONDS, max(0.5, worker.backoff * 2))
+                    worker.restart_at = now + worker.backoff
+                    logger.error("egress gateway: cannot start worker %d: %s", worker.index, exc)
+
+    def _forget_metrics(self, pid: int) -> None:
+        """A dead worker's live gauges (open connections) must not count any more; its counters do."""
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, self.metrics_dir)
+        except Exception:  # noqa: BLE001  (metrics are best effort; serving goes on)
+            logger.debug("egress gateway: could not clear metrics of pid %d", pid, exc_info=True)
+
+    def _send_all(self, sig: int) -> None:
+        for worker in self.workers:
+            if worker.process is not None and worker.process.poll() is None:
+                try:
+                    worker.process.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_all(self) -> int:
+        """SIGTERM every worker (each drains), wait, then kill what is left. 0 if all exited 0."""
+        self._send_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout + 5.0
+        status = 0
+        for worker in self.workers:
+            process = worker.process
+            if process is None:
+                continue
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("egress gateway: worker %d did not stop in time; killing it", worker.index)
+                process.kill()
+                process.wait(5)
+            if process.returncode != 0:
+                status = 1
+            if worker.reader is not None:
+                worker.reader.join(timeout=5)
+        logger.info("egress gateway: all workers stopped")
+        return status
+
+    def _cleanup(self) -> None:
+        for worker in self.workers:
+            if worker.process is not None and worker.process.poll() is None:
+                worker.process.kill()
+        if self.audit is not None:
+            self.audit.close()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers if w.process is not None]
+
+
+def log_to_stderr(quiet: bool) -> None:
+    """The supervisor's own log lines, in the workers' format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s.%(msecs)03d] %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING if quiet else logging.INFO)
