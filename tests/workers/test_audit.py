@@ -8,7 +8,7 @@ import json
 from collections import Counter
 
 from . import procs
-from .conftest import by_worker, egress_cli, probe_http, probe_https
+from .harness import by_worker, egress_cli, probe_http, probe_https
 
 LONG = "/" + "x" * 1900  # long lines: several KB each, more than a pipe writes atomically
 

@@ -10,7 +10,7 @@ from collections import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import procs
-from .conftest import by_worker, http_get_raw, open_conn, probe_http, probe_until_every_worker
+from .harness import by_worker, http_get_raw, open_conn, probe_http, probe_until_every_worker
 
 SETTLE = 10.0
 

@@ -20,7 +20,7 @@ from tests.e2e.helpers import Conn, assert_untouched, curl
 from tests.support.gateway import free_port
 
 from . import procs
-from .conftest import (
+from .harness import (
     RELOADED_RULES, TIMEOUT, Probe, egress_cli, log_tail, make_gateway, open_conn, probe_http,
     probe_https, probe_until_every_worker, write_policy,
 )
