@@ -617,3 +617,53 @@ def test_yaml_merge_keys_with_overrides():
     assert [r.id for r in policy.rules] == ["a", "b"]
     assert policy.rules[1].hosts == (HostPattern("exact", "a.com"),)
     assert policy.rules[1].methods == frozenset({"GET"})
+
+
+# --- inspect: false (passthrough) ---------------------------------------------------------------
+
+
+def test_passthrough_rule_compiles():
+    policy = compile_text("""\
+        version: 1
+        rules:
+          - id: files
+            hosts: [files.example, "*.cdn.example"]
+            ports: [443, 8443]
+            inspect: false
+          - id: api
+            hosts: [api.example]
+        """)
+    assert [r.inspect for r in policy.rules] == [False, True]
+
+
+def test_passthrough_rule_cannot_restrict_what_it_cannot_see():
+    found = issues_of("""\
+        version: 1
+        secrets:
+          TOKEN: {env: TOKEN}
+        rules:
+          - id: files
+            hosts: [files.example, 10.0.0.0/8, 192.0.2.1]
+            schemes: [https, http]
+            methods: [GET]
+            paths: ["/a/**"]
+            inject:
+              - header: Authorization
+                value: "Bearer ${secrets.TOKEN}"
+            inspect: false
+          - id: ssh
+            protocol: tcp
+            hosts: [192.0.2.1]
+            ports: [22]
+            inspect: false
+          - id: odd
+            hosts: [x.example]
+            inspect: "no"
+        """)
+    paths = [(line, path) for line, _column, path, _message in found]
+    assert (6, "rules[0].hosts") in paths and sum(p == "rules[0].hosts" for _, p in paths) == 2
+    for line, path in [(7, "rules[0].schemes"), (8, "rules[0].methods"), (9, "rules[0].paths"),
+                       (11, "rules[0].inject"), (18, "rules[1].inspect"), (21, "rules[2].inspect")]:
+        assert (line, path) in paths, found
+    messages = " ".join(m for *_, m in found)
+    assert "uninspected" in messages and "https only" in messages and "host names" in messages

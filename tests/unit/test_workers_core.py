@@ -1,0 +1,100 @@
+"""The pure parts of `run --workers N`: the default count, port choice, worker command lines and
+the audit path from a worker's pipe into the one stream."""
+
+import argparse
+import json
+import os
+
+import pytest
+
+from gateway.audit import AuditLog, PipeAuditLog, open_audit_log, verify_chain
+from gateway.commands.run import _with_port, worker_command
+from gateway.workers import default_workers, usable_cpus
+
+
+def test_default_workers_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("EGRESS_WORKERS", "3")
+    assert default_workers() == 3
+    monkeypatch.delenv("EGRESS_WORKERS")
+    assert default_workers() == usable_cpus() >= 1
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "100000"])
+def test_bad_environment_value_is_an_error(monkeypatch, bad):
+    monkeypatch.setenv("EGRESS_WORKERS", bad)
+    with pytest.raises(ValueError, match="EGRESS_WORKERS"):
+        default_workers()
+
+
+def test_usable_cpus_respects_affinity():
+    assert usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_port_zero_is_chosen_once_for_every_worker():
+    spec = _with_port("regular@127.0.0.1:0", "tcp")
+    head, port = spec.rsplit(":", 1)
+    assert head == "regular@127.0.0.1" and int(port) > 0
+    assert _with_port("regular@127.0.0.1:8080", "tcp") == "regular@127.0.0.1:8080"
+    assert _with_port("127.0.0.1:0", "tcp") != "127.0.0.1:0"
+    assert _with_port("[::1]:0", "tcp").startswith("[::1]:")
+
+
+def args(**overrides):
+    values = dict(confdir="/tmp/conf", drain_timeout=10.0, policy="p.yaml", metrics="127.0.0.1:9090",
+                  setoptions=["ssl_verify_upstream_trusted_ca=/ca.pem"], quiet=True)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_worker_command_keeps_the_gateway_and_sends_audit_to_the_pipe():
+    cmd = worker_command(args(), ["regular@127.0.0.1:8080", "dns@127.0.0.1:5353"], 0, 7)
+    text = " ".join(cmd)
+    assert "--workers 1" in text and "--audit-log fd:7" in text and "--policy p.yaml" in text
+    assert "--mode regular@127.0.0.1:8080" in text and "--mode dns@127.0.0.1:5353" in text
+    assert "--metrics 127.0.0.1:9090" in text and "--set ssl_verify_upstream_trusted_ca=/ca.pem" in text
+    assert "--audit-chain" not in text  # the supervisor chains the one stream
+
+
+def test_dns_mode_runs_in_worker_zero_only():
+    cmd = worker_command(args(), ["regular@127.0.0.1:8080", "dns@127.0.0.1:5353"], 1, None)
+    assert "dns@127.0.0.1:5353" not in cmd and "--audit-log" not in cmd
+
+
+def test_worker_lines_become_one_chained_stream(tmp_path):
+    read_fd, write_fd = os.pipe()
+    worker = open_audit_log(f"fd:{write_fd}")
+    assert isinstance(worker, PipeAuditLog)
+    worker.configure(chain=True, max_bytes=10)  # ignored: the supervisor chains and rotates
+    entry = worker.record(event="request", decision="allow", host="a.test")
+    assert "prev" not in entry
+    worker.close()
+    os.close(write_fd)
+    with open(read_fd, "rb") as pipe:
+        lines = pipe.read().decode().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["host"] == "a.test"
+    path = tmp_path / "audit.jsonl"
+    merged = AuditLog(str(path), chain=True)
+    for line in lines * 3:
+        merged.append_line(line)
+    merged.close()
+    assert verify_chain([str(path)]).ok
+    assert len(path.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("line", ["not json", "[1]", '{"a":1}\n{"b":2}', '{"prev":"x"}', '{"a":"\u2028"}'])
+def test_append_line_refuses_what_a_worker_cannot_have_built(tmp_path, line):
+    log = AuditLog(str(tmp_path / "audit.jsonl"))
+    with pytest.raises(ValueError):
+        log.append_line(line)
+    log.close()
+    assert (tmp_path / "audit.jsonl").read_text() == ""
+
+
+def test_a_broken_pipe_fails_the_record(tmp_path):
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    worker = PipeAuditLog(f"fd:{write_fd}")
+    with pytest.raises(OSError):
+        worker.record(event="request", decision="allow")
+    worker.close()
+    os.close(write_fd)
