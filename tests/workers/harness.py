@@ -26,6 +26,7 @@ from . import procs
 
 START_TIMEOUT = 60.0
 TIMEOUT = 10.0
+STARTUP_GRACE = 5.5  # gateway/workers.py STARTUP_GRACE_SECONDS (5) plus a margin
 
 BASE_RULES = """
 - id: web
@@ -127,6 +128,8 @@ class WorkerGateway(GatewayProcess):
             else:
                 env[name] = value
         self._log = open(self.log_path, "ab")
+        self.started_at = time.monotonic()
+        self.ready_at = None
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                         cwd=PROJECT_ROOT)
         self.started_ids: set[tuple[int, int]] = set()
@@ -162,8 +165,20 @@ class WorkerGateway(GatewayProcess):
             return None
 
         pids = procs.wait_for(ready, timeout, what=f"{count} listening process(es) on port {self.port}")
+        if getattr(self, "ready_at", None) is None:
+            self.ready_at = time.monotonic()
         self.started_ids |= {procs.identity(p) for p in pids} - {None}
         return pids
+
+    def wait_past_startup(self, grace: float = STARTUP_GRACE) -> None:
+        """The supervisor treats a worker that dies within its first STARTUP_GRACE seconds as a
+        start-up failure and stops (gateway/workers.py, STARTUP_GRACE_SECONDS, counted from before
+        the workers start, so counting from when all of them listened is on the safe side). Tests
+        about restarting a worker that died later call this first; test_supervisor.py has a separate
+        test for a worker killed right after it served traffic."""
+        remaining = (self.ready_at or self.started_at) + grace - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def settled_listeners(self, timeout: float = 30.0, quiet: float = 1.5) -> tuple[bool, list[int]]:
         """(does the started process itself listen, the listening descendants), once the set has not

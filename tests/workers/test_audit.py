@@ -10,20 +10,21 @@ from collections import Counter
 from . import procs
 from .harness import by_worker, egress_cli, probe_http, probe_https
 
+N_ALLOW, N_DENY, N_TLS = 30, 15, 15
 LONG = "/" + "x" * 1900  # long lines: several KB each, more than a pipe writes atomically
 
 
 def test_one_audit_stream_whole_lines_no_loss_one_chain(worker_gateway, upstreams):
     gateway = worker_gateway(workers=2, args=["--audit-chain"])
-    jobs = ([lambda i=i: probe_http(gateway, "allowed.test", f"{LONG}/allow/{i}") for i in range(40)]
-            + [lambda i=i: probe_http(gateway, "other.test", f"{LONG}/deny/{i}") for i in range(20)]
-            + [lambda i=i: probe_https(gateway, "allowed.test", f"{LONG}/tls/{i}") for i in range(20)])
+    jobs = ([lambda i=i: probe_http(gateway, "allowed.test", f"{LONG}/allow/{i}") for i in range(N_ALLOW)]
+            + [lambda i=i: probe_http(gateway, "other.test", f"{LONG}/deny/{i}") for i in range(N_DENY)]
+            + [lambda i=i: probe_https(gateway, "allowed.test", f"{LONG}/tls/{i}") for i in range(N_TLS)])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         probes = list(pool.map(lambda job: job(), jobs))
     k = len(probes)
     workers = by_worker(probes)
     assert set(workers) == set(gateway.serving_pids()), f"traffic did not reach every worker: {list(workers)}"
-    assert [p.status for p in probes] == [200] * 40 + [403] * 20 + [200] * 20, probes
+    assert [p.status for p in probes] == [200] * N_ALLOW + [403] * N_DENY + [200] * N_TLS, probes
 
     def request_lines():
         return [e for e in gateway.audit_entries() if e["event"] == "request"]
@@ -53,7 +54,7 @@ def test_one_audit_stream_whole_lines_no_loss_one_chain(worker_gateway, upstream
         assert line["decision"] == expected, (probe, line)
         assert line["path"].startswith(LONG), line["path"][:80]
     connects = [e for e in entries if e["event"] == "connect"]
-    assert len(connects) == 20, f"{len(connects)} connect lines for 20 CONNECTs"
+    assert len(connects) == N_TLS, f"{len(connects)} connect lines for {N_TLS} CONNECTs"
     assert all("prev" in e for e in entries), "a line without prev under --audit-chain"
 
     result = egress_cli("audit", "verify", str(gateway.audit_path))

