@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
+import threading
 from collections import Counter
 
 from . import procs
@@ -60,3 +63,60 @@ def test_one_audit_stream_whole_lines_no_loss_one_chain(worker_gateway, upstream
     result = egress_cli("audit", "verify", str(gateway.audit_path))
     assert result.returncode == 0, f"audit verify: {result.stdout}{result.stderr}"
 
+
+
+def test_a_worker_killed_mid_traffic_leaves_whole_lines_and_one_chain(worker_gateway):
+    """SIGKILL a worker while every worker is writing long lines: the one stream still holds only
+    whole lines, every request that got an answer has its line, and the chain verifies."""
+    gateway = worker_gateway(workers=2, args=["--audit-chain"])
+    gateway.wait_past_startup()
+    victim = gateway.worker_pids()[0]
+    victim_id = procs.identity(victim)
+    stop = threading.Event()
+    probes: list = []
+    failures: list = []
+
+    def load(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                probes.append(probe_http(gateway, "allowed.test", f"{LONG}/kill/{n}/{i}"))
+            except Exception as exc:  # noqa: BLE001  (connections to the dying worker may fail)
+                failures.append(exc)
+            i += 1
+
+    threads = [threading.Thread(target=load, args=(n,), daemon=True) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        procs.wait_for(lambda: sum(p.worker == victim for p in probes) >= 5, 15, what="traffic on the victim")
+        os.kill(victim, signal.SIGKILL)
+        procs.wait_for(lambda: procs.gone(victim_id), 5, what="the victim to die")
+        after_kill = len(probes)
+        procs.wait_for(lambda: len(probes) >= after_kill + 20, 20, what="traffic after the kill")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+
+    answered = [p for p in probes if p.status == 200]
+    assert len(answered) >= 25, f"{len(answered)} answered, failures {failures[:3]}"
+    def logged() -> set[str]:
+        return {e["client"] for e in gateway.audit_entries() if e["event"] == "request"}
+
+    try:
+        procs.wait_for(lambda: {p.client for p in answered} <= logged(), 10)
+    except AssertionError:
+        missing = {p.client for p in answered} - logged()
+        raise AssertionError(f"{len(missing)} answered requests have no audit line, e.g. "
+                             f"{[p for p in answered if p.client in missing][:3]} (victim {victim})") from None
+    data = gateway.audit_path.read_bytes()
+    assert data.endswith(b"\n"), "the audit log ends in the middle of a line"
+    for number, line in enumerate(data.split(b"\n")[:-1], 1):
+        try:
+            json.loads(line)
+        except ValueError:
+            raise AssertionError(f"audit line {number} is not whole JSON after worker {victim} was killed: "
+                                 f"{line[:200]!r}...{line[-100:]!r}") from None
+    result = egress_cli("audit", "verify", str(gateway.audit_path))
+    assert result.returncode == 0, f"audit verify after a worker was killed: {result.stdout}{result.stderr}"
