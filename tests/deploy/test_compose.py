@@ -65,7 +65,8 @@ def test_the_gateway_accepts_its_command_and_runs_hardened(path):
     parsed = parse_run(_gateway_args(path))
     assert parsed.audit_chain and parsed.audit_log.startswith("/var/log/egress-gateway/")
     assert parsed.confdir == "/var/lib/egress-gateway"
-    assert parsed.workers == gateway["cpus"]  # one worker per core it may use
+    assert parsed.workers == float(gateway["cpus"])  # one worker per core it may use
+    assert interpolate(compose_raw(path), {"EGRESS_WORKERS": "4"})["services"]["gateway"]["cpus"] == "4"
     assert gateway["user"] == f"{GATEWAY_UID}:{GATEWAY_UID}"
     assert gateway["cap_drop"] == ["ALL"] and "cap_add" not in gateway
     assert gateway["read_only"] is True and any(t.startswith("/tmp") for t in gateway["tmpfs"])
