@@ -38,7 +38,7 @@ from prometheus_client import make_wsgi_app
 
 from gateway.audit import PipeAuditLog
 from gateway.metrics import GatewayMetrics
-from gateway.workers import worker_index
+from gateway.workers import notify_ready, worker_index
 
 from .state import GatewayState
 
@@ -362,6 +362,7 @@ class Observability:
             logger.info("egress gateway: audit log %s%s", "stdout" if audit.target == "-" else audit.target,
                         f" ({extra})" if extra else "")
         logger.info("egress gateway: ready: %s", self.summary())
+        notify_ready()  # `run --workers N`: the supervisor now knows this worker listens
 
     def summary(self) -> str:
         """One line: where the gateway listens, the policy in force, the CA sandboxes must trust."""

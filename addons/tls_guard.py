@@ -108,14 +108,16 @@ class TlsGuard:
                     decision.rule,
                 )
                 pin = None
-        has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
-        self.state.record(
-            event="tls", **connection_fields(conn, scope.sandbox),
-            decision="allow" if pin is not None else "deny", reason=decision.reason,
-            status=None if pin is not None else decision.status, rule=decision.rule, message=decision.message,
-            host=host.value if host else None, port=port, address=pin.address.compressed if pin else None,
-            sni=sni, ech=has_ech,
-        )
+        relay = passthrough_rule(engine, decision) if pin is not None else None
+        if relay is None:  # a passthrough connection gets one line, from _passthrough
+            has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
+            self.state.record(
+                event="tls", **connection_fields(conn, scope.sandbox),
+                decision="allow" if pin is not None else "deny", reason=decision.reason,
+                status=None if pin is not None else decision.status, rule=decision.rule, message=decision.message,
+                host=host.value if host else None, port=port, address=pin.address.compressed if pin else None,
+                sni=sni, ech=has_ech,
+            )
         if pin is None:
             conn.poisoned = decision
             conn.named = (host.value, port) if host is not None else None  # for the requests' audit lines
@@ -124,8 +126,8 @@ class TlsGuard:
         conn.tunnel = pin
         data.context.server.address = (pin.address.compressed, pin.port)
         data.context.server.sni = pin.sni or pin.address.compressed
-        conn.passthrough_rule = passthrough_rule(engine, decision)
-        if conn.passthrough_rule is not None:
+        conn.passthrough_rule = relay
+        if relay is not None:
             self._passthrough(data, conn, pin)
 
     def _passthrough(self, data: tls.ClientHelloData, conn: ConnectionState, pin: Pin) -> None:

@@ -43,10 +43,10 @@ logger = logging.getLogger("egress")
 WORKER_ENV = "EGRESS_WORKER_INDEX"  # set in each worker's environment: its index (0-based)
 WORKERS_ENV = "EGRESS_WORKERS"  # the default for --workers
 SUPERVISOR_ENV = "EGRESS_SUPERVISOR_PID"  # set in each worker's environment
+READY_FD_ENV = "EGRESS_READY_FD"  # a worker writes one byte there once it listens
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MAX_WORKERS = 256
 
-STARTUP_GRACE_SECONDS = 5.0  # a worker that exits sooner than this (at start-up) stops the supervisor
 YOUNG_SECONDS = 10.0  # a worker that dies younger than this is restarted with a growing delay
 MAX_BACKOFF_SECONDS = 30.0
 POLL_SECONDS = 0.1
@@ -88,6 +88,17 @@ def _cgroup_cpu_quota() -> float | None:
         return None
 
 
+def notify_ready() -> None:
+    """In a worker: tell the supervisor this worker listens (once; a no-op elsewhere)."""
+    value = os.environ.pop(READY_FD_ENV, "")
+    if value.isdigit():
+        try:
+            os.write(int(value), b"r")
+            os.close(int(value))
+        except OSError:
+            pass
+
+
 def default_workers() -> int:
     """--workers when not given: $EGRESS_WORKERS, else the usable cores."""
     value = os.environ.get(WORKERS_ENV, "").strip()
@@ -123,6 +134,9 @@ class Worker:
     restart_at: float | None = None
     reader: threading.Thread | None = None
     exits: list[int] = field(default_factory=list)
+    ready_fd: int | None = None  # read end of the readiness pipe, until the worker said it listens
+    ready: bool = False
+    ever_ready: bool = False
 
 
 class Supervisor:
@@ -154,7 +168,6 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         if hasattr(signal, "SIGPIPE"):
             signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        born = time.monotonic()
         try:
             for worker in self.workers:
                 self._start(worker)
@@ -163,7 +176,8 @@ class Supervisor:
                 self._handle_signals()
                 if self.stopping:
                     break
-                failed = self._reap(starting=time.monotonic() - born < STARTUP_GRACE_SECONDS)
+                self._check_ready()
+                failed = self._reap()
                 if failed is not None:
                     logger.error("egress gateway: worker %d failed at start-up (exit %s); stopping",
                                  failed.index, failed.exits[-1])
@@ -204,15 +218,23 @@ class Supervisor:
         read_fd = write_fd = None
         if self.audit is not None and self.audit.target is not None:
             read_fd, write_fd = os.pipe()
-        env = dict(self.env, **{WORKER_ENV: str(worker.index), SUPERVISOR_ENV: str(os.getpid())})
+        ready_read, ready_write = os.pipe()
+        os.set_blocking(ready_read, False)
+        env = dict(self.env, **{WORKER_ENV: str(worker.index), SUPERVISOR_ENV: str(os.getpid()),
+                               READY_FD_ENV: str(ready_write)})
         try:
             worker.process = subprocess.Popen(
                 self.worker_command(worker.index, write_fd), env=env,
-                pass_fds=(write_fd,) if write_fd is not None else (),
+                pass_fds=tuple(fd for fd in (write_fd, ready_write) if fd is not None),
             )
+        except BaseException:
+            os.close(ready_read)
+            raise
         finally:
-            if write_fd is not None:
-                os.close(write_fd)  # the worker holds the only write end: EOF when it exits
+            for fd in (write_fd, ready_write):  # the worker holds the only write ends: EOF when it exits
+                if fd is not None:
+                    os.close(fd)
+        worker.ready_fd, worker.ready = ready_read, False
         worker.started = time.monotonic()
         worker.restart_at = None
         if read_fd is not None:
@@ -240,16 +262,38 @@ class Supervisor:
                     logger.error("egress gateway: audit log write failed: %s (worker %d's line lost)",
                                  exc.strerror, index)
 
-    def _reap(self, starting: bool) -> Worker | None:
-        """Notice workers that exited; schedule their restart. Returns a worker that failed while
-        the supervisor was still starting (a bad port, a bad option: restarting would not help)."""
+    def _check_ready(self) -> None:
+        for worker in self.workers:
+            if worker.ready_fd is None:
+                continue
+            try:
+                said = os.read(worker.ready_fd, 1)
+            except BlockingIOError:
+                continue
+            os.close(worker.ready_fd)
+            worker.ready_fd = None
+            if said:
+                worker.ready = worker.ever_ready = True
+                if worker.restarts:
+                    logger.info("egress gateway: worker %d (pid %d) is serving again", worker.index,
+                                worker.process.pid if worker.process else -1)
+
+    def _reap(self) -> Worker | None:
+        """Notice workers that exited; schedule their restart. Returns a worker of the first
+        generation that died before it ever listened (a port in use, a bad option: restarting
+        would not help, so the supervisor stops)."""
         for worker in self.workers:
             process = worker.process
             if process is None or process.poll() is None:
                 continue
+            self._check_ready()
             code = process.returncode
             worker.exits.append(code)
             worker.process = None
+            if worker.ready_fd is not None:
+                os.close(worker.ready_fd)
+                worker.ready_fd = None
+            starting = not worker.ever_ready and worker.restarts == 0
             self._forget_metrics(process.pid)
             if worker.reader is not None:
                 worker.reader.join(timeout=2)

@@ -131,9 +131,6 @@ def test_hadolint_when_installed():
     assert result.returncode == 0, result.stdout
 
 
-@pytest.mark.xfail(reason="pyproject.toml's [tool.setuptools] packages omits gateway.commands: a non-editable "
-                          "install (the image's) has no CLI; the Dockerfile's smoke test fails the build until "
-                          "it is fixed (not a file of the deployment work)", strict=False)
 def test_the_wheel_the_image_installs_has_every_python_package():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = config["tool"]["setuptools"].get("packages", {"find": {}})
