@@ -26,7 +26,6 @@ from . import procs
 
 START_TIMEOUT = 60.0
 TIMEOUT = 10.0
-STARTUP_GRACE = 5.5  # gateway/workers.py STARTUP_GRACE_SECONDS (5) plus a margin
 
 BASE_RULES = """
 - id: web
@@ -169,16 +168,6 @@ class WorkerGateway(GatewayProcess):
             self.ready_at = time.monotonic()
         self.started_ids |= {procs.identity(p) for p in pids} - {None}
         return pids
-
-    def wait_past_startup(self, grace: float = STARTUP_GRACE) -> None:
-        """The supervisor treats a worker that dies within its first STARTUP_GRACE seconds as a
-        start-up failure and stops (gateway/workers.py, STARTUP_GRACE_SECONDS, counted from before
-        the workers start, so counting from when all of them listened is on the safe side). Tests
-        about restarting a worker that died later call this first; test_supervisor.py has a separate
-        test for a worker killed right after it served traffic."""
-        remaining = (self.ready_at or self.started_at) + grace - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
 
     def settled_listeners(self, timeout: float = 30.0, quiet: float = 1.5) -> tuple[bool, list[int]]:
         """(does the started process itself listen, the listening descendants), once the set has not

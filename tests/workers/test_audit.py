@@ -69,7 +69,6 @@ def test_a_worker_killed_mid_traffic_leaves_whole_lines_and_one_chain(worker_gat
     """SIGKILL a worker while every worker is writing long lines: the one stream still holds only
     whole lines, every request that got an answer has its line, and the chain verifies."""
     gateway = worker_gateway(workers=2, args=["--audit-chain"])
-    gateway.wait_past_startup()
     victim = gateway.worker_pids()[0]
     victim_id = procs.identity(victim)
     stop = threading.Event()

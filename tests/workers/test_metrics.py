@@ -152,7 +152,6 @@ def test_live_gauges_sum_the_live_workers_and_counters_keep_a_dead_workers_count
         for pid, samples, _ in scrape_every_worker(gateway, at_least=1):
             assert total(samples, "egress_active_connections") == m, f"worker {pid}: {samples}"
 
-        gateway.wait_past_startup()
         victim = tunnels[0][1]
         held = sum(1 for _, pid in tunnels if pid == victim)
         victim_id = procs.identity(victim)
