@@ -70,7 +70,7 @@ def register(sub) -> None:
         help="on SIGTERM/SIGINT, stop accepting and wait up to SECONDS for in-flight requests, then exit 0",
     )
     run.add_argument(
-        "--workers", metavar="N", type=_workers, default=None,
+        "--workers", metavar="N", type=_workers, default=argparse.SUPPRESS,
         help="gateway processes sharing the listening ports (SO_REUSEPORT), one core each; with N > 1 a "
         "supervisor restarts dead workers, passes SIGHUP on, merges metrics and writes the one audit log "
         f"(default: ${WORKERS_ENV}, else the usable CPU cores; see docs/deploy.md)",
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"egress-gateway: invalid policy:\n{exc}", file=sys.stderr)
         return EXIT_INVALID
     try:
-        workers = args.workers if args.workers is not None else default_workers()
+        workers = getattr(args, "workers", None) or default_workers()
     except ValueError as exc:
         print(f"egress-gateway: {exc}", file=sys.stderr)
         return EXIT_INVALID
