@@ -256,7 +256,7 @@ def build_markdown(doc: dict) -> str:
     groups = meta.get("groups", [])
     lat = meta.get("latency", {})
     L.append(f"Mode **{meta['mode']}** ({', '.join(groups)}): {meta['rounds_done']} interleaved rounds; throughput runs "
-             f"hey -c {meta['concurrency']} for {meta['duration']:g} s; latency runs hey -c 2 at "
+             f"hey -c {meta['concurrency']} for {meta['duration']:g} s; latency runs hey -c 1 at "
              f"{lat.get('rate', 0):g} req/s (keep-alive) and {lat.get('conn_rate', 0):g} conn/s (new connections) for "
              f"{lat.get('duration', 0):g} s; CPU pinning: "
              f"{'proxies on CPU 0 (the N-worker gateway on every CPU), nginx/hey/curl on CPU 1' if meta.get('pinned') else 'off'}"
@@ -340,8 +340,9 @@ def _latency_table(doc: dict, configs: list[str], labels: dict) -> list[str]:
     lat, meta = doc["latency"], doc["meta"]
     rate = meta.get("latency", {})
     L = ["## (7) Latency at a fixed moderate rate (not saturation)", "",
-         f"hey -c 2 with a rate limit: keep-alive at {rate.get('rate', 0):g} requests/s, new connections at "
-         f"{rate.get('conn_rate', 0):g}/s, so latency is not queueing. Every request's latency (hey -o csv), pooled "
+         f"One hey worker with a rate limit (-c 1 -q): keep-alive at {rate.get('rate', 0):g} requests/s, new "
+         f"connections at {rate.get('conn_rate', 0):g}/s, so the proxy is mostly idle and latency is not queueing "
+         "(with -c 2 hey's workers tick in step and every other request would queue). Every request's latency (hey -o csv), pooled "
          "over the rounds; added = this configuration's percentile minus direct's. ms.", "",
          "| configuration | keep-alive p50 | p99 | added p50 | added p99 | n | new-conn p50 | p99 | added p50 | added p99 | n |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -361,8 +362,10 @@ def _cost_table(doc: dict, configs: list[str], labels: dict) -> list[str]:
     L = [f"## (8) Cost: proxy CPU per request and memory with {meta.get('idle_tunnels', 1000):,} idle tunnels", "",
          "CPU: utime+stime of every process of the proxy (supervisor and workers summed) during the throughput runs, "
          "per request answered. RSS: VmRSS summed over the proxy's processes (PSS in the JSON), before and with the "
-         "idle tunnels open (each: CONNECT, TLS established through the tunnel, one request answered, then idle).", "",
-         "| configuration | CPU µs/req keep-alive | × mitmdump | CPU µs/new conn | × mitmdump | processes | RSS idle, MiB | RSS with tunnels, MiB | KiB per tunnel | × mitmdump |",
+         "idle tunnels open (each: CONNECT, TLS established through the tunnel, one request answered, then idle), measured "
+         "after the throughput rounds; KiB per tunnel = the growth / tunnels, which memory a process kept from the "
+         "rounds can make smaller.", "",
+         "| configuration | CPU µs/req keep-alive | × mitmdump | CPU µs/new conn | × mitmdump | processes | RSS idle, MiB | RSS with tunnels, MiB | × mitmdump | KiB per tunnel |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key in configs:
         cells = []
@@ -372,7 +375,7 @@ def _cost_table(doc: dict, configs: list[str], labels: dict) -> list[str]:
                       fmt(entry.get("vs", {}).get("mitmdump", {}).get(key, {}).get("ratio"), 2)]
         i = idle.get(key, {})
         cells += [str(i.get("processes", "")), fmt(i.get("rss_idle_mib")), fmt(i.get("rss_tunnels_mib")),
-                  fmt(i.get("kib_per_tunnel")), fmt(i.get("per_tunnel_vs_mitmdump"), 2)]
+                  fmt(i.get("rss_vs_mitmdump"), 2), fmt(i.get("kib_per_tunnel"))]
         L.append(f"| {labels.get(key, key)} | " + " | ".join(cells) + " |")
     L.append("")
     return L
@@ -389,11 +392,15 @@ def _scaling_section(doc: dict) -> list[str]:
              f"workers for the same cores, so N unthrottled workers cannot show what N cores would do. Instead every "
              f"worker process is held to a CPU quota of {q:g} core ({meta.get('scaling', {}).get('quota', '')})"
              + (", and during these runs every gateway process is pinned to CPU 0 while hey and nginx keep CPU 1"
-                if meta.get("scaling", {}).get("pinned_to_cpu0") else "")
+                if meta.get("scaling", {}).get("pinned_to_cpu0") else
+                ", and may run on any CPU (hey and nginx stay on CPU 1; the quotas leave room for them)")
              + f": 1 worker gets {q:g} of a core, {n} workers get {n} × {q:g}. The target compares throughput: "
              f"{n} workers ≥ {SCALING_TARGET_PER_WORKER}·{n} × 1 worker. 'Quota used' (worker CPU-seconds / "
              "(quota × wall time), mean over workers) near 1.0 shows the workers, not the load generator, were the "
-             "limit; 'load generator' is hey + nginx CPU per second on their own CPU.")
+             "limit; 'load generator' is hey + nginx CPU-seconds per second. 'Req per gateway CPU-s' is the "
+             "throughput divided by the CPU the gateway used (supervisor included): when it differs between 1 and "
+             f"{n} workers, the throughput ratio is not only parallelism (a lone throttled worker runs less "
+             "efficiently per CPU-second than several; SO_REUSEPORT spreads connections by hash, not by load).")
     L.append("")
     L.append(f"| figure | 1 worker | {n} workers | ratio | paired | target | met | quota used 1 / {n} | "
              f"load generator 1 / {n} | req per gateway CPU-s 1 / {n} |")

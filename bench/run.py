@@ -314,6 +314,7 @@ class Setup:
     gateway_audit: bool = False
     features: dict = field(default_factory=dict)
     extra_dirs: list[Path] = field(default_factory=list)  # removed at the end, like the work directory
+    scaling_pin: bool = False  # scaling figure: every gateway process on CPU 0 (else on every CPU)
     nice: int = 0
 
     def cpu(self, which: int | None) -> list[str]:
@@ -577,7 +578,9 @@ LABELS = {
     "gateway_workers": "gateway, N workers",
     "gateway_passthrough": "gateway, inspect: false",
     "squid": "squid (CONNECT)",
-    "mitmdump_stream": "mitmdump + stream (a')",
+    "mitmdump_bulk": "mitmdump (a), bulk",
+    "gateway_bulk": "gateway (b), bulk",
+    "mitmdump_stream": "mitmdump + stream (a'), bulk",
     "mitmdump_transparent": "mitmdump transparent",
     "gateway_transparent": "gateway transparent",
 }
@@ -613,6 +616,7 @@ def start_proxy(setup: Setup, key: str, tools: dict[str, str]) -> Proxy:
         origin_ip = setup.origin_ip
     confdir = setup.workdir / f"confdir-{key}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    kind = key.removesuffix("_bulk")
     workers = 1
     cpu: int | None = 0
     passthrough = key.endswith("passthrough")
@@ -623,9 +627,9 @@ def start_proxy(setup: Setup, key: str, tools: dict[str, str]) -> Proxy:
                "--mode", mode, "--confdir", str(confdir),
                "--set", f"ssl_verify_upstream_trusted_ca={setup.ca_cert}"]
         if setup.features.get("workers") is None:  # supported: say how many, the default is every core
-            workers = (os.cpu_count() or 1) if key == "gateway_workers" else 1
+            workers = (os.cpu_count() or 1) if kind == "gateway_workers" else 1
             cmd += ["--workers", str(workers)]
-        if key == "gateway_workers":
+        if kind == "gateway_workers":
             cpu = None  # N workers run on every CPU (the scaling figure pins and throttles them)
         if setup.gateway_audit:
             cmd += ["--audit-log", str(setup.workdir / f"{key}-audit.jsonl")]
@@ -641,7 +645,7 @@ def start_proxy(setup: Setup, key: str, tools: dict[str, str]) -> Proxy:
             cmd += ["--set", "ignore_hosts=.*"]  # mitmproxy's TLS passthrough: every host is relayed unread
     service = Service(key, setup.cpu(cpu) + wrap + cmd, setup.workdir / f"{key}.log", env=env, cwd=PROJECT_ROOT)
     service.start()
-    proxy = Proxy(key, label(key, workers if key == "gateway_workers" else None), service, host, port,
+    proxy = Proxy(key, label(key, workers if kind == "gateway_workers" else None), service, host, port,
                   setup.ca_cert if passthrough else confdir / "mitmproxy-ca-cert.pem", intercepts=not passthrough,
                   workers=workers, nginx="nginx-transparent" if transparent else "nginx",
                   sandbox_ns=setup.net.sandboxes[key.removesuffix("_transparent")].ns if transparent else None,
@@ -856,8 +860,10 @@ def run_hey(setup: Setup, proxy: Proxy, duration: float, concurrency: int, keepa
         result = {"ok": len(samples), "non_200": non_200, "errors": None, "rps": len(samples) / duration,
                   "samples_ms": [round(s, 2) for s in samples], "rate": rate, "concurrency": concurrency,
                   "expected": int(rate * duration)}
-        short = result["expected"] - len(samples) - non_200
-        result["failure_fraction"] = max(0, short) / result["expected"] if result["expected"] else 0.0
+        # hey stops at -z: the last tick or two may not complete; more missing than that is reported
+        short = max(0, result["expected"] - len(samples) - non_200 - max(2, result["expected"] // 50))
+        result["missing"] = short
+        result["failure_fraction"] = (short + non_200) / result["expected"] if result["expected"] else 0.0
     else:
         result = parse_hey(out.stdout)
         if result["rps"] is None:
@@ -1004,8 +1010,10 @@ class Throttle:
         self.workers = self.proxy.worker_pids()
         for pid in self.workers:
             quota.limit(pid, self.cores_each)
-        if self.setup.pin:
+        if self.setup.pin and self.setup.scaling_pin:
             self.previous_affinity = set_affinity(self.proxy.pids(), {0})
+        elif self.setup.pin:  # every CPU: the quota alone bounds the gateway
+            self.previous_affinity = set_affinity(self.proxy.pids(), set(range(os.cpu_count() or 1)))
         self.stats0 = {pid: quota.stats(pid) for pid in self.workers}
         return self
 
@@ -1229,13 +1237,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32, help="hey -c for the throughput runs")
     p.add_argument("--latency-duration", type=float, help="seconds per latency run (default 3, quick 2)")
     p.add_argument("--latency-rate", type=float, default=50.0,
-                   help="keep-alive requests/s in the latency runs (hey -c 2 -q RATE/2): well below saturation")
+                   help="keep-alive requests/s in the latency runs (hey -c 1 -q RATE): well below saturation")
     p.add_argument("--latency-conn-rate", type=float, default=10.0,
-                   help="new connections/s in the latency runs (hey -c 2 -q RATE/2 -disable-keepalive)")
+                   help="new connections/s in the latency runs (hey -c 1 -q RATE -disable-keepalive)")
     p.add_argument("--idle-tunnels", type=int, help="idle tunnels opened for the RSS figure (default 1000, quick 500)")
     p.add_argument("--scaling-quota", type=float,
-                   help="CPU quota per gateway worker in the scaling figure, in cores (default 0.9/N: N workers "
-                        "together get 0.9 of the proxy's CPU, the load generator has the other CPU)")
+                   help="CPU quota per gateway worker in the scaling figure, in cores (default 0.9·(CPUs−1)/N: N "
+                        "workers together get 90%% of all CPUs but one, which is left to hey and nginx; with "
+                        "--scaling-pin 0.9/N)")
+    p.add_argument("--scaling-pin", action="store_true",
+                   help="scaling figure: pin every gateway process to CPU 0 (hey and nginx keep CPU 1) instead of "
+                        "letting the throttled workers run on every CPU")
     p.add_argument("--bulk-mb", type=int, default=200, help="size of the bulk body, MB (10^6 bytes)")
     p.add_argument("--rules", type=int, help="size of the large policy (default 100000, quick 20000)")
     p.add_argument("--policy-number", type=int, help="check_request calls per timeit repeat (default 20000)")
@@ -1303,21 +1315,37 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+# Configurations whose ratio is a target run back to back in every round (their order alternating),
+# so that a burst of load from elsewhere on the machine hits both or neither.
+ADJACENT = (("mitmdump", "gateway"), ("mitmdump_passthrough", "gateway_passthrough"))
+
+
 def rotated(items: list, rnd: int) -> list:
-    """Round `rnd`'s order: rotate by the round number, reverse every other round, so that each
-    configuration takes every position and follows a different neighbour."""
-    if not items:
+    """Round `rnd`'s order: blocks (a pair from ADJACENT, or one configuration) rotate by the round
+    number and reverse every other round, so that each takes every position; inside a pair the order
+    alternates too."""
+    blocks: list[list] = []
+    for item in items:
+        pair = next((p for p in ADJACENT if item in p), None)
+        if pair and all(k in items for k in pair):
+            if item == pair[0]:
+                blocks.append(list(pair))
+        else:
+            blocks.append([item])
+    if not blocks:
         return []
-    shift = rnd % len(items)
-    order = items[shift:] + items[:shift]
-    return list(reversed(order)) if rnd % 2 else order
+    shift = rnd % len(blocks)
+    blocks = blocks[shift:] + blocks[:shift]
+    if rnd % 2 and len(blocks) > 2:  # (two blocks: the rotation alone alternates them)
+        blocks.reverse()
+    return [k for block in blocks for k in (reversed(block) if rnd % 2 else block)]
 
 
 def note_failures(meta: dict, rnd: int, figure: str, key: str, res: dict) -> None:
     if res.get("failure_fraction", 0) > 0.001:
-        meta["warnings"].append(
-            f"round {rnd + 1} {figure} {key}: {res.get('non_200')} non-200 and {res.get('errors')} errors "
-            f"({res['failure_fraction']:.2%} of the requests)")
+        what = (f"{res.get('non_200')} non-200 and {res['missing']} missing of {res['expected']} at the set rate"
+                if "missing" in res else f"{res.get('non_200')} non-200 and {res.get('errors')} errors")
+        meta["warnings"].append(f"round {rnd + 1} {figure} {key}: {what} ({res['failure_fraction']:.2%})")
 
 
 def fmtn(value, digits: int = 1) -> str:
@@ -1341,7 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
         "groups": groups,
         "rounds": args.rounds, "rounds_done": 0, "duration": args.duration, "concurrency": args.concurrency,
         "latency": {"duration": args.latency_duration, "rate": args.latency_rate, "conn_rate": args.latency_conn_rate,
-                    "concurrency": 2},
+                    "concurrency": 1},
         "idle_tunnels": args.idle_tunnels,
         "bulk_mb": args.bulk_mb, "commit": commit, "dirty": dirty, "mitmproxy": mitmproxy.version.VERSION,
         "python": platform.python_version(), "cpus": os.cpu_count(), "machine": machine_description(),
@@ -1405,7 +1433,9 @@ def main(argv: list[str] | None = None) -> int:
             if "scaling" in groups:
                 wanted += ["gateway", "gateway_workers"]
             if "bulk" in groups:
-                wanted += ["mitmdump", "gateway"] + ([] if args.no_stream_baseline else ["mitmdump_stream"])
+                # processes of their own: bare mitmdump keeps the memory of a buffered body, which would
+                # distort the idle-tunnel figure of the configurations
+                wanted += ["mitmdump_bulk", "gateway_bulk"] + ([] if args.no_stream_baseline else ["mitmdump_stream"])
             wanted = list(dict.fromkeys(wanted))
             optional = {"mitmdump_passthrough", "gateway_workers", "gateway_passthrough", "squid"}
             unsupported = {}
@@ -1474,11 +1504,14 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     scaling = ["gateway", "gateway_workers"]
                     n = setup.proxies["gateway_workers"].workers
-                    cores_each = args.scaling_quota or round(0.9 / n, 3)
+                    cpus = os.cpu_count() or 1
+                    setup.scaling_pin = args.scaling_pin
+                    cores_each = args.scaling_quota or round(0.9 * (1 if args.scaling_pin else cpus - 1) / n, 3)
                     meta["scaling"] = {"workers": n, "cores_each": cores_each, "quota": setup.quota.describe(),
-                                       "pinned_to_cpu0": setup.pin}
+                                       "pinned_to_cpu0": setup.pin and args.scaling_pin}
                     log(f"scaling: each worker held to {cores_each} CPU ({setup.quota.describe()})"
-                        + ("; all gateway processes on CPU 0 during these runs" if setup.pin else ""))
+                        + ("; all gateway processes on CPU 0 during these runs" if setup.pin and args.scaling_pin
+                           else "; the gateway's processes may run on every CPU during these runs"))
 
             if args.profile:
                 if args.profile_tool == "cprofile":
@@ -1488,15 +1521,15 @@ def main(argv: list[str] | None = None) -> int:
                 groups = []
 
             transparent_keys = ["mitmdump_transparent", "gateway_transparent"] if "transparent" in groups else []
-            warm = list(dict.fromkeys(configs + idle_configs + scaling + transparent_keys))
+            bulk_keys = [k for k in ("mitmdump_bulk", "gateway_bulk", "mitmdump_stream") if k in setup.proxies] \
+                if "bulk" in groups else []
+            warm = list(dict.fromkeys(configs + idle_configs + scaling + transparent_keys + bulk_keys))
             if warm and not args.profile:
                 log("warm-up (not counted)")
                 for key in warm:
                     run_hey(setup, setup.proxies[key], args.warmup, args.concurrency, True)
                     run_hey(setup, setup.proxies[key], args.warmup, args.concurrency, False)
 
-            bulk_keys = [k for k in ("mitmdump", "gateway", "mitmdump_stream") if k in setup.proxies] \
-                if "bulk" in groups else []
             for rnd in range(args.rounds if groups and proxy_groups else 0):
                 if time.monotonic() > deadline:
                     meta["warnings"].append(f"time limit reached: stopped after {rnd} rounds")
@@ -1520,7 +1553,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 ("latency_newconn", False, args.latency_conn_rate)):
                     results = {}
                     for key in rotated(configs, rnd + 1):
-                        res = run_hey(setup, setup.proxies[key], args.latency_duration, 2, keepalive, rate=rate)
+                        res = run_hey(setup, setup.proxies[key], args.latency_duration, 1, keepalive, rate=rate)
                         note_failures(meta, rnd, figure, key, res)
                         results[key] = res
                         s = sorted(res["samples_ms"])
@@ -1558,7 +1591,7 @@ def main(argv: list[str] | None = None) -> int:
                     results = {}
                     for key in rotated(bulk_keys, rnd):
                         res = run_bulk(setup, setup.proxies[key], bulk_bytes)
-                        results[key] = res
+                        results[key.removesuffix("_bulk")] = res
                         log(f"  bulk                  {key:22s} {res['mb_per_s']:8.1f} MB/s  RSS "
                             f"{res['rss_before_mib']:.0f} → peak {res['rss_peak_mib']:.0f} MiB "
                             f"(after {res['rss_after_mib']:.0f})")
