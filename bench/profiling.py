@@ -130,13 +130,16 @@ def summarise(text: str, top: int = 25) -> dict:
 def summarise_pstats(stats, top: int = 25) -> dict:
     """The same summary from cProfile statistics (pstats.Stats). cProfile keeps no stacks, so each
     function's own time goes to the group of its own file: generic library code lands in "other"
-    instead of its caller's group, and C functions (ssl read/write, OpenSSL) appear as built-ins."""
+    instead of its caller's group, and C functions (ssl read/write, OpenSSL) appear as built-ins.
+    Its clock is wall time and the recording includes the start-up (imports): a fallback only."""
     total = 0.0
     groups: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     cumulative: collections.Counter[str] = collections.Counter()
     ours: collections.Counter[str] = collections.Counter()
     for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        if "select.epoll" in func or func in ("<built-in method select.select>",):
+            continue  # cProfile's clock is wall time: waiting for events is not CPU
         short = _short(file)
         if file == "~" and ("ssl" in func.lower() or "_ssl" in func):
             short = "_ssl"
@@ -145,7 +148,7 @@ def summarise_pstats(stats, top: int = 25) -> dict:
         key = f"{func} ({short}:{line})"
         own[key] += tt
         cumulative[key] += ct
-        if re.match(r"^(addons|gateway)/", short):
+        if re.match(r"^(addons|gateway)/", short) and not ENTRY.search(short) and func != "<module>":
             ours[key] += ct
     scale = 1000.0  # report milliseconds as "samples" so that markdown() can share the code
     return {
