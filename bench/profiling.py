@@ -64,6 +64,9 @@ def parse(text: str) -> list[tuple[list[tuple[str, str]], int]]:
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
+        if not stack.strip():  # py-spy --nonblocking could not read a consistent stack
+            samples.append(([], int(count)))
+            continue
         frames = []
         for raw in stack.split(";"):
             m = _FRAME.match(raw)
@@ -101,8 +104,9 @@ def summarise(text: str, top: int = 25) -> dict:
     inclusive: collections.Counter[str] = collections.Counter()
     ours: collections.Counter[str] = collections.Counter()
     idle = sum(n for frames, n in samples if frames and (frames[-1][0], _short(frames[-1][1])) in IDLE_LEAVES)
+    unreadable = sum(n for frames, n in samples if not frames)
     samples = [(frames, n) for frames, n in samples
-               if not (frames and (frames[-1][0], _short(frames[-1][1])) in IDLE_LEAVES)]
+               if frames and (frames[-1][0], _short(frames[-1][1])) not in IDLE_LEAVES]
     total = sum(n for _, n in samples)
     for frames, n in samples:
         groups[group_of(frames)] += n
@@ -120,6 +124,7 @@ def summarise(text: str, top: int = 25) -> dict:
     return {
         "samples": total,
         "idle_samples_left_out": idle,
+        "unreadable_samples_left_out": unreadable,
         "groups": {k: v for k, v in groups.most_common()},
         "top_self": leaf.most_common(top),
         "top_inclusive": inclusive.most_common(top),
@@ -167,8 +172,12 @@ def markdown(name: str, summary: dict, top: int = 15) -> str:
     for group, n in summary["groups"].items():
         L.append(f"| {group} | {n / total:.1%} |")
     L.append("")
-    if summary.get("idle_samples_left_out"):
-        L.append(f"({summary['idle_samples_left_out']} samples of waiting threads left out.)")
+    left = [f"{summary[k]} {what}" for k, what in (
+        ("idle_samples_left_out", "samples of waiting threads"),
+        ("unreadable_samples_left_out", "samples whose stack py-spy could not read without stopping the process"))
+        if summary.get(k)]
+    if left:
+        L.append(f"(Left out: {'; '.join(left)}.)")
         L.append("")
     L.append("Top functions by own time (leaf frame):")
     L.append("")
