@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from tests.e2e.helpers import Conn, assert_untouched, audit_for, curl, tunnel
 from tests.redteam.tlsfrag import FragmentedTLS
-from tests.transparent.clients import client_hello, ech_outer_extension, read_tls_record
+from tests.transparent.clients import client_hello, read_tls_record, tlslite_with_ech
 
 TIMEOUT = 10.0
 STATUS = {"sni_mismatch": 421, "sni_required": 421, "ech_refused": 403, "bad_client_hello": 400}
@@ -217,21 +217,7 @@ def test_an_ech_client_hello_is_refused(gateway, pass_upstreams, upstreams):
 @pytest.fixture
 def ech_tlslite(monkeypatch):
     """tlslite-ng whose ClientHello carries an ECH (outer) extension (as in tests/transparent/test_ech.py)."""
-    tlsconnection = pytest.importorskip("tlslite.tlsconnection")
-    from tlslite.extensions import TLSExtension
-    from tlslite.messages import ClientHello
-
-    extension = ech_outer_extension()[4:]
-
-    class EchClientHello(ClientHello):
-        def create(self, *args, **kwargs):
-            super().create(*args, **kwargs)
-            self.extensions = list(self.extensions or [])
-            self.extensions.append(TLSExtension(extType=0xFE0D).create(bytearray(extension)))
-            return self
-
-    monkeypatch.setattr(tlsconnection, "ClientHello", EchClientHello)
-    return tlsconnection.TLSConnection
+    return tlslite_with_ech(monkeypatch)
 
 
 def test_an_ech_handshake_gets_the_gateways_refusal(gateway, pass_upstreams, upstreams, ech_tlslite):

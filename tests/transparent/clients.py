@@ -159,6 +159,28 @@ def ech_outer_extension(inner_size: int = 223) -> bytes:
     return _ext(ECH_EXTENSION, body)
 
 
+def tlslite_with_ech(monkeypatch):
+    """tlslite-ng's TLSConnection, patched so that its ClientHello carries an ECH (outer) extension:
+    a real client stack hiding its destination (skips when tlslite-ng is not installed)."""
+    import pytest
+
+    tlsconnection = pytest.importorskip("tlslite.tlsconnection")
+    from tlslite.extensions import TLSExtension
+    from tlslite.messages import ClientHello
+
+    extension = ech_outer_extension()[4:]  # the extension body, without type and length
+
+    class EchClientHello(ClientHello):
+        def create(self, *args, **kwargs):
+            super().create(*args, **kwargs)
+            self.extensions = list(self.extensions or [])
+            self.extensions.append(TLSExtension(extType=ECH_EXTENSION).create(bytearray(extension)))
+            return self
+
+    monkeypatch.setattr(tlsconnection, "ClientHello", EchClientHello)
+    return tlsconnection.TLSConnection
+
+
 def client_hello(server_name: str | None, *, ech: bool = False, alpn: bytes = b"http/1.1") -> bytes:
     """A TLS 1.3 ClientHello record (with an X25519 key share OpenSSL will accept)."""
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey

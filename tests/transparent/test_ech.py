@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from .clients import client_hello, ech_outer_extension, read_tls_record
+from .clients import client_hello, read_tls_record, tlslite_with_ech
 from .topology import ALLOWED, OTHER
 
 pytestmark = pytest.mark.netns
@@ -62,21 +62,7 @@ def test_ech_hello_without_outer_sni_is_decided_on_the_dialled_ip(topology, main
 @pytest.fixture
 def ech_tlslite(monkeypatch):
     """tlslite-ng whose ClientHello carries an ECH (outer) extension."""
-    tlsconnection = pytest.importorskip("tlslite.tlsconnection")
-    from tlslite.extensions import TLSExtension
-    from tlslite.messages import ClientHello
-
-    extension = ech_outer_extension()[4:]  # the extension body, without type and length
-
-    class EchClientHello(ClientHello):
-        def create(self, *args, **kwargs):
-            super().create(*args, **kwargs)
-            self.extensions = list(self.extensions or [])
-            self.extensions.append(TLSExtension(extType=0xFE0D).create(bytearray(extension)))
-            return self
-
-    monkeypatch.setattr(tlsconnection, "ClientHello", EchClientHello)
-    return tlsconnection.TLSConnection
+    return tlslite_with_ech(monkeypatch)
 
 
 def _tlslite_get(topology, sandbox, connection_class, address: str, outer_sni: str, path: str) -> bytes:
