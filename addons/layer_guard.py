@@ -22,9 +22,11 @@ import ipaddress
 
 from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
+from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from gateway.decision import Decision
 
+from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .layers import GatewayHttpLayer, RefusalLayer, TargetFormHttpLayer
@@ -152,6 +154,8 @@ class LayerGuard:
         if kind == WAIT:
             self._wait(nextlayer)
         elif kind == TLS:
+            if self._relayed_unread(nextlayer, data):
+                return
             server_tls = ServerTLSLayer(nextlayer.context)
             server_tls.child_layer = ClientTLSLayer(nextlayer.context)
             nextlayer.layer = server_tls
@@ -161,6 +165,29 @@ class LayerGuard:
             nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
+
+    def _relayed_unread(self, nextlayer: layer.NextLayer, data: bytes) -> bool:
+        """A tunnel a passthrough rule allowed: once the whole ClientHello is here and passes every
+        check, relay the connection as plain TCP (no TLS layers: as fast as mitmproxy's own
+        ignore_hosts). True when decided here, waiting included; False leaves the hello to the TLS
+        layers, where the TLS guard refuses it (or, unparseable, the TLS layer does)."""
+        conn = self.state.connections.get(nextlayer.context.client.id)
+        if conn is None or conn.passthrough_rule is None or conn.tunnel is None or conn.poisoned is not None:
+            return False
+        try:
+            hello = parse_client_hello(data)
+        except ValueError:
+            return False
+        if hello is None:
+            self._wait(nextlayer)
+            return True
+        extensions = list(hello.extensions)
+        if passthrough.decide(conn.tunnel, hello.sni, extensions) is not None:
+            return False
+        passthrough.record(self.state, conn, conn.tunnel, hello.sni, extensions, None)
+        passthrough.admit(conn, conn.tunnel, nextlayer.context.server)
+        nextlayer.layer = TCPLayer(nextlayer.context, ignore=True)
+        return True
 
     def _transparent_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         context = nextlayer.context

@@ -13,11 +13,11 @@ import ipaddress
 
 from mitmproxy import tls
 
-from gateway.clienthello import check_passthrough_hello
 from gateway.decision import Decision
 from gateway.engine import Pin
 from gateway.hostnames import HostError, canonical_host, ip_host
 
+from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .state import ConnectionState, GatewayState, passthrough_rule
@@ -132,27 +132,16 @@ class TlsGuard:
 
     def _passthrough(self, data: tls.ClientHelloData, conn: ConnectionState, pin: Pin) -> None:
         """An inspect: false rule allowed the pinned destination: relay the TLS unread, to the pinned
-        address only, if this ClientHello can only mean that destination (gateway.clienthello)."""
+        address only, if this ClientHello can only mean that destination (addons/passthrough.py)."""
         hello = data.client_hello
-        rule = conn.passthrough_rule
-        refusal = check_passthrough_hello(hello.sni, hello.extensions)
-        allowed = refusal is None
-        self.state.record(
-            event="tls", **connection_fields(conn, self.state.scope(conn).sandbox),
-            decision="allow" if allowed else "deny", reason="allowed" if allowed else refusal.reason,
-            status=None if allowed else refusal.status, rule=rule.id,
-            message=f"rule {rule.id} relays TLS to {pin.host.authority(pin.port)} unread (inspect: false)"
-            if allowed else refusal.message,
-            host=pin.host.value, port=pin.port, address=pin.address.compressed if allowed else None,
-            sni=hello.sni, ech=any(t == ECH_EXTENSION for t, _ in hello.extensions), passthrough=True,
-        )
-        if not allowed:
+        extensions = list(hello.extensions)
+        refusal = passthrough.decide(pin, hello.sni, extensions)
+        passthrough.record(self.state, conn, pin, hello.sni, extensions, refusal)
+        if refusal is not None:
             conn.poisoned = refusal
             conn.passthrough_rule = None
             data.context.server.error = "egress gateway: ClientHello refused for passthrough"
             return
-        # The upstream is the pinned address whatever the sandbox dialled; mitmproxy relays the
-        # buffered ClientHello and everything after it, and no HTTP hook fires on this connection.
-        data.context.server.address = (pin.address.compressed, pin.port)
-        conn.admitted[(pin.address.compressed, pin.port)] = None
+        # mitmproxy relays the buffered ClientHello and everything after it; no HTTP hook fires.
+        passthrough.admit(conn, pin, data.context.server)
         data.ignore_connection = True
