@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Egress gateway benchmark: the gateway side by side with direct access, bare mitmdump and squid, in one run.
 
-    /tmp/venv/bin/python bench/run.py            # everything (~18 minutes)
-    /tmp/venv/bin/python bench/run.py --quick    # smoke run (~6 minutes)
+    /tmp/venv/bin/python bench/run.py            # everything (~17 minutes)
+    /tmp/venv/bin/python bench/run.py --quick    # smoke run (~5 minutes)
     /tmp/venv/bin/python bench/run.py --only configs,scaling --quick
     /tmp/venv/bin/python bench/run.py --profile  # where the gateway's time goes (py-spy), no rounds
 
@@ -15,6 +15,7 @@ up for the whole run:
 - gateway N workers: `--workers N`, N = the number of CPUs (a supervisor and N processes on one port);
 - gateway passthrough: one worker with a policy rule `inspect: false` (SNI checked, TLS relayed unread);
 - squid: a plain CONNECT proxy (no caching, no ssl-bump), generated minimal squid.conf.
+Every proxy gets a fresh process before every round but the first (--same-processes: not).
 Figures: keep-alive HTTPS req/s through a CONNECT tunnel, new TLS connections/s (CONNECT + handshake per
 request), latency at a fixed moderate rate (added to direct), proxy CPU per request (all its processes),
 RSS (all processes) with 1,000 idle tunnels, the N-worker scaling (each worker held to a CPU quota),
@@ -109,11 +110,13 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout: float =
     raise BenchError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
-def wait_listening(proc: subprocess.Popen, pid: int, port: int, timeout: float = 30.0) -> None:
+def wait_listening(proc: subprocess.Popen, pid: int, port: int, timeout: float = 30.0, address: str | None = None) -> None:
     """Wait until process `pid` (in whatever network namespace it runs) has a TCP socket listening on
-    `port`: read from /proc/PID/net/tcp, which shows the sockets of that process's namespace. No probe
-    connection, which a transparent listener would take for a redirected one."""
-    needle = f":{port:04X}"
+    `port` (and IPv4 `address`, if given): read from /proc/PID/net/tcp, which shows the sockets of that
+    process's namespace. No probe connection, which a transparent listener would take for a
+    redirected one. Give the address when the same port may listen in the host namespace: until the
+    wrapper (`ip netns exec`) has switched namespaces, /proc/PID/net/tcp shows the host's sockets."""
+    needle = (socket.inet_aton(address)[::-1].hex().upper() if address else "") + f":{port:04X}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -456,7 +459,7 @@ http {{
                     setup.workdir / f"{name}.out", stop_signal=signal.SIGTERM)
     setup.nginx[name] = nginx.start()
     if netns:
-        wait_listening(nginx.proc, nginx.pid, 443)
+        wait_listening(nginx.proc, nginx.pid, 443, address=listen_ip)
     else:
         wait_for_port(listen_ip, 443, nginx.proc)
     # direct sanity check, without any proxy (transparent: from the gateway namespace, over the veth)
@@ -1273,6 +1276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="py-spy (attaches to the running proxy) or cProfile (runs the gateway under it)")
     p.add_argument("--profile-seconds", type=float, default=15.0, help="seconds recorded per profile")
     p.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames: OpenSSL, ...)")
+    p.add_argument("--same-processes", action="store_true",
+                   help="keep each proxy's process for the whole run instead of starting fresh ones every round")
     p.add_argument("--keep-workdir", action="store_true", help="keep the temporary directory (logs, configs)")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="where to write latest.md / latest.json")
     args = p.parse_args(argv)
@@ -1341,6 +1346,24 @@ def rotated(items: list, rnd: int) -> list:
     if rnd % 2 and len(blocks) > 2:  # (two blocks: the rotation alone alternates them)
         blocks.reverse()
     return [k for block in blocks for k in (reversed(block) if rnd % 2 else block)]
+
+
+def restart_proxies(setup: Setup, tools: dict[str, str], keys: list[str], bulk_keys: list[str], args) -> None:
+    """Fresh processes for every round: one process can run a steady 10-20% faster or slower than
+    another started the same way (memory layout, hash seeds, where the kernel put it), and with one
+    process per configuration for the whole run that bias would be in every round. Restarted, it
+    becomes round-to-round noise, which the medians and paired ratios deal with."""
+    started = time.monotonic()
+    for key in keys:
+        proxy = setup.proxies.get(key)
+        if proxy is None or proxy.service is None:
+            continue
+        proxy.service.stop()
+        setup.proxies[key] = fresh = start_proxy(setup, key, tools)
+        if key not in bulk_keys:  # a short warm-up, not counted (bulk downloads need none)
+            run_hey(setup, fresh, args.warmup / 2, args.concurrency, True)
+            run_hey(setup, fresh, args.warmup / 2, args.concurrency, False)
+    log(f"fresh proxy processes for this round ({time.monotonic() - started:.0f} s)")
 
 
 def note_failures(meta: dict, rnd: int, figure: str, key: str, res: dict) -> None:
@@ -1538,6 +1561,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 if not (configs or scaling or transparent_keys or bulk_keys):
                     break
+                if rnd and not args.same_processes:
+                    restart_proxies(setup, tools, warm, bulk_keys, args)
                 meta["loadavg_rounds"].append(loadavg())
                 log(f"round {rnd + 1}/{args.rounds}; load average {meta['loadavg_rounds'][-1]}")
                 for figure, keepalive in (("keepalive", True), ("newconn", False)):
