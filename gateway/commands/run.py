@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import socket
+import subprocess
 import sys
 
 from ..audit import AuditLog
@@ -200,12 +201,15 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
         if args.audit_max_bytes and args.audit_log == "-":
             print("egress-gateway: audit log rotation (--audit-max-bytes) needs a file, not stdout", file=sys.stderr)
             return 2
-    from addons.runner import prepare_confdir  # mitmproxy is imported only when running
-
-    try:
-        prepare_confdir(args.confdir)
-    except OSError as exc:
-        print(f"egress-gateway: cannot prepare the CA in {args.confdir}: {exc}", file=sys.stderr)
+    # The CA is made by a short-lived child: importing mitmproxy would cost the supervisor, which
+    # serves nothing, ~70 MiB for its whole life.
+    prepare = subprocess.run(
+        [sys.executable, "-c", "import sys; from addons.runner import prepare_confdir; prepare_confdir(sys.argv[1])",
+         args.confdir], capture_output=True, text=True,
+    )
+    if prepare.returncode != 0:
+        why = (prepare.stderr.strip().splitlines() or ["unknown error"])[-1]
+        print(f"egress-gateway: cannot prepare the CA in {args.confdir}: {why}", file=sys.stderr)
         return 1
     supervisor = Supervisor(workers, lambda index, fd: worker_command(args, modes, index, fd), audit=audit,
                             drain_timeout=args.drain_timeout)
