@@ -135,8 +135,7 @@ class Worker:
     reader: threading.Thread | None = None
     exits: list[int] = field(default_factory=list)
     ready_fd: int | None = None  # read end of the readiness pipe, until the worker said it listens
-    ready: bool = False
-    ever_ready: bool = False
+    ever_ready: bool = False  # it has listened at least once: a later death is not a start-up failure
 
 
 class Supervisor:
@@ -156,7 +155,7 @@ class Supervisor:
         self.metrics_dir = tempfile.mkdtemp(prefix="egress-metrics-")
         self.env[MULTIPROC_ENV] = self.metrics_dir
         self.stopping = False
-        self.audit_errors = 0
+        self.audit_errors = 0  # worker lines lost (malformed, or the write failed): logged each time
         self._signals: list[int] = []
         self._audit_lock = threading.Lock()
 
@@ -234,7 +233,7 @@ class Supervisor:
             for fd in (write_fd, ready_write):  # the worker holds the only write ends: EOF when it exits
                 if fd is not None:
                     os.close(fd)
-        worker.ready_fd, worker.ready = ready_read, False
+        worker.ready_fd = ready_read
         worker.started = time.monotonic()
         worker.restart_at = None
         if read_fd is not None:
@@ -273,7 +272,7 @@ class Supervisor:
             os.close(worker.ready_fd)
             worker.ready_fd = None
             if said:
-                worker.ready = worker.ever_ready = True
+                worker.ever_ready = True
                 if worker.restarts:
                     logger.info("egress gateway: worker %d (pid %d) is serving again", worker.index,
                                 worker.process.pid if worker.process else -1)
@@ -367,10 +366,6 @@ class Supervisor:
         if self.audit is not None:
             self.audit.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
-
-    @property
-    def pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers if w.process is not None]
 
 
 def log_to_stderr(quiet: bool) -> None:
