@@ -14,7 +14,8 @@ from gateway.hostnames import HostError, parse_authority
 from .audit_fields import decision_fields, flow_fields
 from .failclosed import fail_closed
 from .respond import refuse
-from .state import GatewayState, passthrough_rule
+from . import passthrough
+from .state import GatewayState
 
 
 def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
@@ -53,4 +54,4 @@ class ConnectGuard:
         flow.request.data.port = pin.port
         flow.server_conn.sni = pin.sni or str(pin.address)
         conn.tunnel = pin
-        conn.passthrough_rule = passthrough_rule(engine, decision)
+        conn.passthrough_rule = passthrough.rule_for(engine, decision)

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 from gateway.clienthello import ECH, check_passthrough_hello
 from gateway.decision import Decision
-from gateway.engine import Pin
+from gateway.engine import Engine, Pin
 from gateway.hostnames import HostError, canonical_host
+from gateway.policy import Rule
 
 from .audit_fields import connection_fields
 from .state import ConnectionState, GatewayState
+
+
+def rule_for(engine: Engine, decision: Decision) -> Rule | None:
+    """The passthrough rule behind an allowed destination, if that is what allowed it. A report-mode
+    `would_deny` is never relayed unread: its requests must stay visible to be reported."""
+    if not decision.allowed or decision.would_deny or not decision.rule:
+        return None
+    rule = engine.policy.rules_by_id.get(decision.rule)
+    return rule if rule is not None and not rule.inspect else None
 
 
 def decide(pin: Pin, sni: str | None, extensions: list[tuple[int, bytes]]) -> Decision | None:

@@ -30,7 +30,7 @@ class ConnectionState:
     address: IPAddress | None = None  # the client's IP: names its sandbox
     tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
     # The rule that allowed the tunnel's destination, when it is a passthrough (inspect: false) rule:
-    # the TLS guard then relays the connection unread once its ClientHello passes.
+    # the connection is relayed unread once its ClientHello passes (addons/passthrough.py).
     passthrough_rule: Rule | None = None
     poisoned: Decision | None = None  # set when the TLS SNI restated or named a refused destination
     original_destination: tuple[str, int] | None = None  # transparent mode: what the sandbox dialled
@@ -38,15 +38,6 @@ class ConnectionState:
     # (address, port) -> TLS server name the gateway may dial for this client, added only
     # when a request passed every check.
     admitted: dict[tuple[str, int], str | None] = field(default_factory=dict)
-
-
-def passthrough_rule(engine: Engine, decision: Decision) -> Rule | None:
-    """The passthrough rule behind an allowed destination, if that is what allowed it. A report-mode
-    `would_deny` is never relayed unread: its requests must stay visible to be reported."""
-    if not decision.allowed or decision.would_deny or not decision.rule:
-        return None
-    rule = engine.policy.rules_by_id.get(decision.rule)
-    return rule if rule is not None and not rule.inspect else None
 
 
 class GatewayState:

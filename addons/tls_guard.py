@@ -20,7 +20,7 @@ from gateway.hostnames import HostError, canonical_host, ip_host
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .state import ConnectionState, GatewayState, passthrough_rule
+from .state import ConnectionState, GatewayState
 
 ECH_EXTENSION = 0xFE0D
 
@@ -108,7 +108,7 @@ class TlsGuard:
                     decision.rule,
                 )
                 pin = None
-        relay = passthrough_rule(engine, decision) if pin is not None else None
+        relay = passthrough.rule_for(engine, decision) if pin is not None else None
         if relay is None:  # a passthrough connection gets one line, from _passthrough
             has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
             self.state.record(
