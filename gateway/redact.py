@@ -3,8 +3,8 @@
 Each secret is searched in every form an upstream is likely to echo it in: raw, base64 and
 base64url (alone, or at any byte alignment inside a longer base64 blob such as a Basic
 credential), lower- and upper-case hex, and URL-encoding. Replacements keep the length of what
-they replace, so Content-Length stays true and streamed bodies can be redacted chunk by chunk with
-an overlap window no longer than the longest form.
+they replace, so Content-Length stays true and streamed bodies can be redacted chunk by chunk,
+holding back only a tail that could still become a form.
 """
 
 from __future__ import annotations
@@ -58,20 +58,55 @@ class Redactor:
         forms = sorted(self._owner, key=len, reverse=True)
         self._pattern = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
         self.max_length = max((len(f) for f in forms), default=0)
+        # Every proper prefix of every form, and every byte any form contains: what a streamed
+        # body's tail must be to be held back (built once, at load).
+        self._prefixes = frozenset(f[:i] for f in forms for i in range(1, len(f)))
+        self._alphabet = frozenset(b for f in forms for b in f)
 
     def __bool__(self) -> bool:
         return self._pattern is not None
 
     def redact(self, data: bytes) -> tuple[bytes, list[str]]:
+        clean, _, hits = self.redact_prefix(data, len(data))
+        return clean, hits
+
+    def redact_prefix(self, data: bytes, cut: int) -> tuple[bytes, int, list[str]]:
+        """Redacts `data[:end]` and returns (redacted bytes, end, secret names hit): `end` is `cut`,
+        or the end of a match that starts before `cut` and runs past it (never split a match)."""
         if self._pattern is None or not data:
-            return data, []
+            return data[:cut], cut, []
+        pieces: list[bytes] = []
         hits: list[str] = []
-
-        def replace(match: re.Match[bytes]) -> bytes:
+        pos = 0
+        for match in self._pattern.finditer(data):
+            if match.start() >= cut:
+                break
+            pieces.append(data[pos:match.start()])
+            pieces.append(marker(match.end() - match.start()))
             hits.append(self._owner[match.group(0)])
-            return marker(len(match.group(0)))
+            pos = match.end()
+        end = max(cut, pos)
+        pieces.append(data[pos:end])
+        return b"".join(pieces), end, hits
 
-        return self._pattern.sub(replace, data), hits
+    def held_suffix(self, data: bytes) -> int:
+        """Length of the longest suffix of `data` that is a proper prefix of some form: the bytes
+        that more data could still turn into a secret.
+
+        Why that is enough: a form matching at position s < len(data) - held_suffix is either whole
+        inside `data` already, or `data[s:]` would be a proper prefix of it (and s would be in the
+        held suffix); and no longer form can still grow at s for the same reason. So every match
+        that starts before the cut is final, whatever comes next."""
+        if not self._prefixes:
+            return 0
+        run = 0  # a prefix can only be made of bytes that occur in some form
+        limit = min(len(data), self.max_length - 1)
+        while run < limit and data[-1 - run] in self._alphabet:
+            run += 1
+        for length in range(run, 0, -1):
+            if data[-length:] in self._prefixes:
+                return length
+        return 0
 
     def redact_text(self, text: str) -> tuple[str, list[str]]:
         data = text.encode("utf-8", "surrogateescape")
@@ -80,27 +115,34 @@ class Redactor:
 
 
 class StreamRedactor:
-    """Redacts a body chunk by chunk; holds back at most `max_length - 1` bytes between chunks.
+    """Redacts a body chunk by chunk, holding back only what could still become a secret form.
 
-    Call it with each chunk and finally with b"" (mitmproxy's stream callable protocol)."""
+    After each chunk it keeps the longest suffix of what it has seen that is a proper prefix of some
+    form (`Redactor.held_suffix`), and passes on everything before it, redacted. Ordinary text, and
+    every event that ends in a byte no form contains (SSE's blank line, NDJSON's newline), flows
+    through with no delay; a secret split across chunks is still caught whole. Nothing is flushed on
+    a timer: the held bytes are exactly those that the next chunk could turn into a secret, so
+    releasing them early would release a piece of one.
+
+    Call it with each chunk and finally with b"" (mitmproxy's stream callable protocol). It returns
+    b"" when it has nothing to pass on yet: the caller must treat that as "nothing", never as the
+    end of the body (the gateway's HTTP/1 writers drop empty pieces)."""
 
     def __init__(self, redactor: Redactor, on_hit=None):
         self.redactor = redactor
-        self.keep = max(redactor.max_length - 1, 0)
         self.pending = b""
         self.on_hit = on_hit
 
     def __call__(self, chunk: bytes) -> bytes:
         data = self.pending + chunk
-        data, hits = self.redactor.redact(data)
+        # At the end of the body (b"") everything goes; otherwise the tail that could still become
+        # a form waits. A match starting before the cut is final (see Redactor.held_suffix).
+        cut = len(data) - self.redactor.held_suffix(data) if chunk else len(data)
+        clean, end, hits = self.redactor.redact_prefix(data, cut)
+        self.pending = data[end:]
         if hits and self.on_hit is not None:
             self.on_hit(hits)
-        if not chunk:  # end of body: flush everything
-            self.pending = b""
-            return data
-        cut = max(len(data) - self.keep, 0)
-        self.pending = data[cut:]
-        return data[:cut]
+        return clean
 
 
 def redact_all(redactor: Redactor, chunks: Iterable[bytes]) -> bytes:

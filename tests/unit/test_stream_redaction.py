@@ -1,0 +1,89 @@
+"""The streaming redactor: a secret split across any chunk boundaries is caught, and nothing but a
+tail that could still become a secret form is ever held back."""
+
+from __future__ import annotations
+
+import string
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.redact import Redactor, StreamRedactor, forms_of
+
+TOKEN_ALPHABET = string.ascii_letters + string.digits + "-_+/="
+secret_values = st.text(TOKEN_ALPHABET, min_size=8, max_size=60)
+filler = st.binary(max_size=200)
+
+
+def _stream(redactor: Redactor, chunks: list[bytes]) -> tuple[list[bytes], bytes]:
+    stream = StreamRedactor(redactor)
+    pieces = [stream(c) for c in chunks]
+    pieces.append(stream(b""))
+    return pieces, b"".join(pieces)
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(c, len(data)) for c in cuts})
+    chunks, last = [], 0
+    for point in points:
+        if point > last:
+            chunks.append(data[last:point])
+            last = point
+    if last < len(data):
+        chunks.append(data[last:])
+    return chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(secret=secret_values, before=filler, after=filler, cuts=st.lists(st.integers(0, 600), max_size=12),
+       form_index=st.integers(0, 100))
+def test_a_form_split_across_any_chunks_is_redacted_as_a_whole(secret, before, after, cuts, form_index):
+    redactor = Redactor({"s": secret})
+    forms = sorted(forms_of(secret))
+    form = forms[form_index % len(forms)]
+    body = before + form + after
+    _, streamed = _stream(redactor, _split(body, cuts))
+    assert streamed == redactor.redact(body)[0]  # the same as redacting the whole body at once
+    assert form not in streamed
+    assert len(streamed) == len(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(secrets=st.lists(secret_values, min_size=1, max_size=4), body=st.binary(max_size=400),
+       cuts=st.lists(st.integers(0, 400), max_size=10))
+def test_streaming_equals_whole_body_redaction_for_any_body(secrets, body, cuts):
+    redactor = Redactor({f"s{i}": v for i, v in enumerate(secrets)})
+    _, streamed = _stream(redactor, _split(body, cuts))
+    assert streamed == redactor.redact(body)[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(secret=secret_values, body=st.binary(max_size=300))
+def test_only_a_possible_prefix_of_a_form_is_held_back(secret, body):
+    redactor = Redactor({"s": secret})
+    stream = StreamRedactor(redactor)
+    out = stream(body)
+    held = stream.pending
+    assert body.endswith(held)
+    assert out == redactor.redact(body[:len(body) - len(held)])[0]
+    if held:
+        assert any(f.startswith(held) and f != held for f in forms_of(secret))
+
+
+def test_sse_events_pass_through_with_no_delay():
+    redactor = Redactor({"key": "sk-ant-" + "A1b2C3d4" * 13})  # 111 characters, like a model API key
+    stream = StreamRedactor(redactor)
+    for n in range(20):
+        event = b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"w%d"}}\n\n' % n
+        assert stream(event) == event  # every byte, at once
+        assert stream.pending == b""
+
+
+def test_a_secret_that_is_a_prefix_of_another_is_not_redacted_early():
+    short, long = "abcdef123456", "abcdef123456XYZW7890"
+    redactor = Redactor({"short": short, "long": long})
+    stream = StreamRedactor(redactor)
+    first = stream(b"x" + short.encode())
+    rest = stream(b"XYZW7890 tail") + stream(b"")
+    assert long.encode() not in first + rest
+    assert b"XYZW7890" not in first + rest  # the longer secret is redacted whole, not its tail left
