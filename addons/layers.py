@@ -32,6 +32,7 @@ from mitmproxy.proxy.layers.http import is_h3_alpn
 from gateway.decision import Decision
 from gateway.hostnames import HostError, parse_authority
 
+from .http1 import ServerFraming
 from .respond import raw_http_refusal
 
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
@@ -92,7 +93,7 @@ def _classify_bad_head(head: list[bytes], error: ValueError) -> Decision:
     return Decision.deny("malformed_request", f"malformed request: {message}")
 
 
-class GatewayHttp1Server(Http1Server):
+class GatewayHttp1Server(ServerFraming, Http1Server):
     def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
                  head_timeout: float = DEFAULT_HEAD_TIMEOUT):
         super().__init__(context)
@@ -173,6 +174,8 @@ class GatewayHttp1Server(Http1Server):
                                     self.request, getattr(self.request, "method", None))
 
     def send(self, event) -> layer.CommandGenerator[None]:
+        if (yield from self.send_framed(event)):
+            return
         if isinstance(event, ResponseProtocolError) and not self.response:
             decision = getattr(self.request, REFUSAL_ATTR, None)
             if decision is None and event.code in _ERROR_REASONS:

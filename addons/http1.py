@@ -1,0 +1,191 @@
+"""HTTP/1 framing that streamed bodies need and mitmproxy 12.3's HTTP/1 layers get wrong.
+
+- **An empty piece is "nothing yet", never the end.** mitmproxy writes every ResponseData or
+  RequestData on a chunked message as a chunk, so an empty one becomes `0\\r\\n\\r\\n`, the
+  end-of-body marker, after which it goes on writing chunks on a connection whose framing is
+  already closed (a redactor holding back a tail returns b"" and turned a streamed answer into an
+  empty body). Both writers here drop empty pieces.
+- **Trailers.** mitmproxy's HTTP/1 reader raises on a chunked message with trailer fields and its
+  writers have no trailers at all; gRPC's status lives there. Upstream responses' trailers are read
+  and passed on (to an HTTP/2 client as trailers, to an HTTP/1 client after the last chunk).
+- **HTTP/2 to HTTP/1 translation of bodies of unknown length.** A request from an HTTP/2 client
+  without content-length is written upstream chunked (written bare, an HTTP/1 server would read
+  the body as the next request on the connection); a response from an HTTP/2 upstream without
+  content-length is written to an HTTP/1 client chunked, so it can keep the connection and get
+  trailers.
+
+`GatewayHttp1Server` (addons/layers.py) uses `ServerFraming`; the upstream side is mitmproxy's
+Http1Client, replaced by `GatewayHttp1Client` through `install()` (mitmproxy builds it by name).
+"""
+
+from __future__ import annotations
+
+import h11
+from mitmproxy import http
+from mitmproxy.net.http import http1, status_codes
+from mitmproxy.proxy import commands, layer
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._events import (
+    RequestData,
+    RequestEndOfMessage,
+    RequestHeaders,
+    RequestTrailers,
+    ResponseData,
+    ResponseEndOfMessage,
+    ResponseHeaders,
+    ResponseTrailers,
+)
+from mitmproxy.proxy.layers.http._http1 import Http1Client
+
+# Fields that must not travel as trailers (RFC 9110 section 6.5.1): framing, routing, auth, control.
+FORBIDDEN_TRAILERS = frozenset({
+    "transfer-encoding", "content-length", "host", "connection", "keep-alive", "te", "trailer", "upgrade",
+    "proxy-connection", "proxy-authorization", "proxy-authenticate", "authorization", "set-cookie", "cookie",
+    "content-encoding", "content-type", "content-range", "cache-control", "expect", "max-forwards", "pragma",
+    "range", "www-authenticate", "age", "expires", "date", "location", "retry-after", "vary", "warning",
+})
+
+
+def _is_chunked(message) -> bool:
+    return "chunked" in message.headers.get("transfer-encoding", "").lower()
+
+
+def _may_have_body(request, response) -> bool:
+    return not (request.method.upper() == "HEAD" or 100 <= response.status_code < 200
+                or response.status_code in (204, 304))
+
+
+def last_chunk(trailers: http.Headers | None) -> bytes:
+    """The end of a chunked body, with the trailer fields that may be sent there."""
+    if not trailers:
+        return b"0\r\n\r\n"
+    kept = http.Headers([(k, v) for k, v in trailers.fields if k.lower().decode("latin-1") not in FORBIDDEN_TRAILERS])
+    return b"0\r\n%s\r\n" % bytes(kept) if kept.fields else b"0\r\n\r\n"
+
+
+class TrailerCatcher:
+    """Wraps an h11 body reader: a chunked body's trailer fields are kept in `trailers` and the end
+    of message goes on without them (mitmproxy would raise NotImplementedError)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.trailers: http.Headers | None = None
+
+    def __call__(self, buf):
+        return self._catch(self.reader(buf))
+
+    def read_eof(self):
+        return self._catch(self.reader.read_eof())
+
+    def _catch(self, event):
+        if isinstance(event, h11.EndOfMessage) and event.headers:
+            self.trailers = http.Headers([(bytes(k), bytes(v)) for k, v in event.headers])
+            return h11.EndOfMessage()
+        return event
+
+
+class ServerFraming:
+    """Towards the client (mixed into the gateway's Http1Server): no empty chunk, trailers after
+    the last chunk, chunked framing for translated HTTP/2 responses of unknown length."""
+
+    _pending_trailers: http.Headers | None = None
+
+    def send_framed(self, event) -> layer.CommandGenerator[bool]:
+        """Handles the events whose framing the gateway owns; False: the caller sends it as usual."""
+        if isinstance(event, ResponseHeaders):
+            yield from self._send_head(event)
+            return True
+        if isinstance(event, ResponseData) and not event.data:
+            return True
+        if isinstance(event, ResponseTrailers):
+            # Sent after the last chunk; without chunked framing there is nowhere to put them.
+            self._pending_trailers = event.trailers if self.response is not None and _is_chunked(self.response) else None
+            return True
+        if (isinstance(event, ResponseEndOfMessage) and self._pending_trailers is not None
+                and self.request is not None and self.request.method.upper() != "HEAD"):
+            trailers, self._pending_trailers = self._pending_trailers, None
+            yield commands.SendData(self.conn, last_chunk(trailers))
+            yield from self.mark_done(response=True)
+            return True
+        return False
+
+    def _send_head(self, event: ResponseHeaders) -> layer.CommandGenerator[None]:
+        response = event.response
+        self._pending_trailers = None
+        if response.is_http2 or response.is_http3:
+            response = response.copy()
+            response.http_version = "HTTP/1.1"
+            response.reason = status_codes.RESPONSES.get(response.status_code, "")
+            if (not event.end_stream and "content-length" not in response.headers
+                    and self.request is not None and _may_have_body(self.request, response)):
+                response.headers["transfer-encoding"] = "chunked"
+        # The framing that follows is the framing of what was written.
+        self.response = response
+        yield commands.SendData(self.conn, http1.assemble_response_head(response))
+
+
+class GatewayHttp1Client(Http1Client):
+    """Towards the upstream: no empty chunk, chunked framing for translated HTTP/2 request bodies of
+    unknown length, request trailers after the last chunk, and response trailers read."""
+
+    _chunked_body = False
+    _pending_trailers: http.Headers | None = None
+
+    def send(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, RequestHeaders) and (event.request.is_http2 or event.request.is_http3):
+            if self.stream_id is None:
+                self.stream_id = event.stream_id
+                self.request = event.request
+            yield from self._send_translated_head(event)
+            return
+        if isinstance(event, RequestData):
+            if not event.data:
+                return
+            if self._chunked_body:
+                yield commands.SendData(self.conn, b"%x\r\n%s\r\n" % (len(event.data), event.data))
+                return
+        elif isinstance(event, RequestTrailers):
+            self._pending_trailers = event.trailers
+            return
+        elif isinstance(event, RequestEndOfMessage) and (self._chunked_body or _is_chunked(self.request)):
+            trailers, self._pending_trailers = self._pending_trailers, None
+            self._chunked_body = False
+            yield commands.SendData(self.conn, last_chunk(trailers))
+            yield from self.mark_done(request=True)
+            return
+        yield from super().send(event)
+
+    def _send_translated_head(self, event: RequestHeaders) -> layer.CommandGenerator[None]:
+        """mitmproxy's HTTP/2 to HTTP/1 request conversion, plus chunked framing when the body's
+        length is not declared."""
+        request = event.request.copy()
+        request.http_version = "HTTP/1.1"
+        if "Host" not in request.headers and request.authority:
+            request.headers.insert(0, "Host", request.authority)
+        request.authority = ""
+        cookies = request.headers.get_all("Cookie")
+        if len(cookies) > 1:
+            request.headers["Cookie"] = "; ".join(cookies)
+        self._chunked_body = not event.end_stream and "content-length" not in request.headers
+        if self._chunked_body:
+            request.headers["transfer-encoding"] = "chunked"
+        yield commands.SendData(self.conn, http1.assemble_request_head(request))
+
+    def read_body(self, event) -> layer.CommandGenerator[None]:
+        if not isinstance(self.body_reader, TrailerCatcher):
+            self.body_reader = TrailerCatcher(self.body_reader)
+        catcher = self.body_reader
+        for command in super().read_body(event):
+            if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseEndOfMessage)
+                    and catcher.trailers is not None):
+                trailers, catcher.trailers = catcher.trailers, None
+                yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
+            yield command
+
+
+def install() -> None:
+    """Make mitmproxy build the gateway's HTTP/1 client for every upstream connection."""
+    from mitmproxy.proxy.layers import http as http_layers
+
+    if http_layers.Http1Client is not GatewayHttp1Client:
+        http_layers.Http1Client = GatewayHttp1Client
