@@ -27,12 +27,12 @@ from gateway.policy import Rule, Scope
 from gateway.decompress import streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
+from gateway.streaming import Plan, response_plan
 
 from .failclosed import fail_closed
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
-_BUFFERABLE = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"})  # what mitmproxy's decode() knows
 
 
 class CredentialInjector:
@@ -170,53 +170,50 @@ class ResponseRedactor:
         response = flow.response
         if redactor is None or response is None:
             return
-        hits: list[str] = []
         clean_reason, found = redactor.redact_text(response.reason)
         if found:
             response.reason = clean_reason
-            hits += found
-        for name in list(dict.fromkeys(response.headers.keys())):  # as sent: base64 is case-sensitive
-            found = redactor.redact_text(name)[1]
-            if found:
-                # A name cannot carry a marker ('[' is not a token character): drop the header.
-                hits += found
-                response.headers.pop(name, None)
-                continue
-            values = response.headers.get_all(name)
-            cleaned = [redactor.redact_text(v) for v in values]
-            if any(found for _, found in cleaned):
-                response.headers.set_all(name, [v for v, _ in cleaned])
-                hits += [h for _, found in cleaned for h in found]
-        if hits:
-            self._count(flow, hits, "headers")
+            self._count(flow, found, "status line")
+        self._redact_fields(flow, response.headers, redactor, "headers")
         if BOUND not in flow.metadata:
             return
-        # A credential-bound response is always streamed through the redactor, never buffered:
-        # mitmproxy would switch a large buffered body to raw streaming (stream_large_bodies).
-        body_redactor = StreamRedactor(redactor, on_hit=lambda found: self._count(flow, found, "body"))
-        encoding = response.headers.get("content-encoding", "").strip().lower()
-        if encoding in ("", "identity") or flow.request.method == "HEAD" or response.status_code in (204, 304):
-            response.stream = body_redactor
-            return
-        length = response.headers.get("content-length", "")
+        # A credential-bound response streams through the redactor; only a small, known-length,
+        # compressed body is buffered, to be decoded whole (gateway/streaming.py says why).
         limit = human.parse_size(ctx.options.stream_large_bodies) if hasattr(ctx.options, "stream_large_bodies") else None
-        if length.isdigit() and (limit is None or int(length) <= limit) and encoding in _BUFFERABLE:
-            # Small enough that mitmproxy buffers it whole: decode and redact it in `response`,
-            # where a body that does not decode can still become a clean 502.
-            response.stream = False
-            return
-        decoder = streaming_decoder(encoding)
-        if decoder is None:
+        plan, why = response_plan(method=flow.request.method, status=response.status_code,
+                                  headers=response.headers.items(multi=True), bound=True, buffer_limit=limit)
+        body_redactor = StreamRedactor(redactor, on_hit=lambda found: self._count(flow, found, "body"))
+        if plan in (Plan.NO_BODY, Plan.REDACT):
+            response.stream = body_redactor
+        elif plan is Plan.DECODE_BUFFERED:
+            response.stream = False  # decoded and redacted in `response`, or a clean 502
+        elif plan is Plan.DECODE_STREAM:
+            decoder = streaming_decoder(why)  # the one coding the plan found
+            del response.headers["content-encoding"]
+            response.headers.pop("content-length", None)
+            if not (flow.request.is_http2 or flow.request.is_http3):
+                response.headers["transfer-encoding"] = "chunked"
+            response.stream = _DecodingRedactor(flow, decoder, body_redactor)
+        else:
             self._refuse_body(flow, Decision.deny(
                 "undecodable_response",
-                f"the response to a credential-bound request uses Content-Encoding {encoding[:40]!r}, "
-                "which the gateway cannot decode to redact it"))
-            return
-        del response.headers["content-encoding"]
-        response.headers.pop("content-length", None)
-        if not (flow.request.is_http2 or flow.request.is_http3):
-            response.headers["transfer-encoding"] = "chunked"
-        response.stream = _DecodingRedactor(flow, decoder, body_redactor)
+                f"{why}, which the gateway cannot decode to redact the response to a credential-bound request"))
+
+    def _redact_fields(self, flow, fields: http.Headers, redactor: Redactor, where: str) -> None:
+        hits: list[str] = []
+        for name in list(dict.fromkeys(fields.keys())):  # as sent: base64 is case-sensitive
+            found = redactor.redact_text(name)[1]
+            if found:
+                # A name cannot carry a marker ('[' is not a token character): drop the field.
+                hits += found
+                fields.pop(name, None)
+                continue
+            cleaned = [redactor.redact_text(v) for v in fields.get_all(name)]
+            if any(found for _, found in cleaned):
+                fields.set_all(name, [v for v, _ in cleaned])
+                hits += [h for _, found in cleaned for h in found]
+        if hits:
+            self._count(flow, hits, where)
 
     def _refuse_body(self, flow: http.HTTPFlow, decision: Decision) -> None:
         body = decision.body().encode()
@@ -233,10 +230,13 @@ class ResponseRedactor:
 
     @fail_closed(_kill_on_error)
     def response(self, flow: http.HTTPFlow) -> None:
-        if BOUND not in flow.metadata or flow.response is None or flow.response.stream:
-            return
         redactor = self.redactor()
-        if redactor is None:
+        if redactor is None or flow.response is None:
+            return
+        if flow.response.trailers:
+            # Sent after this hook, streamed or not (gRPC's status and message live here).
+            self._redact_fields(flow, flow.response.trailers, redactor, "trailers")
+        if BOUND not in flow.metadata or flow.response.stream:
             return
         try:
             flow.response.decode(strict=True)

@@ -24,6 +24,7 @@ from addons.metrics import Observability  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
+from addons.streaming import BodyStreaming, Http2Preference  # noqa: E402
 from addons.tls_guard import TlsGuard  # noqa: E402
 from addons.upstream_guard import UpstreamGuard  # noqa: E402
 
@@ -38,8 +39,10 @@ def make_addons(state: GatewayState | None = None) -> list:
         LayerGuard(state),
         ConnectGuard(state),
         TlsGuard(state),
+        Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
         RequestGuard(state),
         ResponseRedactor(state),
+        BodyStreaming(),  # after the guard and the redactor: streams what they allowed and did not plan
         UpstreamGuard(state),
         DnsGuard(state),
         Observability(state),  # last: configures the audit log EgressCore opened, sees every decision

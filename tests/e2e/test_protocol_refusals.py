@@ -95,13 +95,23 @@ def test_h2c_prior_knowledge_is_refused(gateway, upstreams, where):
     assert_untouched(upstreams, *ALL_UPSTREAMS)
 
 
-def test_http2_prior_knowledge_after_alpn_http11_is_refused_httpx(gateway, upstreams):
-    """httpx with http1=False speaks HTTP/2 even though ALPN settled on http/1.1."""
-    with httpx.Client(proxy=gateway.proxy_url, verify=client_tls_context(gateway), http1=False, http2=True) as client:
-        with pytest.raises(httpx.TransportError):
-            client.get("https://allowed.test/h2-prior")
+@pytest.mark.parametrize("alpn", [None, ["http/1.1"]])
+def test_http2_preface_after_alpn_other_than_h2_is_refused(gateway, upstreams, alpn):
+    """TLS whose ALPN did not settle on h2 (none offered, or only http/1.1), then HTTP/2 bytes."""
+    with tls_tunnel(gateway, "allowed.test:443", alpn=alpn) as conn:
+        started = time.monotonic()
+        conn.send(H2_PREFACE)
+        _refused_promptly_and_closed(conn, "h2c_refused", started)
     assert_untouched(upstreams, *ALL_UPSTREAMS)
-    assert "h2c_refused" in [a["reason"] for a in gateway.audit()[-3:]]
+
+
+def test_http2_only_client_gets_http2_by_alpn(gateway, upstreams):
+    """httpx with http1=False offers h2 alone: ALPN settles on h2 and the request is ordinary
+    HTTP/2 (the gateway translates to the HTTP/1.1 upstream)."""
+    with httpx.Client(proxy=gateway.proxy_url, verify=client_tls_context(gateway), http1=False, http2=True) as client:
+        response = client.get("https://allowed.test/h2-only")
+    assert response.status_code == 200
+    assert response.http_version == "HTTP/2"
 
 
 @pytest.mark.parametrize("where", ["proxy-port", "plain-tunnel", "tls-tunnel"])
