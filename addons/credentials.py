@@ -76,6 +76,9 @@ class CredentialInjector:
         # bodies stream through the redactor without decoding.
         request.headers["Accept-Encoding"] = "identity"
         flow.metadata[BOUND] = used
+        # Whatever happens to the store from now on (a rotation, a reload), the response to this
+        # request is redacted for exactly these values.
+        self.state.secret_memory.pin(flow.id, {name: values[name] for name in rule.secrets})
         return decision, used
 
 
@@ -139,20 +142,10 @@ class _Replacement:
 class ResponseRedactor:
     def __init__(self, state: GatewayState):
         self.state = state
-        self._redactor: Redactor | None = None
-        self._generation = (None, -1)
         _install_websocket_redaction(self.redactor)
 
     def redactor(self) -> Redactor | None:
-        store = self.state.engine.secrets if self.state.engine is not None else None
-        if store is None or not store.sources:
-            return None
-        store.known_values()  # refresh file-backed values (cheap: one stat each)
-        key = (id(store), store.generation)
-        if self._redactor is None or key != self._generation:
-            self._redactor = Redactor(store.known_values())
-            self._generation = key
-        return self._redactor or None
+        return self.state.redactor()
 
     def running(self):
         # Whatever a log line quotes (mitmproxy logs WebSocket pings, protocol errors), never a secret.
@@ -230,6 +223,13 @@ class ResponseRedactor:
 
     @fail_closed(_kill_on_error)
     def response(self, flow: http.HTTPFlow) -> None:
+        try:
+            self._redact_response(flow)
+        finally:
+            if flow.websocket is None:  # a WebSocket's messages still follow: kept until websocket_end
+                self.state.secret_memory.unpin(flow.id)
+
+    def _redact_response(self, flow: http.HTTPFlow) -> None:
         redactor = self.redactor()
         if redactor is None or flow.response is None:
             return
@@ -251,6 +251,12 @@ class ResponseRedactor:
         if hits:
             flow.response.content = clean
             self._count(flow, hits, "body")
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.state.secret_memory.unpin(flow.id)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        self.state.secret_memory.unpin(flow.id)
 
     @fail_closed(_kill_on_error)
     def websocket_message(self, flow: http.HTTPFlow) -> None:

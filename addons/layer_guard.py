@@ -11,6 +11,7 @@ that will never come, and without an upstream connection.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -259,9 +260,11 @@ class LayerGuard:
     def _head_limits() -> tuple[int, float]:
         return ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout)
 
-    def _on_refusal(self, context, decision: Decision, request, method: str | None = None) -> None:
-        """A request mitmproxy's HTTP/1 server refused or failed itself (parse errors, upstream
-        failures): one audit line, in the same shape as the guards' lines."""
+    def _on_refusal(self, context, decision: Decision, request, method: str | None = None) -> Decision:
+        """A request mitmproxy's HTTP server refused or failed itself (parse errors, upstream
+        failures): one audit line, in the same shape as the guards' lines. Returns the decision to
+        send, its message redacted: a page the gateway writes never carries a secret, whatever
+        text it was built from."""
         conn = self.state.connections.get(context.client.id)
         pin = conn.tunnel if conn else None
         upstream = decision.reason in ("upstream_failed", "response_too_large")
@@ -275,6 +278,12 @@ class LayerGuard:
             method=method, path=getattr(request, "path", None),
             host_header=request.headers.get("host") if request is not None else None,
         )
+        redactor = self.state.redactor()
+        if redactor is not None:
+            message, hits = redactor.redact_text(decision.message)
+            if hits:
+                return dataclasses.replace(decision, message=message)
+        return decision
 
     def _wait(self, nextlayer: layer.NextLayer) -> None:
         """No decision yet: mitmproxy asks again when more bytes arrive. A client that trickles

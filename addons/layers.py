@@ -18,27 +18,38 @@ import logging
 import time
 from collections.abc import Callable
 
+from mitmproxy import flow as mitm_flow
 from mitmproxy.net.http import http1
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, RequestHeaders
-from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._events import (
+    ErrorCode,
+    RequestData,
+    RequestProtocolError,
+    ResponseData,
+    ResponseProtocolError,
+)
+from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
+from mitmproxy.proxy.layers.http import SendHttp
+from mitmproxy.utils import human
 from mitmproxy.proxy.layers.http._http1 import Http1Server, make_body_reader
 from mitmproxy.proxy.layers.http._http2 import Http2Server
 from mitmproxy.proxy.layers.http._http3 import Http3Server
-from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http import is_h3_alpn
 
 from gateway.decision import Decision
+from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
 from .http1 import ServerFraming
-from .respond import raw_http_refusal
+from .respond import raw_http_refusal, refusal_headers
 
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30.0
-OnRefusal = Callable[[object, Decision, object, str | None], None]  # (context, decision, request, method)
+OnRefusal = Callable[[object, Decision, object, str | None], "Decision | None"]  # (context, decision, request, method)
 
 _ERROR_REASONS = {
     ErrorCode.CONNECT_FAILED: ("upstream_failed", "the upstream connection failed"),
@@ -93,6 +104,22 @@ def _classify_bad_head(head: list[bytes], error: ValueError) -> Decision:
     return Decision.deny("malformed_request", f"malformed request: {message}")
 
 
+def protocol_error_decision(event) -> Decision:
+    """The gateway's words for an error mitmproxy raised on a stream: the reason by error code, and
+    its text with every byte it quotes withheld (gateway/failure.py)."""
+    reason, what = _ERROR_REASONS[event.code]
+    return Decision.deny(reason, f"{what}: {failure_detail(event.message)}")
+
+
+def _report(on_refusal: OnRefusal, context, decision: Decision, request=None, method: str | None = None) -> Decision:
+    """Audit a refusal; returns the decision to send (its message redacted by the listener)."""
+    try:
+        return on_refusal(context, decision, request, method or getattr(request, "method", None)) or decision
+    except Exception:  # e.g. the audit disk is full: the refusal still goes out
+        logging.getLogger("egress").exception("egress gateway: could not record a refusal")
+        return decision
+
+
 class GatewayHttp1Server(ServerFraming, Http1Server):
     def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
                  head_timeout: float = DEFAULT_HEAD_TIMEOUT):
@@ -104,10 +131,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         self._head_wakeup: commands.RequestWakeup | None = None  # the timer for that head
 
     def _refuse(self, decision: Decision, request=None, method: str | None = None) -> layer.CommandGenerator[None]:
-        try:
-            self.on_refusal(self.context, decision, request, method)
-        except Exception:  # e.g. the audit disk is full: the refusal still goes out
-            logging.getLogger("egress").exception("egress gateway: could not record a refusal")
+        decision = _report(self.on_refusal, self.context, decision, request, method)
         yield commands.SendData(self.conn, raw_http_refusal(decision))
         yield commands.CloseConnection(self.conn)
         self.state = self.done
@@ -179,18 +203,81 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         if isinstance(event, ResponseProtocolError) and not self.response:
             decision = getattr(self.request, REFUSAL_ATTR, None)
             if decision is None and event.code in _ERROR_REASONS:
-                reason, what = _ERROR_REASONS[event.code]
-                decision = Decision.deny(reason, f"{what}: {event.message[:300]}")
-                try:
-                    self.on_refusal(self.context, decision, self.request, getattr(self.request, "method", None))
-                except Exception:
-                    logging.getLogger("egress").exception("egress gateway: could not record a refusal")
+                decision = _report(self.on_refusal, self.context, protocol_error_decision(event), self.request)
             if decision is not None and event.code.http_status_code() is not None:
                 if self.conn.state & ConnectionState.CAN_WRITE:
                     yield commands.SendData(self.conn, raw_http_refusal(decision))
                     yield commands.CloseConnection(self.conn)
                 return
         yield from super().send(event)
+
+
+class GatewayHttp2Server(Http2Server):
+    """mitmproxy's HTTP/2 server, except that an error it would answer with its own HTML page
+    (quoting what failed) is answered in the gateway's format: text body, X-Egress-Reason."""
+
+    def __init__(self, context, on_refusal: OnRefusal):
+        super().__init__(context)
+        self.on_refusal = on_refusal
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if (isinstance(event, ResponseProtocolError) and event.code in _ERROR_REASONS
+                and event.code.http_status_code() is not None and self.is_open_for_us(event.stream_id)
+                and not self.h2_conn.streams[event.stream_id].state_machine.headers_sent):
+            decision = _report(self.on_refusal, self.context, protocol_error_decision(event))
+            body = decision.body().encode()
+            headers = [(b":status", b"%d" % decision.status)]
+            headers += [(k.lower().encode(), v.encode()) for k, v in refusal_headers(decision).items()]
+            headers.append((b"content-length", b"%d" % len(body)))
+            self.h2_conn.send_headers(event.stream_id, headers)
+            self.h2_conn.send_data(event.stream_id, body, end_stream=True)
+            yield commands.SendData(self.conn, self.h2_conn.data_to_send())
+            return
+        yield from super()._handle_event(event)
+
+
+class GatewayHttpStream(HttpStream):
+    """mitmproxy's HttpStream, with `body_size_limit` enforced on streamed bodies too (mitmproxy
+    checks it only against a declared length or a buffered body, so a chunked body that streams
+    would be unbounded). Over the limit, the stream is aborted both ways: a request that has no
+    answer yet gets 413 `request_too_large`, a response already under way is cut off."""
+
+    _streamed_request = 0
+    _streamed_response = 0
+    on_refusal: OnRefusal | None = None  # set by the HTTP layer that makes the stream
+
+    def state_stream_request_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, RequestData):
+            self._streamed_request += len(event.data)
+            if (yield from self._over_limit(self._streamed_request, request=True)):
+                return
+        yield from super().state_stream_request_body(event)
+
+    def state_stream_response_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, ResponseData):
+            self._streamed_response += len(event.data)
+            if (yield from self._over_limit(self._streamed_response, request=False)):
+                return
+        yield from super().state_stream_response_body(event)
+
+    def _over_limit(self, size: int, request: bool) -> layer.CommandGenerator[bool]:
+        limit = human.parse_size(self.context.options.body_size_limit)
+        if limit is None or size <= limit:
+            return False
+        what = "Request" if request else "Response"
+        message = f"{what} body exceeds mitmproxy's body_size_limit."
+        code = ErrorCode.REQUEST_TOO_LARGE if request else ErrorCode.RESPONSE_TOO_LARGE
+        self.flow.error = mitm_flow.Error(message)
+        if not request and self.on_refusal is not None:  # a request's refusal is audited where it is sent
+            _report(self.on_refusal, self.context, Decision.deny(
+                "response_too_large", f"the streamed response exceeded body_size_limit ({limit} bytes); cut off"),
+                self.flow.request)
+        yield HttpErrorHook(self.flow)
+        yield SendHttp(ResponseProtocolError(self.stream_id, message, code), self.context.client)
+        yield SendHttp(RequestProtocolError(self.stream_id, message, code), self.context.server)
+        self.client_state = self.server_state = self.state_errored
+        self.flow.live = False
+        return True
 
 
 class GatewayHttpLayer(HttpLayer):
@@ -208,7 +295,7 @@ class GatewayHttpLayer(HttpLayer):
             if is_h3_alpn(self.context.client.alpn):
                 server = Http3Server(self.context.fork())
             elif self.context.client.alpn == b"h2":
-                server = Http2Server(self.context.fork())
+                server = GatewayHttp2Server(self.context.fork(), self.on_refusal)
             else:
                 server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
                                             self.head_timeout)
@@ -216,6 +303,13 @@ class GatewayHttpLayer(HttpLayer):
             yield from self.event_to_child(self.connections[self.context.client], event)
             return
         yield from super()._handle_event(event)
+
+    def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:
+        stream = self.streams[stream_id] = self.stream_class(self.context.fork(), stream_id)
+        stream.on_refusal = self.on_refusal
+        yield from self.event_to_child(self.streams[stream_id], events.Start())
+
+    stream_class: type[HttpStream] = GatewayHttpStream
 
 
 def target_form(request) -> str | None:
@@ -226,7 +320,7 @@ def raw_authority(request) -> str | None:
     return getattr(request, RAW_AUTHORITY_ATTR, None)
 
 
-class _TargetFormStream(HttpStream):
+class _TargetFormStream(GatewayHttpStream):
     def state_wait_for_request_headers(self, event: RequestHeaders) -> layer.CommandGenerator[None]:
         if isinstance(event, RequestHeaders):
             request = event.request
@@ -247,7 +341,4 @@ class _TargetFormStream(HttpStream):
 
 
 class TargetFormHttpLayer(GatewayHttpLayer):
-    def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:
-        ctx = self.context.fork()
-        self.streams[stream_id] = _TargetFormStream(ctx, stream_id)
-        yield from self.event_to_child(self.streams[stream_id], events.Start())
+    stream_class = _TargetFormStream

@@ -155,22 +155,10 @@ class SecretScrubber:
 
     def __init__(self, state: GatewayState):
         self.state = state
-        self._key: tuple | None = None
-        self._redactor = None
 
     def __call__(self, values: dict[str, Any]) -> dict[str, Any]:
-        engine = self.state.engine
-        store = getattr(engine, "secrets", None) if engine is not None else None  # they travel with the policy
-        if store is None or not getattr(store, "sources", None):
-            return values
-        known = store.known_values()
-        key = (id(store), store.generation)
-        if key != self._key:
-            from gateway.redact import Redactor  # the credentials feature's matcher (every encoded form)
-
-            self._redactor, self._key = Redactor(known), key
-        redactor = self._redactor
-        if not redactor:
+        redactor = self.state.redactor()  # the response redactor's: every value held, past ones too
+        if redactor is None:
             return values
         return {k: v if k in self.NAME_KEYS else self._clean(redactor, v) for k, v in values.items()}
 

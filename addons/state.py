@@ -19,6 +19,7 @@ from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine, Pin
 from gateway.hostnames import IPAddress
 from gateway.policy import Rule, Scope
+from gateway.redact import Redactor, SecretMemory
 
 from .signals import SignalHub
 
@@ -60,6 +61,23 @@ class GatewayState:
         # installed refuses them as destinations.
         self.extra_listeners: list[tuple[IPAddress, int]] = []
         self.signals = SignalHub()  # SIGHUP: audit log reopen, policy reload
+        # Every secret value held (current, past, and those of requests in flight): what the
+        # response redactor, the log filter, the audit scrubber and refusal pages all redact.
+        self.secret_memory = SecretMemory()
+        self._secrets_seen: tuple | None = None
+
+    def redactor(self) -> Redactor | None:
+        """The one redactor: every value the store holds now, every value held before (bounded),
+        and every value a request in flight carried. None while no secret was ever held."""
+        store = self.engine.secrets if self.engine is not None else None
+        if store is not None and store.sources:
+            values = store.known_values()  # refreshes file-backed values (one stat each)
+            key = (id(store), store.generation)
+            if key != self._secrets_seen:
+                self.secret_memory.remember(values)
+                self._secrets_seen = key
+        redactor = self.secret_memory.redactor()
+        return redactor or None
 
     def install(self, engine: Engine) -> None:
         """Make `engine` (policy, resolver, secrets) the one every guard uses. One assignment, and

@@ -1,21 +1,46 @@
 """Redaction of secret values in what flows back to the sandbox.
 
-Each secret is searched in every form an upstream is likely to echo it in: raw, base64 and
-base64url (alone, or at any byte alignment inside a longer base64 blob such as a Basic
-credential), lower- and upper-case hex, and URL-encoding. Replacements keep the length of what
-they replace, so Content-Length stays true and streamed bodies can be redacted chunk by chunk,
-holding back only a tail that could still become a form.
+A server that echoes a credential rarely echoes it as it was sent: it escapes it the way its
+framework escapes strings. Each secret is searched in every form a table of real encoders makes of
+it (`ENCODINGS` x `ESCAPES`, each row naming what it mimics), and the search runs over a normalised
+*view* of the bytes, so that whole families of variants need no form of their own:
+
+- letters are compared case-insensitively: upper- and lower-case hex, `%2F` and `%2f`, `\\u002B`
+  and `\\u002b`, `&#X2F;` (base64 compared this way can only over-redact);
+- NUL bytes are skipped: the same text in UTF-16 or UTF-32 (either byte order, declared or not);
+- a line break that ends a line made only of base64 characters (16 or more) is skipped: MIME and
+  PEM base64 wrapped at any width, at any alignment of the secret within the blob.
+
+Every rule of the view depends only on the bytes before a position, so the view of a prefix is a
+prefix of the view; that is what lets a streamed body be redacted chunk by chunk (StreamRedactor)
+with exactly the result of redacting it whole. A match is replaced in place by a marker of the same
+length (skipped NULs and line breaks stay where they were), so Content-Length stays true and a
+UTF-16 body stays UTF-16.
+
+What no form covers: a server that transforms a secret arbitrarily (hashes it, encrypts it, splits
+it across fields, reverses it, compresses it inside a body it then encodes, escapes it with an
+encoder missing from the table). See docs/credentials.md.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import re
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from urllib.parse import quote, quote_plus
+
+import ahocorasick_rs
 
 MIN_FORM_LENGTH = 6  # shorter base64 fragments would match innocent text
 MARKER = b"[REDACTED]"
+REMEMBERED_VALUES = 64  # secret values (current and past) the gateway keeps redacting
+
+_LOWER = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
+_BASE64_LINE = re.compile(rb"[A-Za-z0-9+/=_\-\0]*")
+_LINE_BREAK = re.compile(rb"\r?\n")
+WRAP_MIN = 16  # a line shorter than this is text, not a wrapped base64 blob
 
 
 def _pure_base64(raw: bytes, offset: int, urlsafe: bool) -> bytes:
@@ -27,15 +52,89 @@ def _pure_base64(raw: bytes, offset: int, urlsafe: bool) -> bytes:
     return b"".join(chars)
 
 
+def _every_byte_percent(value: str) -> str:
+    return "".join(f"%{b:02X}" for b in value.encode("utf-8"))
+
+
+# How a server may encode a value before it writes it: (name, what it mimics, encoder).
+ENCODINGS: tuple[tuple[str, str, Callable[[str], Iterable[str | bytes]]], ...] = (
+    ("raw", "any echo of the value as it is", lambda v: [v]),
+    ("hex", "hex dumps, digests of nothing: bytes.hex(), xxd (either case)", lambda v: [v.encode().hex()]),
+    ("base64", "base64 at any alignment in a blob (Basic credentials, JWT parts, data: URLs)",
+     lambda v: [_pure_base64(v.encode(), o, False) for o in (0, 1, 2)]),
+    ("base64url", "base64url at any alignment (JWT, URL-safe tokens)",
+     lambda v: [_pure_base64(v.encode(), o, True) for o in (0, 1, 2)]),
+    ("form-plus", "a form-decoded value whose '+' became a space", lambda v: [v.replace("+", " ")]),
+    ("percent-all-reserved", "Python quote(safe=''), PHP rawurlencode, Go url.PathEscape of a segment",
+     lambda v: [quote(v, safe="")]),
+    ("percent-keep-slash", "Python quote() and urllib's defaults (keeps '/')", lambda v: [quote(v)]),
+    ("percent-plus", "Python quote_plus, Go url.QueryEscape, application/x-www-form-urlencoded",
+     lambda v: [quote_plus(v), quote_plus(v, safe="/")]),
+    ("percent-js-component", "JavaScript encodeURIComponent (keeps !'()*~)", lambda v: [quote(v, safe="-_.!~*'()")]),
+    ("percent-js-uri", "JavaScript encodeURI (keeps reserved characters)",
+     lambda v: [quote(v, safe=";,/?:@&=+$-_.!~*'()#")]),
+    ("percent-php-java", "PHP urlencode and Java URLEncoder (space as '+', '~' and '*' vary)",
+     lambda v: [quote_plus(v, safe="-_."), quote_plus(v, safe="-_.*")]),
+    ("percent-every-byte", "encoders that escape every byte", lambda v: [_every_byte_percent(v)]),
+)
+
+
+def _json_basic(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _u(c: str) -> str:
+    return f"\\u{ord(c):04x}"
+
+
+def _json_escape(chars: str) -> Callable[[str], str]:
+    return lambda s: "".join(_u(c) if c in chars else c for c in _json_basic(s))
+
+
+def _json_all(s: str) -> str:
+    return "".join(c if c.isalnum() and c.isascii() else _u(c) for c in s)
+
+
+def _html(table: dict[str, str]) -> Callable[[str], str]:
+    return lambda s: "".join(table.get(c, c) for c in s)
+
+
+def _html_all(fmt: str) -> Callable[[str], str]:
+    return lambda s: "".join(c if c.isalnum() and c.isascii() else fmt % ord(c) for c in s)
+
+
+_HTML_BASIC = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}
+
+# How a framework escapes a string when it writes it into a document: (name, what it mimics, escaper).
+ESCAPES: tuple[tuple[str, str, Callable[[str], str]], ...] = (
+    ("none", "text, headers, plain bodies", lambda s: s),
+    ("json", "JSON string: Python json, JavaScript JSON.stringify, Java Jackson, Rust serde", _json_basic),
+    ("json-slash", "JSON string: PHP json_encode, Ruby's older generators (escape '/' as '\\/')",
+     lambda s: _json_basic(s).replace("/", "\\/")),
+    ("json-dotnet", ".NET System.Text.Json default encoder (escapes + & ' < > ` as \\uXXXX)",
+     _json_escape("+&'<>`")),
+    ("json-go", "Go encoding/json (escapes < > & as \\u003c \\u003e \\u0026)", _json_escape("<>&")),
+    ("json-ascii-all", "JSON encoders that escape every non-alphanumeric character", _json_all),
+    ("html-python", "Python html.escape (' as &#x27;), Jinja2/MarkupSafe (' as &#39;)",
+     lambda s: (_html(_HTML_BASIC | {"'": "&#x27;"})(s))),
+    ("html-php", "PHP htmlspecialchars (ENT_QUOTES: ' as &#039;), XML (&apos;)",
+     lambda s: _html(_HTML_BASIC | {"'": "&#039;"})(s)),
+    ("html-go", "Go html/template (escapes + as &#43;, ' as &#39;, \" as &#34;)",
+     _html({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&#34;", "'": "&#39;", "+": "&#43;"})),
+    ("html-hex-all", "OWASP Java Encoder / ESAPI (every non-alphanumeric as &#xHH;)", _html_all("&#x%x;")),
+    ("html-dec-all", "encoders writing every non-alphanumeric as &#DD;", _html_all("&#%d;")),
+)
+
+
 def forms_of(value: str) -> set[bytes]:
-    raw = value.encode("utf-8")
-    forms = {raw, raw.hex().encode(), raw.hex().upper().encode(), value.replace("+", " ").encode("utf-8")}
-    for text in (quote(value, safe=""), quote(value), quote_plus(value), quote_plus(value, safe="/"),
-                 quote(value, safe="").lower()):
-        forms.add(text.encode("ascii"))
-    for urlsafe in (False, True):
-        for offset in (0, 1, 2):
-            forms.add(_pure_base64(raw, offset, urlsafe))
+    """Every form of `value` the table makes (as written, before the view folds case)."""
+    forms: set[bytes] = set()
+    for _, _, encode in ENCODINGS:
+        for encoded in encode(value):
+            text = encoded.decode("ascii") if isinstance(encoded, bytes) else encoded
+            for _, _, escape in ESCAPES:
+                forms.add(escape(text).encode("utf-8", "surrogateescape"))
+    raw = value.encode("utf-8", "surrogateescape")
     return {f for f in forms if len(f) >= MIN_FORM_LENGTH or f == raw}
 
 
@@ -45,67 +144,135 @@ def marker(length: int) -> bytes:
     return b"*" * length
 
 
-class Redactor:
-    """Finds every form of every secret; `redact` returns the redacted bytes and the secret names hit."""
+class _View:
+    """The normalised view of a buffer: lower case, NULs and wrap line breaks skipped, with the
+    map back to the buffer's positions. `wrap_run` is the length of the buffer's first line so
+    far when that line has been base64 characters only, else -1."""
 
-    def __init__(self, secrets: dict[str, str]):
-        self._owner: dict[bytes, str] = {}
-        for name, value in secrets.items():
+    __slots__ = ("data", "text", "_skips", "_adjusted")
+
+    def __init__(self, data: bytes, wrap_run: int):
+        self.data = data
+        skips = _skipped_positions(data, wrap_run)
+        self._skips = skips
+        if not skips:
+            self.text = data.translate(_LOWER)
+            self._adjusted: list[int] = []
+            return
+        pieces, last = [], 0
+        for pos in skips:
+            pieces.append(data[last:pos])
+            last = pos + 1
+        pieces.append(data[last:])
+        self.text = b"".join(pieces).translate(_LOWER)
+        self._adjusted = [pos - i for i, pos in enumerate(skips)]  # view index of each skipped byte
+
+    def position(self, index: int) -> int:
+        """The buffer position of view byte `index` (len(view) maps to len(buffer))."""
+        if index >= len(self.text):
+            return len(self.data)
+        return index + bisect.bisect_right(self._adjusted, index)
+
+
+def _skipped_positions(data: bytes, wrap_run: int) -> list[int]:
+    if b"\0" not in data and b"\n" not in data:
+        return []
+    skips = [i for i in range(len(data)) if data[i] == 0] if b"\0" in data else []
+    line_start, run = 0, wrap_run
+    for brk in _LINE_BREAK.finditer(data):
+        line = data[line_start:brk.start()]
+        if run >= 0 and _BASE64_LINE.fullmatch(line):
+            length = run + len(line) - line.count(0)
+            if length >= WRAP_MIN:
+                skips.extend(range(brk.start(), brk.end()))
+        line_start, run = brk.end(), 0
+    return sorted(skips) if skips else []
+
+
+def wrap_run_after(data: bytes, wrap_run: int) -> int:
+    """The `wrap_run` for the bytes that follow `data` (see _View)."""
+    newline = data.rfind(b"\n")
+    if newline >= 0:
+        data, wrap_run = data[newline + 1:], 0
+    if wrap_run < 0 or not _BASE64_LINE.fullmatch(data):
+        return -1
+    return wrap_run + len(data) - data.count(0)
+
+
+class Redactor:
+    """Finds every form of every secret; `redact` returns the redacted bytes and the secret names hit.
+
+    Built once per set of values (at load, on a rotation): the forms, one Aho-Corasick automaton
+    over them (leftmost-longest, linear in the body whatever the number of forms), and the index
+    of their proper prefixes that streaming hold-back needs."""
+
+    def __init__(self, secrets: dict[str, str] | Iterable[tuple[str, str]]):
+        owner: dict[bytes, str] = {}
+        for name, value in (secrets.items() if isinstance(secrets, dict) else secrets):
             if not value:
                 continue
             for form in forms_of(value):
-                self._owner.setdefault(form, name)
-        forms = sorted(self._owner, key=len, reverse=True)
-        self._pattern = re.compile(b"|".join(re.escape(f) for f in forms)) if forms else None
+                owner.setdefault(form.translate(_LOWER), name)
+        forms = sorted(owner, key=len, reverse=True)
+        self._forms = forms
+        self._names = [owner[f] for f in forms]
+        self._automaton = (ahocorasick_rs.BytesAhoCorasick(forms, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
+                           if forms else None)
         self.max_length = max((len(f) for f in forms), default=0)
-        # Every proper prefix of every form, and every byte any form contains: what a streamed
-        # body's tail must be to be held back (built once, at load).
         self._prefixes = frozenset(f[:i] for f in forms for i in range(1, len(f)))
         self._alphabet = frozenset(b for f in forms for b in f)
 
     def __bool__(self) -> bool:
-        return self._pattern is not None
+        return self._automaton is not None
 
     def redact(self, data: bytes) -> tuple[bytes, list[str]]:
         clean, _, hits = self.redact_prefix(data, len(data))
         return clean, hits
 
-    def redact_prefix(self, data: bytes, cut: int) -> tuple[bytes, int, list[str]]:
+    def redact_prefix(self, data: bytes, cut: int, wrap_run: int = -1) -> tuple[bytes, int, list[str]]:
         """Redacts `data[:end]` and returns (redacted bytes, end, secret names hit): `end` is `cut`,
-        or the end of a match that starts before `cut` and runs past it (never split a match)."""
-        if self._pattern is None or not data:
+        or the end of a match that starts before `cut` and runs past it (a match is never split).
+        `wrap_run`: see _View (what came before `data` on its first line)."""
+        if self._automaton is None or not data:
             return data[:cut], cut, []
-        pieces: list[bytes] = []
+        view = _View(data, wrap_run)
+        matches = self._automaton.find_matches_as_indexes(view.text, overlapping=False)
+        if not matches:
+            return data[:cut], cut, []
+        out = bytearray(data)
         hits: list[str] = []
-        pos = 0
-        for match in self._pattern.finditer(data):
-            if match.start() >= cut:
+        end = cut
+        for index, start, stop in matches:
+            first = view.position(start)
+            if first >= cut:
                 break
-            pieces.append(data[pos:match.start()])
-            pieces.append(marker(match.end() - match.start()))
-            hits.append(self._owner[match.group(0)])
-            pos = match.end()
-        end = max(cut, pos)
-        pieces.append(data[pos:end])
-        return b"".join(pieces), end, hits
+            fill = marker(stop - start)
+            for k, v in enumerate(range(start, stop)):
+                out[view.position(v)] = fill[k]
+            hits.append(self._names[index])
+            end = max(end, view.position(stop - 1) + 1)
+        return bytes(out[:end]), end, hits
 
-    def held_suffix(self, data: bytes) -> int:
-        """Length of the longest suffix of `data` that is a proper prefix of some form: the bytes
-        that more data could still turn into a secret.
+    def held_suffix(self, data: bytes, wrap_run: int = -1) -> int:
+        """How many bytes at the end of `data` more data could still turn into a secret: from the
+        start of the longest suffix of the view that is a proper prefix of some form.
 
-        Why that is enough: a form matching at position s < len(data) - held_suffix is either whole
-        inside `data` already, or `data[s:]` would be a proper prefix of it (and s would be in the
-        held suffix); and no longer form can still grow at s for the same reason. So every match
-        that starts before the cut is final, whatever comes next."""
-        if not self._prefixes:
+        Why that is enough: a form matching the view at s < cut is either whole already, or the
+        view from s would be a proper prefix of it (and s would be past the cut); and no longer
+        form can still grow at s for the same reason. So every match that starts before the cut
+        is final, whatever comes next."""
+        if not self._prefixes or not data:
             return 0
-        run = 0  # a prefix can only be made of bytes that occur in some form
-        limit = min(len(data), self.max_length - 1)
-        while run < limit and data[-1 - run] in self._alphabet:
+        tail = data[-(self.max_length * 5 + 8):]  # UTF-32's NULs and line breaks widen a form
+        offset = len(data) - len(tail)
+        view = _View(tail, wrap_run_after(data[:offset], wrap_run) if offset else wrap_run)
+        text = view.text
+        run, limit = 0, min(len(text), self.max_length - 1)
+        while run < limit and text[-1 - run] in self._alphabet:
             run += 1
         for length in range(run, 0, -1):
-            if data[-length:] in self._prefixes:
-                return length
+            if text[-length:] in self._prefixes:
+                return len(data) - (offset + view.position(len(text) - length))
         return 0
 
     def redact_text(self, text: str) -> tuple[str, list[str]]:
@@ -117,7 +284,7 @@ class Redactor:
 class StreamRedactor:
     """Redacts a body chunk by chunk, holding back only what could still become a secret form.
 
-    After each chunk it keeps the longest suffix of what it has seen that is a proper prefix of some
+    After each chunk it keeps the longest tail of what it has seen that is a proper prefix of some
     form (`Redactor.held_suffix`), and passes on everything before it, redacted. Ordinary text, and
     every event that ends in a byte no form contains (SSE's blank line, NDJSON's newline), flows
     through with no delay; a secret split across chunks is still caught whole. Nothing is flushed on
@@ -131,18 +298,67 @@ class StreamRedactor:
     def __init__(self, redactor: Redactor, on_hit=None):
         self.redactor = redactor
         self.pending = b""
+        self.wrap_run = 0  # the body starts a line
         self.on_hit = on_hit
 
     def __call__(self, chunk: bytes) -> bytes:
         data = self.pending + chunk
         # At the end of the body (b"") everything goes; otherwise the tail that could still become
         # a form waits. A match starting before the cut is final (see Redactor.held_suffix).
-        cut = len(data) - self.redactor.held_suffix(data) if chunk else len(data)
-        clean, end, hits = self.redactor.redact_prefix(data, cut)
+        cut = len(data) - self.redactor.held_suffix(data, self.wrap_run) if chunk else len(data)
+        clean, end, hits = self.redactor.redact_prefix(data, cut, self.wrap_run)
+        self.wrap_run = wrap_run_after(data[:end], self.wrap_run)
         self.pending = data[end:]
         if hits and self.on_hit is not None:
             self.on_hit(hits)
         return clean
+
+
+class SecretMemory:
+    """Every secret value the gateway has held, current and past (the last REMEMBERED_VALUES), and
+    one Redactor over all of them.
+
+    A value rotated away or dropped by a reload while a request that carried it is in flight, or
+    echoed back later, is still redacted: redaction never depends on what the store holds now."""
+
+    def __init__(self, limit: int = REMEMBERED_VALUES):
+        self.limit = limit
+        self._values: OrderedDict[str, str] = OrderedDict()  # value -> secret name, oldest first
+        self._pinned: dict[str, dict[str, str]] = {}  # a request in flight -> the values it carried
+        self._redactor: Redactor | None = None
+
+    def remember(self, values: dict[str, str]) -> None:
+        for name, value in values.items():
+            if not value:
+                continue
+            if value in self._values:
+                self._values.move_to_end(value)
+                continue
+            self._values[value] = name
+            self._redactor = None
+        pinned = {v for held in self._pinned.values() for v in held.values()}
+        for value in list(self._values):
+            if len(self._values) <= self.limit:
+                break
+            if value not in pinned:  # a value a request in flight carried is never forgotten
+                del self._values[value]
+                self._redactor = None
+
+    def pin(self, key: str, values: dict[str, str]) -> None:
+        """Keep redacting `values` at least until `unpin(key)` (one request's lifetime)."""
+        self._pinned[key] = dict(values)
+        self.remember(values)
+
+    def unpin(self, key: str) -> None:
+        self._pinned.pop(key, None)
+
+    def holds(self, values: Iterable[str]) -> bool:
+        return all(v in self._values for v in values if v)
+
+    def redactor(self) -> Redactor:
+        if self._redactor is None:
+            self._redactor = Redactor([(name, value) for value, name in self._values.items()])
+        return self._redactor
 
 
 def redact_all(redactor: Redactor, chunks: Iterable[bytes]) -> bytes:

@@ -195,7 +195,12 @@ def test_body_size_limit_under_a_burst(limited, upstreams):
 
     posts = burst(6, big_post)
     assert {(r.status, r.egress_reason) for r in posts} == {(413, "request_too_large")}
-    assert not [r for r in upstreams.plain["allowed.test"].requests if r.method == "POST"]
+    # A body of declared length is refused before anything goes upstream. A chunked one streams
+    # (docs/streaming.md): its upstream connection is aborted when the limit is crossed, so the
+    # upstream may see the head, never a complete request.
+    seen = [r for r in upstreams.plain["allowed.test"].requests if r.method == "POST"]
+    assert all(r.headers and ("Transfer-Encoding", "chunked") in r.headers for r in seen), seen
+    assert not [r for r in seen if len(r.body) > BODY_LIMIT], "a body over the limit reached the upstream"
     downloads = burst(4, big_download)
     assert {(r.status, r.egress_reason) for r in downloads} == {(502, "response_too_large")}
     # under the limit, both ways
@@ -203,3 +208,17 @@ def test_body_size_limit_under_a_burst(limited, upstreams):
         ok = get(conn, "http://allowed.test/up/small", "allowed.test", method="POST", body=b"s" * (BODY_LIMIT - 1000))
         assert ok.status == 200
         assert get(conn, f"http://allowed.test/bytes/{BODY_LIMIT - 1000}", "allowed.test").status == 200
+
+
+def test_a_streamed_response_over_the_body_size_limit_is_cut_off(limited, upstreams):
+    """A chunked download streams (no length to check up front): past body_size_limit the response
+    is cut off (no final chunk, the connection closed) and audited, never relayed whole."""
+    with client(limited, 0) as conn:
+        conn.send(b"GET http://allowed.test/chunked/%d HTTP/1.1\r\nHost: allowed.test\r\n\r\n" % (BODY_LIMIT * 3))
+        raw = drain(conn.sock, 10)
+    assert not raw.timed_out and raw.closed
+    data = raw.data
+    assert data.startswith(b"HTTP/1.1 200")
+    assert b"\r\n0\r\n\r\n" not in data, "the cut-off response must not end like a complete one"
+    assert len(data) < BODY_LIMIT * 2
+    assert any(e.get("reason") == "response_too_large" for e in limited.audit())

@@ -54,6 +54,17 @@ class RecordingUpstream:
                     upstream.requests.append(
                         Received(self.command, self.path, list(self.headers.items()), body, sni, self.client_address)
                     )
+                if self.path.startswith("/chunked/"):  # N bytes of unknown length, 64 KiB a chunk
+                    remaining = int(self.path.split("/")[2])
+                    self.send_response(200)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    while remaining > 0:
+                        n = min(remaining, 65536)
+                        self.wfile.write(b"%x\r\n%s\r\n" % (n, b"x" * n))
+                        remaining -= n
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
                 if self.path.startswith("/bytes/"):
                     size = int(self.path.split("/")[2])
                     self.send_response(200)
