@@ -144,7 +144,9 @@ class EchoUpstream:
                                         ("/v1/headers", self.leak_headers), ("/v1/stream", self.stream),
                                         ("/v1/gzip", self.compressed), ("/v1/redirect", self.redirect),
                                         ("/v1/ws", self.websocket), ("/v1/encoded", self.encoded),
-                                        ("/v1/reason", self.reason)):
+                                        ("/v1/reason", self.reason), ("/v1/trailers", self.trailers),
+                                        ("/v1/badhead", self.bad_head), ("/v1/escaped", self.escaped),
+                                        ("/v1/te-gzip", self.te_gzip)):
                     if route.startswith(prefix):
                         return handler(seen)
                 return self.anything(seen)
@@ -291,6 +293,71 @@ class EchoUpstream:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def trailers(self, seen: Seen) -> None:
+                """A chunked SSE-like body whose trailer fields quote the token (gRPC puts its status
+                message there)."""
+                token = self.token(seen)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("Trailer", "X-Echo, Grpc-Message")
+                self.end_headers()
+                event = b"data: {\"ok\": true}\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.write(b"0\r\nX-Echo: %s\r\nGrpc-Message: bad token %s\r\n\r\n"
+                                 % (token.encode(), quote(token, safe="").encode()))
+                self.close_connection = True
+
+            def bad_head(self, seen: Seen) -> None:
+                """A response head mitmproxy cannot parse, quoting the token (?kind=nocolon|te|short)."""
+                token = self.token(seen).encode()
+                kind = self.query().get("kind", "nocolon")
+                heads = {
+                    "nocolon": b"HTTP/1.1 200 OK\r\nX-Echo " + token + b"\r\nContent-Length: 0\r\n\r\n",
+                    "te": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + token + b"\r\n\r\n",
+                    "short": b"HTTP/1.1 200 OK\r\nX-Echo: " + token,
+                    "status": b"HTTP/1.1 2x0 " + token + b"\r\n\r\n",
+                }
+                self.wfile.write(heads[kind])
+                self.wfile.flush()
+                self.close_connection = True
+
+            def escaped(self, seen: Seen) -> None:
+                """The token the way frameworks escape a string they echo (?style=...)."""
+                import html as html_module
+
+                token = self.token(seen)
+                style = self.query().get("style", "php-json")
+                encoders = {
+                    "php-json": lambda t: json.dumps({"token": t}).replace("/", "\\/"),
+                    # System.Text.Json's default encoder escapes HTML-sensitive characters and '+'.
+                    "dotnet-json": lambda t: json.dumps({"token": t}).translate(
+                        {ord(c): f"\\u{ord(c):04X}" for c in "+&'<>`"}),
+                    "html": lambda t: f"<p>{html_module.escape(t)}</p>",
+                    "go-html": lambda t: "<p>" + html_module.escape(t).replace("+", "&#43;") + "</p>",
+                    "upper-hex": lambda t: t.encode().hex().upper(),
+                    "mixed-hex": lambda t: "".join(c.upper() if i % 3 else c for i, c in enumerate(t.encode().hex())),
+                    "lower-percent": lambda t: "".join(c.lower() if "%" in quote(t, safe="") else c
+                                                       for c in quote(t, safe="")),
+                    "utf16": None,
+                    "mime": lambda t: base64.encodebytes(b"prefix:" + t.encode() + b":suffix" * 20).decode(),
+                }
+                if style == "utf16":
+                    body = json.dumps({"token": token}).encode("utf-16")
+                    return self.send(200, body, content_type="application/json; charset=utf-16")
+                self.send(200, encoders[style](token).encode(), content_type="text/plain")
+
+            def te_gzip(self, seen: Seen) -> None:
+                """`Transfer-Encoding: gzip, chunked`: the gzip layer is a transfer-coding, which the
+                redactor must not be handed undecoded."""
+                data = gzip.compress(f"token={self.token(seen)}".encode())
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "gzip, chunked")
+                self.end_headers()
+                self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+                self.close_connection = True
 
             def redirect(self, seen: Seen) -> None:
                 target = self.query().get("to", "/v1/anything")

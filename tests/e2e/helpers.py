@@ -455,7 +455,8 @@ class H2Client:
         headers = [(":method", method), (":scheme", "https"), (":authority", authority), (":path", path)]
         self.h2.send_headers(stream_id, headers + (extra or []), end_stream=True)
         self._flush()
-        self.responses[stream_id] = {"status": None, "headers": [], "body": b"", "done": False, "reset": False}
+        self.responses[stream_id] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False,
+                                     "reset": False}
         return stream_id
 
     def wait(self, *stream_ids: int, timeout: float = TIMEOUT) -> None:
@@ -474,6 +475,8 @@ class H2Client:
                 if isinstance(event, h2.events.ResponseReceived) and entry is not None:
                     entry["headers"] = [(k, v) for k, v in event.headers]
                     entry["status"] = int(dict(event.headers)[":status"])
+                elif isinstance(event, h2.events.TrailersReceived) and entry is not None:
+                    entry["trailers"] = [(k, v) for k, v in event.headers]
                 elif isinstance(event, h2.events.DataReceived) and entry is not None:
                     entry["body"] += event.data
                     self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
