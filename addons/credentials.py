@@ -22,7 +22,7 @@ from mitmproxy.utils import human
 
 from gateway.credentials import placeholder
 from gateway.decision import Decision
-from gateway.engine import Engine, Pin, credential_refusal
+from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
 from gateway.decompress import streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
@@ -36,6 +36,8 @@ BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request c
 
 
 class CredentialInjector:
+    AUDIT = "egress_credential_audit"  # flow.metadata key: audit fields of a refusal (audit_fields)
+
     def __init__(self, state: GatewayState):
         self.state = state
 
@@ -43,13 +45,24 @@ class CredentialInjector:
               engine: Engine) -> tuple[Decision, list[str]]:
         """Inject and swap for the allowed request; returns (decision, secret names used).
 
-        A would_deny request (report mode) is let through without any credential."""
+        Before anything is injected, the sandbox's own request must have its placeholders only
+        where the rule swaps them and carry no credential but the platform's
+        (gateway/engine.check_bound_request). A would_deny request (report mode) is let through
+        without any credential, and never with one of the sandbox's own."""
         rule: Rule | None = engine.policy.rules_by_id.get(decision.rule or "")
-        if rule is None or not rule.secrets or decision.would_deny:
+        if rule is None or not rule.secrets:
             return decision, []
         request = flow.request
+        headers = list(request.headers.items(multi=True))
+        tokens = self._placeholders(rule, scope)
+        if decision.would_deny:
+            check = check_bound_request(rule, headers, request.path, tokens, swap=False)
+            return (self._refused(flow, check), []) if check.refusal else (decision, [])
         if refusal := credential_refusal(rule, request.scheme, pin.host):
             return refusal, []
+        check = check_bound_request(rule, headers, request.path, tokens)
+        if check.refusal is not None:
+            return self._refused(flow, check), []
         try:
             values = engine.secrets.values(rule.secrets)
         except SecretUnavailable as exc:
@@ -57,6 +70,7 @@ class CredentialInjector:
             logging.getLogger("egress").warning("egress gateway: %s", exc)
             return Decision.deny("secret_unavailable", f"secret {exc.name!r} is unavailable; nothing was sent",
                                  rule.id), []
+        _swap(request, check, values)
         used: list[str] = []
         for injection in rule.injections:
             rendered = injection.template.render(values)
@@ -66,12 +80,7 @@ class CredentialInjector:
             else:
                 request.query.set_all(injection.name, [rendered])
             used.extend(n for n in injection.template.secrets if n not in used)
-        key = self.state.placeholder_key
-        if key is not None:
-            for name in rule.secrets:
-                token = placeholder(key, name, scope.sandbox)
-                if _swap(request, token, values[name]) and name not in used:
-                    used.append(name)
+        used.extend(n for n in check.swaps.secrets if n not in used)
         # Ask for an uncompressed answer: the response is redacted on its way back, and identity
         # bodies stream through the redactor without decoding.
         request.headers["Accept-Encoding"] = "identity"
@@ -81,20 +90,38 @@ class CredentialInjector:
         self.state.secret_memory.pin(flow.id, {name: values[name] for name in rule.secrets})
         return decision, used
 
+    def _placeholders(self, rule: Rule, scope: Scope) -> dict[str, str]:
+        """This sandbox's placeholders for the rule's secrets: placeholder -> secret name."""
+        key = self.state.placeholder_key
+        if key is None:
+            return {}
+        return {placeholder(key, name, scope.sandbox): name for name in rule.secrets}
 
-def _swap(request: http.Request, token: str, value: str) -> bool:
-    swapped = False
-    for name, header_value in list(request.headers.items(multi=True)):
-        if token in header_value:
-            values = [v.replace(token, value) for v in request.headers.get_all(name)]
-            request.headers.set_all(name, values)
-            swapped = True
-    if token in request.path:
-        # Percent-encoded: a raw value could add '&', '=', '+' or '#' to the URL and come back
-        # from a query-parsing upstream in pieces no redaction form matches.
-        request.path = request.path.replace(token, quote(value, safe=""))
-        swapped = True
-    return swapped
+    def _refused(self, flow: http.HTTPFlow, check: BoundCheck) -> Decision:
+        audit = {"location": check.location}
+        if check.audit_target is not None:
+            audit["path"] = check.audit_target  # the sandbox's own credential is not logged either
+        flow.metadata[self.AUDIT] = audit
+        return check.refusal
+
+    def audit_fields(self, flow: http.HTTPFlow) -> dict:
+        """Extra audit fields of a placeholder_misuse or foreign_credential refusal: `location`
+        (where, never a value) and the path with foreign credential values blanked."""
+        return flow.metadata.pop(self.AUDIT, {})
+
+
+def _swap(request: http.Request, check: BoundCheck, values: dict[str, str]) -> None:
+    """Make the swaps gateway/placeholders.py planned on the sandbox's request as sent: header
+    values by position (raw), then the request target (secrets percent-encoded). Runs before the
+    rule's injections, which replace their own headers and parameters whole."""
+    swaps = check.swaps
+    if swaps.headers:
+        fields = list(request.headers.fields)
+        for index in swaps.headers:
+            fields[index] = (fields[index][0], swaps.header_value(index, values).encode("utf-8", "surrogateescape"))
+        request.headers.fields = tuple(fields)
+    if swaps.target is not None:
+        request.path = swaps.new_target(values)
 
 
 def _kill_on_error(self, flow, *rest, error: Exception) -> None:

@@ -75,6 +75,7 @@ class RequestGuard:
         fields = sent | decision_fields(decision, pin, *destination)
         if injected:
             fields["injected"] = injected
+        fields.update(self.credentials.audit_fields(flow))  # placeholder_misuse, foreign_credential
         self.state.record(event="request", **fields)
         if not decision.allowed or pin is None:
             refuse(flow, decision)

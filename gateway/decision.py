@@ -51,6 +51,10 @@ REASONS: dict[str, tuple[int, str]] = {
     "dns_type_refused": (400, "this DNS query type is refused"),
     "plaintext_credentials": (403, "credentials are never sent over plain http"),
     "credential_host": (403, "credentials go only to their rule's exact hosts"),
+    "placeholder_misuse": (403, "a placeholder stands where it is never swapped (not a whole token, or a position "
+                                "the rule does not allow); nothing was sent"),
+    "foreign_credential": (403, "a rule that injects credentials carries no other: the request has a key of its own "
+                                "in an auth header or query parameter; nothing was sent"),
     "secret_unavailable": (502, "a secret this request needs cannot be read; nothing was sent"),
     "undecodable_response": (502, "a compressed response could not be decoded to redact credentials"),
     "too_many_connections": (503, "the sandbox has too many connections open"),

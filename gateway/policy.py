@@ -23,9 +23,11 @@ from .credentials import (
     Template,
     TemplateError,
 )
+from .foreign import DEFAULT as DEFAULT_FOREIGN, ForeignCredentials, header_key, query_key
 from .hostnames import HostError, IPAddress, canonical_host
 from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
+from .placeholders import NO_POSITIONS, Positions
 from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
 
 SCHEMES = ("http", "https")
@@ -34,14 +36,19 @@ STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS",
 FORBIDDEN_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
 _METHOD_RE = re.compile(r"^[A-Z][A-Z0-9_-]{0,31}\Z")
 _RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+_QUERY_NAME_RE = re.compile(r"^[!-\"$%'-<>@-~]{1,64}\Z")  # printable ASCII but '#', '&', '=', '?'
 
-TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode"}
+
+TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode", "foreign_credentials"}
 NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destination"}
 RESOLVER_KEYS = {"static_hosts"}
 RULE_KEYS = {
     "id", "hosts", "ports", "schemes", "methods", "paths", "protocol", "mode",
     "inject", "allow_wildcard_credentials", "allow_plaintext_credentials", "inspect",
+    "foreign_credentials", "placeholders",
 }
+FOREIGN_KEYS = {"headers", "query"}
+PLACEHOLDER_KEYS = {"query", "path"}
 INJECT_KEYS = {"header", "query", "value"}
 SECRET_SOURCE_KEYS = {"env", "file"}
 MODES = ("enforce", "report")
@@ -71,6 +78,10 @@ class Rule:
     # False: TLS passthrough. The ClientHello's SNI is checked and the destination pinned, then the
     # TLS bytes are relayed unread (no Host, method, path or credential checks are possible).
     inspect: bool = True
+    # A bound rule refuses requests carrying any other credential in these (gateway/foreign.py).
+    foreign_credentials: ForeignCredentials = DEFAULT_FOREIGN
+    # Where placeholders are swapped besides header values (gateway/placeholders.py).
+    placeholders: Positions = NO_POSITIONS
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -133,6 +144,7 @@ class Policy:
     secrets: dict[str, SecretSource] = field(default_factory=dict)
     mode: str = "enforce"
     rules_by_id: dict[str, Rule] = field(default_factory=dict)
+    foreign_credentials: ForeignCredentials = DEFAULT_FOREIGN  # the default of every bound rule
 
     def __post_init__(self) -> None:
         self.rules_by_id = {r.id: r for r in self.rules}
@@ -339,7 +351,7 @@ def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
 
 
 def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location],
-          secret_names: set[str] = frozenset()) -> Rule | None:
+          secret_names: set[str] = frozenset(), foreign_default: ForeignCredentials = DEFAULT_FOREIGN) -> Rule | None:
     fields = v.mapping(node, path, RULE_KEYS)
     if fields is None:
         return None
@@ -458,12 +470,76 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
                     "set allow_plaintext_credentials: true if that is really meant")
 
     inspect = _inspect(v, fields, path, protocol, hosts, schemes)
+    foreign = foreign_default
+    positions = NO_POSITIONS
+    for key in ("foreign_credentials", "placeholders"):
+        if key in fields and "inject" not in fields:
+            v.error(fields[key], f"{path}.{key}", "applies only to a rule that injects credentials (inject)")
+    if "foreign_credentials" in fields:
+        foreign = _foreign_credentials(v, fields["foreign_credentials"], f"{path}.foreign_credentials", foreign_default)
+    if "placeholders" in fields:
+        positions = _placeholders(v, fields["placeholders"], f"{path}.placeholders")
 
     if rule_id is None or not hosts:
         return None
     return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol,
                 injections, rule_mode, flags["allow_wildcard_credentials"], flags["allow_plaintext_credentials"],
-                inspect)
+                inspect, foreign_credentials=foreign, placeholders=positions)
+
+
+def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
+    """A list of header names (kind "header") or query parameter names (kind "query"), each listed
+    once after the loose comparison gateway/foreign.py makes (`key`)."""
+    found: list[str] = []
+    seen: dict[str, str] = {}
+    for i, item in enumerate(v.sequence(node, path) or []):
+        p = f"{path}[{i}]"
+        name = v.string(item, p)
+        if name is None:
+            continue
+        if kind == "header" and not HEADER_NAME_RE.match(name):
+            v.error(item, p, f"{name!r} is not a valid header name")
+            continue
+        if kind == "query" and not _QUERY_NAME_RE.match(name):
+            v.error(item, p, f"{name!r}: a query parameter name is 1-64 printable ASCII characters, "
+                    "without '&', '=', '#', '?' or spaces")
+            continue
+        normal = key(name)
+        if normal in seen:
+            how = {header_key: ": names are compared case-insensitively, '_' as '-'",
+                   query_key: ": names are compared percent-decoded and case-folded"}.get(key, "")
+            v.error(item, p, f"{name!r} is listed twice (as {seen[normal]!r}{how})")
+            continue
+        seen[normal] = name
+        found.append(name)
+    return tuple(found)
+
+
+def _foreign_credentials(v: _Validator, node: Node, path: str, base: ForeignCredentials) -> ForeignCredentials:
+    """`foreign_credentials: {headers: [...], query: [...]}`; a list given replaces `base`'s."""
+    fields = v.mapping(node, path, FOREIGN_KEYS)
+    if fields is None:
+        return base
+    headers = _names(v, fields["headers"], f"{path}.headers", "header", header_key) if "headers" in fields else base.headers
+    query = _names(v, fields["query"], f"{path}.query", "query", query_key) if "query" in fields else base.query
+    return ForeignCredentials(headers, query)
+
+
+def _placeholders(v: _Validator, node: Node, path: str) -> Positions:
+    """`placeholders: {query: [NAME...], path: true|false}`."""
+    fields = v.mapping(node, path, PLACEHOLDER_KEYS)
+    if fields is None:
+        return NO_POSITIONS
+    query: tuple[str, ...] = ()
+    if "query" in fields:
+        query = _names(v, fields["query"], f"{path}.query", "query", lambda n: n)
+    allow_path = False
+    if "path" in fields:
+        if not isinstance(fields["path"].value, bool):
+            v.error(fields["path"], f"{path}.path", "must be true or false")
+        else:
+            allow_path = fields["path"].value
+    return Positions(frozenset(query), allow_path)
 
 
 # What a passthrough rule cannot have: the gateway never sees the requests inside its tunnels.
@@ -581,12 +657,15 @@ def compile_policy(text: str, source: str) -> Policy:
 
     secrets = _secrets(v, top["secrets"]) if "secrets" in top else {}
     policy_mode = _mode(v, top.get("mode"), "mode") or "enforce"
+    foreign = DEFAULT_FOREIGN
+    if "foreign_credentials" in top:
+        foreign = _foreign_credentials(v, top["foreign_credentials"], "foreign_credentials", DEFAULT_FOREIGN)
 
     rules: list[Rule] = []
     if "rules" in top:
         seen: dict[str, Location] = {}
         for i, item in enumerate(v.sequence(top["rules"], "rules") or []):
-            rule = _rule(v, item, f"rules[{i}]", i, seen, set(secrets))
+            rule = _rule(v, item, f"rules[{i}]", i, seen, set(secrets), foreign)
             if rule is not None:
                 rules.append(rule)
 
@@ -602,7 +681,7 @@ def compile_policy(text: str, source: str) -> Policy:
     return Policy(
         tuple(rules), index, deny, allow, static_hosts, source, digest,
         sandboxes=sandboxes, sandbox_sources=sources, strict_original_destination=strict,
-        secrets=secrets, mode=policy_mode,
+        secrets=secrets, mode=policy_mode, foreign_credentials=foreign,
     )
 
 

@@ -1,7 +1,7 @@
 """Nothing the gateway writes holds a secret value: its log and its audit file are searched for
 every form of every value it held in this session (rotated ones included), after traffic that
-exercises every path a value takes (header and query injection, placeholder swaps in headers and
-paths, redaction of bodies and headers, unreadable secrets, refusals). Audit lines name secrets
+exercises every path a value takes (header and query injection, placeholder swaps in headers,
+placeholder_misuse and foreign_credential refusals, redaction of bodies and headers, unreadable secrets, refusals). Audit lines name secrets
 (`injected`, redaction events), never their values."""
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ def traffic(cred):
         assert get(tls, "/v1/anything?api_key=mine&q=1", "qecho.test").status == 200
         clients["qecho"] = tls.client
     with tls_to(cred.gateway, "ph.test") as tls:
-        assert get(tls, f"/v1/anything/{ph}?k={ph}", "ph.test", extra=[("Authorization", f"Bearer {ph}")]).status == 200
+        assert get(tls, "/v1/anything/x?k=1", "ph.test", extra=[("Authorization", f"Bearer {ph}"),
+                                                                  ("X-Note", f"a, {ph}")]).status == 200
         clients["ph"] = tls.client
+    # refusals before anything is injected: a placeholder where it is never swapped, a key of the
+    # sandbox's own on a bound rule
+    assert fetch(cred.gateway, "ph.test", f"/v1/anything/{ph}?k={ph}").status == 403
+    assert fetch(cred.gateway, "echo.test", "/v1/anything?key=sandbox-own").status == 403
     assert fetch(cred.gateway, "mirror.test", "/v1/headers").status == 200
     assert fetch(cred.gateway, "echo.test", "/v1/gzip?enc=gzip").status == 200
     assert fetch(cred.gateway, "echo.test", "/v1/gzip?enc=x-unknown").status == 502

@@ -1,7 +1,9 @@
 """Placeholders: `egress-gateway placeholders` prints env lines a sandbox can hold instead of the
 real secrets (stable, different per sandbox). The gateway swaps a placeholder for the real value
-only on an approved request to a rule bound to that secret, for the sandbox it was issued to;
-anywhere else it is forwarded unchanged."""
+only on an approved request to a rule bound to that secret, for the sandbox it was issued to, where
+it stands as a whole token in a position the rule allows; on such a rule any other placeholder is
+refused (placeholder_misuse: tests/credentials/test_placeholder_positions.py has the whole class).
+On a rule with no credential it is forwarded unchanged."""
 
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def _ph(issued, sandbox: str, secret: str = "ph_token") -> str:
 
 def test_placeholder_is_swapped_on_the_bound_host(cred, issued):
     token = _ph(issued, "default")
-    response = fetch(cred.gateway, "ph.test", f"/v1/anything?key={token}",
+    response = fetch(cred.gateway, "ph.test", "/v1/anything?q=1",
                      headers=[("Authorization", f"Bearer {token}"), ("X-Note", f"prefix {token} suffix")])
     assert response.status == 200
     [seen] = cred.echo.for_host("ph.test")
@@ -96,7 +98,7 @@ def test_placeholder_is_swapped_on_the_bound_host(cred, issued):
     assert seen.header_all("authorization") == [f"Bearer {real}"]
     assert seen.header_all("x-note") == [f"prefix {real} suffix"]
     assert seen.header_all("x-api-key") == [real]  # the rule's own injection
-    assert seen.path == f"/v1/anything?key={real}"
+    assert seen.path == "/v1/anything?q=1"
     assert token not in seen.everything()
     assert_no_leak(response_bytes(response), SECRETS)
     lines = [line for line in cred.gateway.audit() if line["event"] == "request" and line["host"] == "ph.test"]
@@ -112,11 +114,33 @@ def test_placeholder_of_a_bound_secret_in_another_header(cred, issued):
     assert_no_leak(response_bytes(response), SECRETS)
 
 
+def test_placeholder_in_a_query_parameter_the_rule_does_not_name_is_refused(cred, issued):
+    """Rule ph names no query parameter for placeholders (placeholders.query): `?key=<ph>` is
+    refused before anything is sent, not swapped into a URL the sandbox chose the bytes of."""
+    token = _ph(issued, "default")
+    response = fetch(cred.gateway, "ph.test", f"/v1/anything?key={token}")
+    assert response.status == 403 and response.egress_reason == "placeholder_misuse", response.text
+    assert "query parameter key" in response.text
+    assert not cred.echo.touched
+    [line] = [line for line in cred.gateway.audit() if line["event"] == "request" and line["host"] == "ph.test"
+              and line["reason"] == "placeholder_misuse"][-1:]
+    assert line["location"] == "query parameter key" and not line.get("injected")
+
+
+@pytest.mark.parametrize("host, secret", [
+    ("echo.test", "ph_token"),       # bound, but to another secret
+    ("ph.test", "api_token"),
+])
+def test_placeholder_of_another_secret_on_a_bound_rule_is_refused(cred, issued, host, secret):
+    token = _ph(issued, "default", secret)
+    response = fetch(cred.gateway, host, "/v1/anything", headers=[("X-Other-Key", token)])
+    assert response.status == 403 and response.egress_reason == "placeholder_misuse", response.text
+    assert not cred.echo.touched
+
+
 @pytest.mark.parametrize("host, secret", [
     ("mirror.test", "ph_token"),     # a host with no credential at all
     ("allowed.test", "api_token"),
-    ("echo.test", "ph_token"),       # bound, but to another secret
-    ("ph.test", "api_token"),
 ])
 def test_placeholder_elsewhere_is_forwarded_unchanged(cred, upstreams, issued, host, secret):
     token = _ph(issued, "default", secret)
@@ -138,19 +162,19 @@ def test_placeholders_belong_to_their_sandbox(cred, issued):
     mine, theirs = _ph(issued, "alpha"), _ph(issued, "default")
     with tls_to(cred.gateway, "ph.test", source=ALPHA_SOURCE) as tls:
         assert get(tls, "/v1/anything/a", "ph.test", extra=[("Authorization", f"Bearer {mine}")]).status == 200
-        assert get(tls, "/v1/anything/b", "ph.test", extra=[("Authorization", f"Bearer {theirs}")]).status == 200
+        refused = get(tls, "/v1/anything/b", "ph.test", extra=[("Authorization", f"Bearer {theirs}")])
         client = tls.client
     assert client.startswith(ALPHA_SOURCE)
-    first, second = cred.echo.for_host("ph.test")
+    assert refused.status == 403 and refused.egress_reason == "placeholder_misuse"  # another sandbox's
+    [first] = cred.echo.for_host("ph.test")
     assert first.header_all("authorization") == [f"Bearer {SECRETS['ph_token']}"]
-    assert second.header_all("authorization") == [f"Bearer {theirs}"]  # another sandbox's: not swapped
     lines = [line for line in audit_for(cred.gateway, client, count=3) if line["event"] == "request"]
     assert {line["sandbox"] for line in lines} == {"alpha"}
     # and the other way round: alpha's placeholder from the default sandbox
     cred.echo.reset()
-    assert fetch(cred.gateway, "ph.test", "/v1/anything", headers=[("Authorization", f"Bearer {mine}")]).status == 200
-    [seen] = cred.echo.for_host("ph.test")
-    assert seen.header_all("authorization") == [f"Bearer {mine}"]
+    response = fetch(cred.gateway, "ph.test", "/v1/anything", headers=[("Authorization", f"Bearer {mine}")])
+    assert response.status == 403 and response.egress_reason == "placeholder_misuse"
+    assert not cred.echo.touched
 
 
 SDK_SCRIPT = textwrap.dedent("""

@@ -134,18 +134,21 @@ def _pieces(secret: str) -> list[str]:
     return [p for p in re.split(r"[&=+?# ]", secret) if len(p) >= 4]
 
 
-@pytest.mark.parametrize("where", ["query-value", "query-key", "path-segment"])
+@pytest.mark.parametrize("where", ["query-value", "query-key", "path-segment", "after-escape"])
 def test_placeholder_swapped_into_the_url_and_reflected_parsed(rt, where):
-    """The sandbox puts its placeholder in the URL of a request to the bound host; the gateway
-    swaps in the real value there. An echo that parses the query (httpbin's `args`, an error page
-    quoting a parameter) turns `+` into a space and splits at `&` and `=`: what comes back is no
-    form the redactor knows, yet the sandbox can put the value together again. Neither the value
-    with `+` read as a space nor all of its pieces may reach the client."""
+    """The sandbox puts its placeholder in the URL of a request to the bound host. An echo that
+    parses the query (httpbin's `args`, an error page quoting a parameter) turns `+` into a space and
+    splits at `&` and `=`, and a `%2` right before the placeholder would take the secret's first hex
+    digit into an escape: what came back would be no form the redactor knows, yet the sandbox could
+    put the value together again. Rule echo names no query parameter for placeholders and does not
+    allow them in the path: refused before anything is sent (tests/redteam/test_placeholder_misuse.py
+    has the positions a rule does allow). Neither the value nor all of its pieces reach the client."""
     token = _placeholder(rt)
     path = {"query-value": f"/v1/anything?q={token}", "query-key": f"/v1/anything?{token}=1",
-            "path-segment": f"/v1/anything/{token}/x"}[where]
+            "path-segment": f"/v1/anything/{token}/x", "after-escape": f"/v1/anything?q=%2{token}"}[where]
     response = _fetch(rt, "echo.test", path)
-    assert response.status == 200, response.text
+    assert_refused(response, 403, "placeholder_misuse", "echo")
+    assert not rt.servers["echo"].touched
     body = _everything(response).decode("utf-8", "replace")
     secret = rt.secrets["api_token"]
     assert secret.replace("+", " ").split("&")[0] not in body, "the value came back with '+' read as a space"
@@ -173,9 +176,19 @@ def test_placeholder_sent_to_another_host_is_not_swapped(rt, host):
 def test_placeholder_in_another_header_to_the_bound_host(rt):
     """Swapped (the request is bound to the secret), reflected by the echo, redacted on the way back."""
     token = _placeholder(rt)
-    response = _fetch(rt, "echo.test", "/v1/anything/ph", [("X-Reflect-Me", token), ("Cookie", f"s={token}")])
+    response = _fetch(rt, "echo.test", "/v1/anything/ph", [("X-Reflect-Me", token), ("X-List", f"a, {token}")])
     assert response.status == 200
+    [seen] = rt.servers["echo"].requests
+    assert seen.header_all("x-reflect-me") == [rt.secrets["api_token"]]
     assert_no_leak(_everything(response), rt.secrets)
+
+
+def test_placeholder_in_a_cookie_to_the_bound_host(rt):
+    """A cookie value is never a swap position (frameworks URL-decode it): refused, nothing sent."""
+    token = _placeholder(rt)
+    response = _fetch(rt, "echo.test", "/v1/anything/ph", [("Cookie", f"s={token}")])
+    assert_refused(response, 403, "placeholder_misuse", "echo")
+    assert not rt.servers["echo"].touched
 
 
 @pytest.mark.parametrize("name", ["authorization ", "Authorization\t", "Authorization\x0b", "authorization:x"])
@@ -205,11 +218,20 @@ def test_duplicate_and_case_variants_are_replaced(rt):
 
 
 def test_query_parameter_set_by_the_sandbox_too(rt):
-    response = _fetch(rt, "qecho.test", "/v1/anything?api_key=mine&API_KEY=x&api%5Fkey=y&api_key[]=z")
+    """Every spelling the injection replaces (the decoded name) is replaced; look-alikes it does
+    not replace (`API_KEY`, `api_key[]`), which an upstream may read as the same parameter, are the
+    sandbox's own credential: refused before anything is sent."""
+    response = _fetch(rt, "qecho.test", "/v1/anything?api_key=mine&api%5Fkey=y&q=1")
     [seen] = rt.servers["echo"].requests
     query = parse_qsl(urlsplit(seen.path).query, keep_blank_values=True)
     assert [v for k, v in query if k == "api_key"] == [rt.secrets["query_key"]], query
     assert_no_leak(_everything(response), rt.secrets)
+    rt.reset()
+    for look_alike in ("API_KEY=x", "api_key[]=z", "api.key=w"):
+        response = _fetch(rt, "qecho.test", f"/v1/anything?api_key=mine&{look_alike}")
+        assert_refused(response, 403, "foreign_credential", "qecho")
+        assert not rt.servers["echo"].touched
+        assert_no_leak(_everything(response), rt.secrets)
 
 
 def test_restating_the_bound_host_to_move_the_credential(rt):
