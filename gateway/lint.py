@@ -30,6 +30,7 @@ WARNING_CODES: dict[str, str] = {
     "static-host-denied": "a static_hosts address the deny list refuses (not exempted by allow_ip_ranges)",
     "passthrough-shared-cdn": "an inspect: false host on a shared CDN: domain fronting inside the tunnel",
     "passthrough-overlap": "an inspect: false rule and an inspecting rule cover the same host",
+    "bound-host-also-unbound": "a host a rule binds credentials to is also allowed by a rule that injects none",
 }
 
 # Platforms where the names under a domain belong to different customers: a wildcard at (or above)
@@ -98,6 +99,7 @@ def lint(policy: Policy, text: str) -> list[Finding]:
     findings += _denied_static_hosts(policy, view)
     findings += _passthrough_shared_cdn(policy, view)
     findings += _passthrough_overlap(policy, view)
+    findings += _bound_host_also_unbound(policy, view)
     return sorted(findings, key=lambda f: (f.location.line, f.location.column, f.code))
 
 
@@ -408,5 +410,37 @@ def _passthrough_overlap(policy: Policy, view: _Tree) -> list[Finding]:
                 f"rule {rule.id} (inspect: false) and rule {other.id} (inspected) both cover "
                 f"{', '.join(dict.fromkeys(shared))}: tunnels there follow rule {first.id}, the first in the file, "
                 f"so {'they are relayed unread and rule ' + then.id + ' never sees their requests' if first is rule else 'they are inspected and rule ' + rule.id + ' only relays the names rule ' + other.id + ' does not cover'}",
+            ))
+    return findings
+
+
+# --------------------------------------------------------------------------------------------
+# bound hosts that an unbound rule also reaches
+
+
+def _bound_host_also_unbound(policy: Policy, view: _Tree) -> list[Finding]:
+    """A bound rule refuses requests carrying the sandbox's own key (foreign_credential); a rule
+    without `inject` covering the same host does not, so the sandbox can send its own key there
+    and exfiltrate through the same API. Rules no sandbox is granted are left out (unused-rule)."""
+    granted = None if policy.sandboxes is None else set().union(set(), *(s.rule_ids for s in policy.sandboxes))
+    unbound = [r for r in policy.rules if r.protocol == "http" and not r.injections
+               and (granted is None or r.id in granted)]
+    findings = []
+    for rule in policy.rules:
+        if not rule.injections:
+            continue
+        for j, pattern in enumerate(rule.hosts):
+            others = [o.id for o in unbound if any(_pattern_covers(p, pattern) for p in o.hosts)]
+            if not others:
+                continue
+            which = ", ".join(others)
+            findings.append(Finding(
+                "bound-host-also-unbound", view.location("rules", rule.index, "hosts", j),
+                f"rules[{rule.index}].hosts[{j}]",
+                f"{pattern} is bound to credentials by rule {rule.id}, but rule{'s' if len(others) > 1 else ''} "
+                f"{which} also allow{'' if len(others) > 1 else 's'} it without any: there the sandbox can send "
+                f"its own key and upload whatever it likes into an account of its choosing (foreign credentials "
+                f"are refused only on rules that inject); remove the host from {which}, or bind "
+                f"{'them' if len(others) > 1 else 'it'} too",
             ))
     return findings

@@ -106,7 +106,7 @@ def test_json_errors(tmp_path):
 def test_warning_codes_are_documented():
     assert set(WARNING_CODES) == {"unused-rule", "unused-secret", "shadowed-rule", "multi-tenant-wildcard",
                                   "broad-credentials", "static-host-denied", "passthrough-shared-cdn",
-                                  "passthrough-overlap"}
+                                  "passthrough-overlap", "bound-host-also-unbound"}
 
 
 def test_unused_rule():
