@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 from .addresses import AddressVerdict
 from .decision import Decision
-from .engine import Engine, RequestFacts, credential_refusal
+from .engine import Engine, RequestFacts, check_bound_request, credential_refusal
 from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
 from .paths import PathError, normalise_path
+from .placeholders import ShapeTokens
 from .policy import DEFAULT_PORTS, Policy, Rule, Scope
 from .resolver import ResolveError
 
@@ -232,11 +233,19 @@ def explain(
         elif found is None:
             notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
     credentials: list[Credential] = []
+    # explain has no headers and no placeholder key: the URL's own query and path are checked, and
+    # any well-formed placeholder of a secret the rule is bound to counts as the sandbox's.
+    bound = rule is not None and bool(rule.secrets) and target.scheme != "tcp"
     if decision.would_deny:
         notes.append("report mode: the allowlist would refuse this request; the gateway lets it through, "
                      "logged as would_deny, without any credential")
+        if bound and decision.allowed:
+            check = check_bound_request(rule, (), target.target, ShapeTokens(rule.secrets), swap=False)
+            decision = check.refusal or decision
     elif decision.allowed and rule is not None and target.scheme != "tcp":
         refusal = credential_refusal(rule, target.scheme, host)
+        if refusal is None and bound:
+            refusal = check_bound_request(rule, (), target.target, ShapeTokens(rule.secrets)).refusal
         if refusal is not None:
             decision = refusal
         else:
@@ -244,6 +253,12 @@ def explain(
             if credentials:
                 notes.append("credentials: only secret names are shown; a secret that cannot be read at "
                              "request time makes the gateway refuse (502 secret_unavailable)")
+    if bound and rule.id == decision.rule:
+        notes.append(f"placeholders: rule {rule.id} swaps them only as {rule.placeholders.describe()}; "
+                     "anywhere else a placeholder is refused (403 placeholder_misuse)")
+        notes.append(f"foreign credentials: rule {rule.id} refuses requests carrying a key of their own in "
+                     f"{rule.foreign_credentials.describe()} or in a look-alike of what it injects "
+                     "(403 foreign_credential); headers are not part of this URL, so only its query is checked")
     if decision.allowed and not decision.would_deny and target.scheme == "https":
         tunnel = engine.check_destination(host, port, scope)
         relay = policy.rules_by_id.get(tunnel.rule or "") if tunnel.allowed and not tunnel.would_deny else None

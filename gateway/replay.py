@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from .decision import Decision
 from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine, RequestFacts
-from .engine import credential_refusal
+from .engine import check_bound_request, credential_refusal
 from .hostnames import Host, HostError, IPAddress, canonical_host
+from .placeholders import ShapeTokens
 from .policy import Policy, Scope
 
 REPLAYED_EVENTS = ("request", "connect", "tls", "dns")
@@ -37,6 +38,9 @@ POLICY_REASONS = frozenset({
     "method_forbidden", "bad_path", "denied_address", "dns_type_refused", "plaintext_credentials",
     "credential_host",
 })
+# Refusals that depend on the request's headers, which the audit log does not record: a replay could
+# only ever say "newly allowed" for them, so they are skipped.
+HEADER_REASONS = frozenset({"placeholder_misuse", "foreign_credential"})
 CHANGE_KINDS = ("newly_denied", "newly_allowed", "newly_would_deny", "reason_changed", "rule_changed",
                 "credentials_changed")
 
@@ -168,6 +172,8 @@ def _record(source: str, number: int, raw: str) -> tuple[Record | None, str]:
     verdict, reason = entry.get("decision"), entry.get("reason")
     if verdict not in ("allow", "deny", "would_deny") or not isinstance(reason, str):
         return None, "no decision"
+    if verdict == "deny" and reason in HEADER_REASONS:
+        return None, f"reason {reason} (depends on request headers, which are not recorded)"
     if verdict == "deny" and reason not in POLICY_REASONS:
         return None, f"reason {reason} (not decided by the policy)"
     host, port = entry.get("host"), entry.get("port")
@@ -258,6 +264,9 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
         rule = policy.rules_by_id.get(decision.rule or "")
         if decision.allowed and not decision.would_deny and rule is not None:  # report mode injects nothing
             decision = credential_refusal(rule, facts.scheme, host) or decision
+            if decision.allowed and rule.secrets:  # the recorded path only: no headers are recorded
+                decision = check_bound_request(rule, (), record.path or "/", ShapeTokens(rule.secrets)).refusal \
+                    or decision
             if decision.allowed:
                 injected = rule.secrets
     else:  # connect, tls: the destination before any request
