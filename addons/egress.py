@@ -26,6 +26,7 @@ from addons.request_guard import RequestGuard  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
 from addons.streaming import BodyStreaming, Http2Preference  # noqa: E402
 from addons.tls_guard import TlsGuard  # noqa: E402
+from addons.tls_memory import ReleaseTlsBuffers  # noqa: E402
 from addons.upstream_guard import UpstreamGuard  # noqa: E402
 
 
@@ -40,6 +41,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         ConnectGuard(state),
         TlsGuard(state),
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
+        ReleaseTlsBuffers(),  # idle TLS connections give their buffers back
         RequestGuard(state),
         ResponseRedactor(state),
         BodyStreaming(),  # after the guard and the redactor: streams what they allowed and did not plan
