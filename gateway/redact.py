@@ -39,7 +39,6 @@ REMEMBERED_VALUES = 64  # secret values (current and past) the gateway keeps red
 
 _LOWER = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
 _BASE64_LINE = re.compile(rb"[A-Za-z0-9+/=_\-\0]*")
-_LINE_BREAK = re.compile(rb"\r?\n")
 WRAP_MIN = 16  # a line shorter than this is text, not a wrapped base64 blob
 
 
@@ -147,46 +146,54 @@ def marker(length: int) -> bytes:
 class _View:
     """The normalised view of a buffer: lower case, NULs and wrap line breaks skipped, with the
     map back to the buffer's positions. `wrap_run` is the length of the buffer's first line so
-    far when that line has been base64 characters only, else -1."""
+    far when that line has been base64 characters only, else -1.
 
-    __slots__ = ("data", "text", "_skips", "_adjusted")
+    The text is made with regular expressions and bytes.translate (C speed, whatever the body); the
+    map back is built only when a position is asked for, that is when something matched."""
+
+    __slots__ = ("data", "text", "_breaks", "_adjusted")
 
     def __init__(self, data: bytes, wrap_run: int):
         self.data = data
-        skips = _skipped_positions(data, wrap_run)
-        self._skips = skips
-        if not skips:
-            self.text = data.translate(_LOWER)
-            self._adjusted: list[int] = []
-            return
-        pieces, last = [], 0
-        for pos in skips:
-            pieces.append(data[last:pos])
-            last = pos + 1
-        pieces.append(data[last:])
-        self.text = b"".join(pieces).translate(_LOWER)
-        self._adjusted = [pos - i for i, pos in enumerate(skips)]  # view index of each skipped byte
+        self._breaks = _wrap_breaks(data, wrap_run)
+        self._adjusted: list[int] | None = None
+        if self._breaks:
+            pieces, last = [], 0
+            for start, end in self._breaks:
+                pieces.append(data[last:start])
+                last = end
+            pieces.append(data[last:])
+            data = b"".join(pieces)
+        self.text = data.translate(_LOWER, b"\0")
 
     def position(self, index: int) -> int:
         """The buffer position of view byte `index` (len(view) maps to len(buffer))."""
         if index >= len(self.text):
             return len(self.data)
+        if self._adjusted is None:
+            skips = sorted([m.start() for m in _NUL.finditer(self.data)]
+                           + [p for start, end in self._breaks for p in range(start, end)])
+            self._adjusted = [pos - i for i, pos in enumerate(skips)]  # view index of each skipped byte
         return index + bisect.bisect_right(self._adjusted, index)
 
 
-def _skipped_positions(data: bytes, wrap_run: int) -> list[int]:
-    if b"\0" not in data and b"\n" not in data:
+_NUL = re.compile(rb"\0")
+# A line break after a whole line of base64 characters (NULs allowed: UTF-16), WRAP_MIN or more bytes.
+_WRAP_BREAK = re.compile(rb"(?<=\n)[A-Za-z0-9+/=_\-\0]{%d,}(\r?\n)" % WRAP_MIN)
+_FIRST_LINE = re.compile(rb"([A-Za-z0-9+/=_\-\0]*)(\r?\n)")
+
+
+def _wrap_breaks(data: bytes, wrap_run: int) -> list[tuple[int, int]]:
+    """(start, end) of every line break that ends a wrapped base64 line."""
+    if b"\n" not in data:
         return []
-    skips = [i for i in range(len(data)) if data[i] == 0] if b"\0" in data else []
-    line_start, run = 0, wrap_run
-    for brk in _LINE_BREAK.finditer(data):
-        line = data[line_start:brk.start()]
-        if run >= 0 and _BASE64_LINE.fullmatch(line):
-            length = run + len(line) - line.count(0)
-            if length >= WRAP_MIN:
-                skips.extend(range(brk.start(), brk.end()))
-        line_start, run = brk.end(), 0
-    return sorted(skips) if skips else []
+    breaks = [m.span(1) for m in _WRAP_BREAK.finditer(data)]
+    if wrap_run >= 0 and (first := _FIRST_LINE.match(data)) is not None:
+        # The first line continues one that began before this buffer: its length counts from there.
+        line = first.group(1)
+        if wrap_run + len(line) - line.count(0) >= WRAP_MIN:
+            breaks.insert(0, first.span(2))
+    return breaks
 
 
 def wrap_run_after(data: bytes, wrap_run: int) -> int:
@@ -263,6 +270,10 @@ class Redactor:
         is final, whatever comes next."""
         if not self._prefixes or not data:
             return 0
+        if data.endswith(b"\r"):
+            # It may be the first half of a wrap line break that the next chunk completes: until
+            # then the view is not known past it, so it waits with whatever could precede a form.
+            return self.held_suffix(data[:-1], wrap_run) + 1
         tail = data[-(self.max_length * 5 + 8):]  # UTF-32's NULs and line breaks widen a form
         offset = len(data) - len(tail)
         view = _View(tail, wrap_run_after(data[:offset], wrap_run) if offset else wrap_run)

@@ -66,6 +66,8 @@ def test_only_a_possible_prefix_of_a_form_is_held_back(secret, body):
     held = stream.pending
     assert body.endswith(held)
     assert out == redactor.redact(body[:len(body) - len(held)])[0]
+    if held.endswith(b"\r"):  # may be half of a line break the next chunk completes: it waits
+        held = held[:-1]
     if held:
         seen = _View(held, -1).text  # the tail as the matcher sees it (case folded, NULs skipped)
         assert any(f.lower().startswith(seen) and f.lower() != seen for f in forms_of(secret))
