@@ -303,7 +303,8 @@ def check_bound_request(rule: Rule, headers, target: str, tokens, swap: bool = T
     where the rule swaps it (403 `placeholder_misuse` otherwise), and no credential but the
     platform's is on it (403 `foreign_credential`). `tokens` maps this sandbox's placeholders for
     the rule's secrets to secret names. `swap=False` (report mode's would_deny: nothing is swapped
-    or injected) checks foreign credentials only. The proxy, explain and replay all ask this."""
+    or injected, so what the sandbox sent under an injected name goes as it is) checks foreign
+    credentials only. The proxy, explain and replay all ask this."""
     injected_headers = frozenset(i.name.lower() for i in rule.injections if i.target == "header")
     injected_query = frozenset(i.name for i in rule.injections if i.target == "query")
     swaps = placeholders.Swaps()
@@ -316,7 +317,7 @@ def check_bound_request(rule: Rule, headers, target: str, tokens, swap: bool = T
             return BoundCheck(Decision.deny("placeholder_misuse", message, rule.id), swaps, planned.location)
         swaps = planned
     where = foreign.find(headers, target, rule.foreign_credentials, tokens, rule.placeholders.query,
-                         injected_headers, injected_query)
+                         injected_headers, injected_query, replaced=swap)
     if where is not None:
         message = (f"rule {rule.id} sends only the platform's credential, and this request carries another "
                    f"one in the {where}; nothing was sent")

@@ -102,16 +102,22 @@ def _platform_value(value: str, tokens: Mapping[str, str]) -> bool:
 
 def find(headers: Sequence[tuple[str, str]], target: str, config: ForeignCredentials,
          tokens: Mapping[str, str] | None = None, placeholder_query: frozenset[str] = frozenset(),
-         injected_headers: frozenset[str] = frozenset(), injected_query: frozenset[str] = frozenset()) -> str | None:
+         injected_headers: frozenset[str] = frozenset(), injected_query: frozenset[str] = frozenset(),
+         replaced: bool = True) -> str | None:
     """Where the request carries a credential that is not the platform's, or None.
 
     `injected_headers`: header names the rule injects (lower case); `injected_query`: query
-    parameter names it injects (decoded); `tokens`: the placeholders the gateway swaps on this
-    request; `placeholder_query`: the query parameters (as sent) where it swaps them."""
+    parameter names it injects (decoded); `replaced`: whether the injection will replace what the
+    sandbox sent under those names (not on a would_deny request, which gets no credential: then
+    they count like any other credential name); `tokens`: the placeholders the gateway swaps (or,
+    with nothing swapped, would swap) on this request; `placeholder_query`: the query parameters
+    (as sent) where it swaps them."""
     tokens = tokens if tokens is not None else {}
     header_names = config.header_keys | {header_key(n) for n in injected_headers}
+    skipped_headers = injected_headers if replaced else frozenset()
+    skipped_query = injected_query if replaced else frozenset()
     for name, value in headers:
-        if name.lower() in injected_headers or header_key(name) not in header_names:
+        if name.lower() in skipped_headers or header_key(name) not in header_names:
             continue
         if not value.strip(" \t") or _platform_value(value, tokens):
             continue
@@ -122,7 +128,7 @@ def find(headers: Sequence[tuple[str, str]], target: str, config: ForeignCredent
         return None
     for pair in query.split("&"):
         name, _, value = pair.partition("=")
-        if unquote_plus(name, errors="surrogateescape") in injected_query:
+        if unquote_plus(name, errors="surrogateescape") in skipped_query:
             continue  # replaced whole by the rule's injection, ';' and all
         for i, piece in enumerate(_QUERY_SPLIT.split(pair)):
             piece_name, _, piece_value = piece.partition("=")

@@ -103,3 +103,13 @@ def test_scrub_target_blanks_values_never_names():
         "/v?a=1&key=[REDACTED];access_token=[REDACTED]&KEY%3D=x#f"
     assert scrub_target("/v?sig=mine", ForeignCredentials((), ()), frozenset({"sig"})) == "/v?sig=[REDACTED]"
     assert scrub_target("/v/x", DEFAULT) == "/v/x"
+
+
+def test_without_an_injection_the_injected_names_are_credentials_too():
+    """Report mode's would_deny gets no credential, so nothing replaces what the sandbox sent under
+    the injected name: there it is the sandbox's own key (a report-mode bypass otherwise)."""
+    kwargs = dict(injected_headers=frozenset({"x-custom"}), injected_query=frozenset({"sig"}), replaced=False)
+    none = ForeignCredentials((), ())
+    assert find([("X-Custom", "mine")], "/", none, **kwargs) == "header X-Custom"
+    assert find([], "/v?sig=mine", none, **kwargs) == "query parameter sig"
+    assert find([("X-Custom", PH)], "/", none, TOKENS, **kwargs) is None  # a placeholder is still no own key
