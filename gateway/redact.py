@@ -166,10 +166,17 @@ class _View:
             data = b"".join(pieces)
         self.text = data.translate(_LOWER, b"\0")
 
+    @property
+    def identity(self) -> bool:
+        """Nothing skipped: view positions are buffer positions."""
+        return len(self.text) == len(self.data)
+
     def position(self, index: int) -> int:
         """The buffer position of view byte `index` (len(view) maps to len(buffer))."""
         if index >= len(self.text):
             return len(self.data)
+        if self.identity:
+            return index
         if self._adjusted is None:
             skips = sorted([m.start() for m in _NUL.finditer(self.data)]
                            + [p for start, end in self._breaks for p in range(start, end)])
@@ -254,8 +261,11 @@ class Redactor:
             if first >= cut:
                 break
             fill = marker(stop - start)
-            for k, v in enumerate(range(start, stop)):
-                out[view.position(v)] = fill[k]
+            if view.identity:
+                out[start:stop] = fill
+            else:  # skipped NULs and line breaks stay where they are
+                for k, v in enumerate(range(start, stop)):
+                    out[view.position(v)] = fill[k]
             hits.append(self._names[index])
             end = max(end, view.position(stop - 1) + 1)
         return bytes(out[:end]), end, hits
