@@ -236,11 +236,15 @@ def _why(skipped: dict, key: str, ref: str, figure: str, summary: dict) -> str:
     return f"not measured: {', '.join(missing)} not selected (--configs)" if missing else "not measured"
 
 
-def build_document(meta: dict, raw: dict, idle: dict, policy: dict | None) -> dict:
+def build_document(meta: dict, raw: dict, idle: dict, policy: dict | None, sse: dict | None = None) -> dict:
     doc = {"meta": meta, "summary": summarise({k: v for k, v in raw.items() if not k.startswith("latency")}),
            "latency": summarise_latency(raw), "idle": summarise_idle(idle), "scaling": summarise_scaling(raw, meta),
-           "policy": policy, "raw": raw}
+           "policy": policy, "streaming": sse, "raw": raw}
     doc["targets"] = targets(doc)
+    if sse:
+        import streaming  # bench/streaming.py: the streaming group's targets
+
+        doc["targets"] += streaming.targets(sse)
     return doc
 
 
@@ -289,6 +293,10 @@ def build_markdown(doc: dict) -> str:
         L += _pair_tables(doc)
     if doc.get("policy"):
         L += _policy_table(doc["policy"])
+    if doc.get("streaming"):
+        import streaming  # bench/streaming.py
+
+        L += streaming.markdown(doc["streaming"])
     L += _noise(doc)
     if meta.get("skipped"):
         L.append("Skipped configurations:")

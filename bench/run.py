@@ -58,6 +58,7 @@ for _path in (str(PROJECT_ROOT), str(BENCH_DIR)):
         sys.path.insert(0, _path)
 
 import report  # noqa: E402  (bench/report.py)
+import streaming  # noqa: E402  (bench/streaming.py: the streaming group)
 from cpuquota import CpuQuota  # noqa: E402
 
 ORIGIN_NAME = "origin.bench"
@@ -66,7 +67,7 @@ SMALL_PATH = "/small.txt"
 BIG_PATH = "/big.bin"
 SMALL_BODY = b"hello from origin.bench: a small static body for keep-alive and new-connection rounds.\n" * 2
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-GROUPS = ("configs", "idle", "scaling", "transparent", "bulk", "decision")
+GROUPS = ("configs", "idle", "scaling", "transparent", "bulk", "decision", "streaming")
 GROUP_ALIASES = {"explicit": "configs"}  # the name of the first two figures' group before configurations
 # Explicit-mode configurations, in report order.
 CONFIGS = ("direct", "mitmdump", "mitmdump_passthrough", "gateway", "gateway_workers", "gateway_passthrough", "squid")
@@ -357,13 +358,13 @@ class Proxy:
         return workers or tree
 
 
-def check_tools() -> dict[str, str]:
+def check_tools(origin_tools: bool = True) -> dict[str, str]:
     found = {}
     for tool in ("nginx", "hey", "curl", "unshare", "squid"):
         path = shutil.which(tool) or (f"/usr/sbin/{tool}" if Path(f"/usr/sbin/{tool}").exists() else None)
         if not path:
-            if tool == "squid":
-                continue  # optional: that configuration is skipped with a note
+            if tool == "squid" or (tool in ("nginx", "hey") and not origin_tools):
+                continue  # optional: that configuration is skipped with a note; streaming needs neither
             hint = " (apt-get update && apt-get install -y nginx hey squid)" if tool in ("nginx", "hey") else ""
             raise BenchError(f"{tool} not found{hint}")
         found[tool] = path
@@ -594,7 +595,7 @@ def label(key: str, workers: int | None = None) -> str:
     return text.replace("N workers", f"{workers} workers") if workers else text
 
 
-def start_proxy(setup: Setup, key: str, tools: dict[str, str]) -> Proxy:
+def start_proxy(setup: Setup, key: str, tools: dict[str, str], policy_text: str | None = None) -> Proxy:
     """Start configuration `key` and check it really does what it is said to do; BenchError if not."""
     if key == "direct":
         proxy = Proxy(key, label(key), None, setup.origin_ip, 443, setup.ca_cert, intercepts=False)
@@ -625,7 +626,7 @@ def start_proxy(setup: Setup, key: str, tools: dict[str, str]) -> Proxy:
     passthrough = key.endswith("passthrough")
     if key.startswith("gateway"):
         policy = setup.workdir / f"{key}-policy.yaml"
-        policy.write_text(gateway_policy_text(origin_ip, transparent, passthrough=passthrough))
+        policy.write_text(policy_text or gateway_policy_text(origin_ip, transparent, passthrough=passthrough))
         cmd = [sys.executable, "-m", "gateway", "run", "-q", "--policy", str(policy),
                "--mode", mode, "--confdir", str(confdir),
                "--set", f"ssl_verify_upstream_trusted_ca={setup.ca_cert}"]
@@ -1280,6 +1281,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="keep each proxy's process for the whole run instead of starting fresh ones every round")
     p.add_argument("--keep-workdir", action="store_true", help="keep the temporary directory (logs, configs)")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="where to write latest.md / latest.json")
+    streaming.add_arguments(p)
     args = p.parse_args(argv)
     args.warmup = None
     q = args.quick
@@ -1406,6 +1408,7 @@ def main(argv: list[str] | None = None) -> int:
     idle: dict[str, dict] = {}
     policy_result = None
     profile_result = None
+    streaming_result = None
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1431,8 +1434,9 @@ def main(argv: list[str] | None = None) -> int:
             if soft < 16384 <= hard:  # the proxies inherit it: 1,000 tunnels need 2,000+ descriptors
                 resource.setrlimit(resource.RLIMIT_NOFILE, (16384, hard))
             pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
-            tools = check_tools()
-            meta["nginx"] = subprocess.run([tools["nginx"], "-v"], capture_output=True, text=True).stderr.strip()
+            tools = check_tools(origin_tools=args.profile or bool(set(proxy_groups) - {"streaming"}))
+            if "nginx" in tools:
+                meta["nginx"] = subprocess.run([tools["nginx"], "-v"], capture_output=True, text=True).stderr.strip()
             if "squid" in tools:
                 meta["squid"] = subprocess.run([tools["squid"], "-v"], capture_output=True,
                                                text=True).stdout.splitlines()[0].strip()
@@ -1643,6 +1647,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{res['rss_idle_mib']:.0f} → {res['rss_tunnels_mib']:.0f} MiB "
                         f"({fmtn(res['kib_per_tunnel'])} KiB/tunnel, {res['processes']} process(es))")
 
+            if "streaming" in groups and not args.profile:
+                streaming_result = streaming.run(sys.modules[__name__], setup, args, meta, tools)
+
             for proxy in setup.proxies.values():
                 if proxy.service is None:
                     continue
@@ -1707,11 +1714,12 @@ def main(argv: list[str] | None = None) -> int:
         remove_workdir(args, workdir, setup, failed or status != 0)
         return status
     try:
-        document = report.build_document(meta, raw, idle, policy_result)
+        document = report.build_document(meta, raw, idle, policy_result, streaming_result)
         markdown = report.build_markdown(document)
     except Exception:
         dump = args.results / "crashed-raw.json"
-        dump.write_text(json.dumps({"meta": meta, "raw": raw, "idle": idle, "policy": policy_result}, indent=2,
+        dump.write_text(json.dumps({"meta": meta, "raw": raw, "idle": idle, "policy": policy_result,
+                                   "streaming": streaming_result}, indent=2,
                                    default=str))
         log(f"report failed; raw figures saved to {dump}")
         raise
