@@ -49,9 +49,13 @@ SCRUBBED = "[REDACTED]"
 _DECODE_ROUNDS = 4
 _ARRAY_SUFFIX = re.compile(r"(?:\[[^\]]*\])+\Z")
 _QUERY_SPLIT = re.compile(r"[&;]")
-# "Bearer <placeholder>": one auth-scheme word before the placeholder. Letters only, so that the
-# sandbox cannot smuggle its own key in as a "scheme" next to the platform's.
-_SCHEME_WORD = re.compile(r"[A-Za-z]{1,20}\Z")
+# "Bearer <placeholder>": one auth-scheme word before the placeholder, from a closed list (the IANA
+# HTTP authentication schemes APIs use, and vendors' own), so that the sandbox cannot send its own
+# key as a "scheme" next to the platform's. Compared case-insensitively.
+AUTH_SCHEMES = frozenset(s.lower() for s in (
+    "Basic", "Bearer", "Digest", "DPoP", "OAuth", "Token", "Bot", "Key", "ApiKey", "Api-Key", "SSWS",
+    "GenieKey", "DeepL-Auth-Key", "Klaviyo-API-Key", "Zoho-oauthtoken", "Splunk",
+))
 
 
 def header_key(name: str) -> str:
@@ -97,7 +101,7 @@ def _platform_value(value: str, tokens: Mapping[str, str]) -> bool:
     words = value.split()
     if len(words) == 1:
         return words[0] in tokens
-    return len(words) == 2 and bool(_SCHEME_WORD.match(words[0])) and words[1] in tokens
+    return len(words) == 2 and words[0].lower() in AUTH_SCHEMES and words[1] in tokens
 
 
 def find(headers: Sequence[tuple[str, str]], target: str, config: ForeignCredentials,

@@ -50,6 +50,8 @@ def test_every_spelling_of_an_auth_parameter(query, where):
     ([("Authorization", ""), ("X-Api-Key", "  ")], "/v1?key=&api_key"),  # empty: no credential at all
     ([("Authorization", f"Bearer {PH}")], "/"),
     ([("Authorization", PH)], "/"),
+    ([("Authorization", f"token {PH}")], "/"),
+    ([("Authorization", f"DeepL-Auth-Key {PH}")], "/"),
     ([("X-Api-Key", PH)], "/"),
 ])
 def test_nothing_foreign(headers, target):
@@ -57,7 +59,7 @@ def test_nothing_foreign(headers, target):
 
 
 @pytest.mark.parametrize("value", [
-    "Bearer mine", f"Bearer {PH} mine", f"sk-own {PH}", f"Bearer {PH}, Bearer mine", f"{PH}x",
+    "Bearer mine", f"Bearer {PH} mine", f"sk-own {PH}", f"ownkeyletters {PH}", f"Bearer {PH}, Bearer mine", f"{PH}x",
     "egress-placeholder-tok-" + "a1" * 20,  # another sandbox's: not swapped, so not the platform's
 ])
 def test_anything_but_one_scheme_word_and_a_swapped_placeholder_is_foreign(value):
