@@ -21,6 +21,7 @@ from addons.dns_guard import DnsGuard  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.limits import ConnectionLimiter  # noqa: E402
 from addons.metrics import Observability  # noqa: E402
+from addons.output_guard import OutputGuard  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
@@ -33,8 +34,10 @@ from addons.upstream_guard import UpstreamGuard  # noqa: E402
 def make_addons(state: GatewayState | None = None) -> list:
     state = state or GatewayState()
     core = EgressCore(state)
+    redactor = ResponseRedactor(state)
     return [
         core,
+        OutputGuard(redactor.redactor),  # early: mitmproxy's flow writers are off before any flow exists
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
         LayerGuard(state),
@@ -43,7 +46,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
         ReleaseTlsBuffers(),  # idle TLS connections give their buffers back
         RequestGuard(state),
-        ResponseRedactor(state),
+        redactor,
         BodyStreaming(),  # after the guard and the redactor: streams what they allowed and did not plan
         UpstreamGuard(state),
         DnsGuard(state),

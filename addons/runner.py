@@ -5,7 +5,8 @@ authentication, client blocking and error checking. The rest of mitmproxy's defa
 out on purpose: flow saving (save_stream_file, HAR) would write injected credentials to disk,
 map_remote/modify_headers would change a request after the policy judged it, playback and the
 onboarding app have no place in front of a sandbox, and every loaded addon costs time on every
-hook of every request. `mitmdump -s addons/egress.py` still gets mitmproxy's full set.
+hook of every request. `mitmdump -s addons/egress.py` still gets mitmproxy's full set, less what
+addons/output_guard.py switches off (every writer of flows) in both modes.
 """
 
 from __future__ import annotations
