@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 from ..lint import Finding, issue_dict, lint
-from ..policy import PolicyError, load_policy
+from ..policy import Policy, PolicyError, load_policy
+from ..secrets import SecretStore
+from ..yamlsource import parse
 from . import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 
@@ -43,11 +45,36 @@ def check_file(path: str) -> tuple[dict, str | None, list[Finding], PolicyError 
         result = {"file": path, "ok": False, "errors": [issue_dict(i) for i in exc.issues], "warnings": [],
                   "rules": None, "sha256": None}
         return result, None, [], exc
-    findings = lint(policy, Path(path).read_text(encoding="utf-8"))
+    text = Path(path).read_text(encoding="utf-8")
+    findings = sorted(lint(policy, text) + unusable_secrets(policy, text),
+                      key=lambda f: (f.location.line, f.location.column, f.code))
     summary = f"{path}: ok ({len(policy.rules)} rules, sha256 {policy.sha256})"
     result = {"file": path, "ok": True, "errors": [], "warnings": [f.as_dict() for f in findings],
               "rules": len(policy.rules), "sha256": policy.sha256}
     return result, summary, findings, None
+
+
+def unusable_secrets(policy: Policy, text: str) -> list[Finding]:
+    """Secrets whose variable is set, or whose file exists, here, but whose value the gateway would
+    refuse (a second line, a control character, ...): the requests that need them would fail with
+    502 secret_unavailable. Absent ones are not reported: `check` often runs where secrets are not.
+    Read from this process's environment and files; the messages never hold a value."""
+    problems = SecretStore(policy.secrets).problems(present_only=True)
+    if not problems:
+        return []
+    root, _ = parse(text, policy.source)
+    found = []
+    for name, why in problems.items():
+        kind = "env" if policy.secrets[name].env else "file"
+        node = root
+        for key in ("secrets", name, kind):
+            child = node.value.get(key) if isinstance(node.value, dict) else None
+            if child is None:
+                break
+            node = child
+        found.append(Finding("unusable-secret", node.location, f"secrets.{name}.{kind}",
+                             f"secret {name} is unavailable: {why}"))
+    return found
 
 
 def main(args: argparse.Namespace) -> int:
