@@ -24,10 +24,10 @@ from gateway.credentials import placeholder
 from gateway.decision import Decision
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
-from gateway.decompress import streaming_decoder
+from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, decode_whole, streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
-from gateway.streaming import Plan, response_plan
+from gateway.streaming import Plan, codings, response_plan
 
 from .failclosed import fail_closed
 from .state import GatewayState
@@ -124,35 +124,48 @@ def _swap(request: http.Request, check: BoundCheck, values: dict[str, str]) -> N
         request.path = swaps.new_target(values)
 
 
+def _body_size_limit() -> int | None:
+    return human.parse_size(ctx.options.body_size_limit) if hasattr(ctx.options, "body_size_limit") else None
+
+
 def _kill_on_error(self, flow, *rest, error: Exception) -> None:
     flow.kill()
 
 
-class _DecodingRedactor:
-    """Stream callable: decode a compressed body on the fly, then redact it. A body that fails to
-    decode half-way is cut off and the flow killed (its headers are already out, so no 502 is
-    possible any more): the client sees a broken response, never undecoded bytes."""
+class _BodyRedactor:
+    """Stream callable of a bound response body: decode it on the fly when it is compressed (within
+    its budget, gateway/decompress.py), then redact it. Any failure (a body that does not decode,
+    one over its decoded budget, an error in the redactor) cuts the body off and kills the flow:
+    its headers are out, so no 502 is possible any more, and the client sees a broken response,
+    never undecoded or unredacted bytes. The failure is audited with its reason."""
 
-    def __init__(self, flow: http.HTTPFlow, decoder, redactor: StreamRedactor):
+    def __init__(self, flow: http.HTTPFlow, redactor: StreamRedactor, decoder=None, on_failure=None):
         self.flow = flow
         self.decoder = decoder
         self.redactor = redactor
+        self.on_failure = on_failure
         self.failed = False
 
     def __call__(self, chunk: bytes) -> bytes:
         if self.failed:
             return b""
         try:
+            if self.decoder is None:
+                return self.redactor(chunk)
             if chunk:
                 return self.redactor(self.decoder.decompress(chunk))
             tail = self.decoder.flush()
             return self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
-        except Exception:
+        except Exception as exc:
             self.failed = True
+            too_large = isinstance(exc, DecodedTooLarge)
             logging.getLogger("egress").warning(
-                "egress gateway: a compressed response to a credential-bound request failed to decode; cut off")
+                "egress gateway: the response to a credential-bound request was cut off (%s)",
+                "decoded body over its budget" if too_large else type(exc).__name__)
+            if self.on_failure is not None:
+                self.on_failure(self.flow, "response_too_large" if too_large else "undecodable_response")
             self.flow.kill()
-            return b"" 
+            return b""
 
 
 class _Replacement:
@@ -202,18 +215,19 @@ class ResponseRedactor:
         limit = human.parse_size(ctx.options.stream_large_bodies) if hasattr(ctx.options, "stream_large_bodies") else None
         plan, why = response_plan(method=flow.request.method, status=response.status_code,
                                   headers=response.headers.items(multi=True), bound=True, buffer_limit=limit)
-        body_redactor = StreamRedactor(redactor, on_hit=lambda found: self._count(flow, found, "body"))
+        # The current redactor for every chunk: a value rotated while the stream is open counts.
+        body_redactor = StreamRedactor(self.redactor, on_hit=lambda found: self._count(flow, found, "body"))
         if plan in (Plan.NO_BODY, Plan.REDACT):
-            response.stream = body_redactor
+            response.stream = _BodyRedactor(flow, body_redactor, on_failure=self._cut_off)
         elif plan is Plan.DECODE_BUFFERED:
             response.stream = False  # decoded and redacted in `response`, or a clean 502
         elif plan is Plan.DECODE_STREAM:
-            decoder = streaming_decoder(why)  # the one coding the plan found
+            decoder = streaming_decoder(why, _body_size_limit())  # the one coding the plan found
             del response.headers["content-encoding"]
             response.headers.pop("content-length", None)
             if not (flow.request.is_http2 or flow.request.is_http3):
                 response.headers["transfer-encoding"] = "chunked"
-            response.stream = _DecodingRedactor(flow, decoder, body_redactor)
+            response.stream = _BodyRedactor(flow, body_redactor, decoder, on_failure=self._cut_off)
         else:
             self._refuse_body(flow, Decision.deny(
                 "undecodable_response",
@@ -265,19 +279,37 @@ class ResponseRedactor:
             self._redact_fields(flow, flow.response.trailers, redactor, "trailers")
         if BOUND not in flow.metadata or flow.response.stream:
             return
-        try:
-            flow.response.decode(strict=True)
-        except ValueError:
-            decision = Decision.deny("undecodable_response", "a compressed response to a credential-bound "
-                                     "request could not be decoded for redaction")
-            flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
-            self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,
-                              message=decision.message, host=flow.request.pretty_host)
-            return
+        encoding = [c for c in codings(flow.response.headers.get("content-encoding", "")) if c != "identity"]
+        if encoding:
+            limit = min(_body_size_limit() or DEFAULT_BUFFERED_LIMIT, DEFAULT_BUFFERED_LIMIT)
+            try:
+                body = decode_whole(encoding[0], flow.response.raw_content or b"", limit)
+            except DecodedTooLarge:
+                self._refuse_buffered(flow, Decision.deny(
+                    "response_too_large", f"the compressed response decodes to more than {limit} bytes"))
+                return
+            except ValueError:
+                self._refuse_buffered(flow, Decision.deny(
+                    "undecodable_response", "a compressed response to a credential-bound request could not "
+                    "be decoded for redaction"))
+                return
+            del flow.response.headers["content-encoding"]
+            flow.response.raw_content = body
+            flow.response.headers["content-length"] = str(len(body))
         clean, hits = redactor.redact(flow.response.raw_content or b"")
         if hits:
             flow.response.content = clean
             self._count(flow, hits, "body")
+
+    def _refuse_buffered(self, flow: http.HTTPFlow, decision: Decision) -> None:
+        flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
+        self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,
+                          message=decision.message, host=flow.request.pretty_host)
+
+    def _cut_off(self, flow: http.HTTPFlow, reason: str) -> None:
+        self.state.record(event="response", decision="deny", reason=reason, status=None,
+                          message="the streamed response to a credential-bound request was cut off",
+                          host=flow.request.pretty_host if flow.request else None)
 
     def error(self, flow: http.HTTPFlow) -> None:
         self.state.secret_memory.unpin(flow.id)

@@ -20,6 +20,7 @@ from mitmproxy import http
 
 from gateway.decision import Decision
 from gateway.engine import Engine, Pin, RequestFacts
+from gateway.hopbyhop import forwardable
 from gateway.hostnames import HostError, parse_authority
 from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
@@ -39,6 +40,14 @@ def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) 
 
 def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
     return [(k, v) for k, v in request.headers.items(multi=True)]
+
+
+def _drop_hop_by_hop(request: http.Request) -> None:
+    """TE, Keep-Alive, Proxy-Connection and what Connection nominates stay on the sandbox's hop
+    (gateway/hopbyhop.py says which and why)."""
+    fields = forwardable(request.headers.fields, http2=request.is_http2 or request.is_http3)
+    if fields is not None:
+        request.headers.fields = tuple(fields)
 
 
 class RequestGuard:
@@ -71,6 +80,7 @@ class RequestGuard:
         sent = flow_fields(flow, conn, scope.sandbox)
         injected: list[str] = []
         if decision.allowed and pin is not None:
+            _drop_hop_by_hop(flow.request)  # before injecting: nothing the gateway sets can be nominated
             decision, injected = self.credentials.apply(flow, decision, scope, pin, engine)
         fields = sent | decision_fields(decision, pin, *destination)
         if injected:

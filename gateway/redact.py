@@ -75,7 +75,18 @@ ENCODINGS: tuple[tuple[str, str, Callable[[str], Iterable[str | bytes]]], ...] =
     ("percent-php-java", "PHP urlencode and Java URLEncoder (space as '+', '~' and '*' vary)",
      lambda v: [quote_plus(v, safe="-_."), quote_plus(v, safe="-_.*")]),
     ("percent-every-byte", "encoders that escape every byte", lambda v: [_every_byte_percent(v)]),
+    ("percent-twice", "a URL that carried the percent-encoded value, percent-encoded again (a redirect's "
+     "next= or return_to= parameter, a logged request URL)",
+     lambda v: [quote(quote(v, safe=""), safe=""), quote(quote(v)), quote_plus(quote_plus(v)),
+                quote(quote_plus(v), safe="")]),
+    ("quoted-printable", "MIME quoted-printable (e-mail bodies: '=' as =3D)", lambda v: [_quoted_printable(v)]),
+    ("hex-separated", "hex dumps with separators (openssl, certificate fingerprints: 73:6b:2d)",
+     lambda v: [":".join(f"{b:02x}" for b in v.encode()), " ".join(f"{b:02x}" for b in v.encode())]),
 )
+
+
+def _quoted_printable(value: str) -> str:
+    return "".join(c if (33 <= ord(c) <= 126 and c != "=") else f"={ord(c):02X}" for c in value)
 
 
 def _json_basic(s: str) -> str:
@@ -114,6 +125,8 @@ ESCAPES: tuple[tuple[str, str, Callable[[str], str]], ...] = (
      _json_escape("+&'<>`")),
     ("json-go", "Go encoding/json (escapes < > & as \\u003c \\u003e \\u0026)", _json_escape("<>&")),
     ("json-ascii-all", "JSON encoders that escape every non-alphanumeric character", _json_all),
+    ("js-hex", "JavaScript and Python string literals escaping punctuation as \\xHH (template engines)",
+     lambda s: "".join(c if c.isalnum() and c.isascii() else f"\\x{ord(c):02x}" for c in s)),
     ("html-python", "Python html.escape (' as &#x27;), Jinja2/MarkupSafe (' as &#39;)",
      lambda s: (_html(_HTML_BASIC | {"'": "&#x27;"})(s))),
     ("html-php", "PHP htmlspecialchars (ENT_QUOTES: ' as &#039;), XML (&apos;)",
@@ -243,13 +256,14 @@ class Redactor:
         clean, _, hits = self.redact_prefix(data, len(data))
         return clean, hits
 
-    def redact_prefix(self, data: bytes, cut: int, wrap_run: int = -1) -> tuple[bytes, int, list[str]]:
+    def redact_prefix(self, data: bytes, cut: int, wrap_run: int = -1,
+                      view: "_View | None" = None) -> tuple[bytes, int, list[str]]:
         """Redacts `data[:end]` and returns (redacted bytes, end, secret names hit): `end` is `cut`,
         or the end of a match that starts before `cut` and runs past it (a match is never split).
         `wrap_run`: see _View (what came before `data` on its first line)."""
         if self._automaton is None or not data:
             return data[:cut], cut, []
-        view = _View(data, wrap_run)
+        view = view if view is not None else _View(data, wrap_run)
         matches = self._automaton.find_matches_as_indexes(view.text, overlapping=False)
         if not matches:
             return data[:cut], cut, []
@@ -270,31 +284,31 @@ class Redactor:
             end = max(end, view.position(stop - 1) + 1)
         return bytes(out[:end]), end, hits
 
-    def held_suffix(self, data: bytes, wrap_run: int = -1) -> int:
+    def held_suffix(self, data: bytes, wrap_run: int = -1, view: "_View | None" = None) -> int:
         """How many bytes at the end of `data` more data could still turn into a secret: from the
         start of the longest suffix of the view that is a proper prefix of some form.
 
         Why that is enough: a form matching the view at s < cut is either whole already, or the
         view from s would be a proper prefix of it (and s would be past the cut); and no longer
         form can still grow at s for the same reason. So every match that starts before the cut
-        is final, whatever comes next."""
+        is final, whatever comes next. The view is of the whole buffer (skipped bytes have no
+        bound: 2,000 NULs between two characters of a form are still one form in the view)."""
         if not self._prefixes or not data:
             return 0
-        if data.endswith(b"\r"):
-            # It may be the first half of a wrap line break that the next chunk completes: until
-            # then the view is not known past it, so it waits with whatever could precede a form.
-            return self.held_suffix(data[:-1], wrap_run) + 1
-        tail = data[-(self.max_length * 5 + 8):]  # UTF-32's NULs and line breaks widen a form
-        offset = len(data) - len(tail)
-        view = _View(tail, wrap_run_after(data[:offset], wrap_run) if offset else wrap_run)
+        view = view if view is not None else _View(data, wrap_run)
         text = view.text
-        run, limit = 0, min(len(text), self.max_length - 1)
-        while run < limit and text[-1 - run] in self._alphabet:
+        # A final CR may be the first half of a wrap line break the next chunk completes; until
+        # then it waits too, with whatever could precede a form (one CR: a second one before it
+        # could not be part of the break).
+        pending_cr = data.endswith(b"\r")
+        end = len(text) - 1 if pending_cr else len(text)
+        run, limit = 0, min(end, self.max_length - 1)
+        while run < limit and text[end - 1 - run] in self._alphabet:
             run += 1
         for length in range(run, 0, -1):
-            if text[-length:] in self._prefixes:
-                return len(data) - (offset + view.position(len(text) - length))
-        return 0
+            if text[end - length:end] in self._prefixes:
+                return len(data) - view.position(end - length)
+        return 1 if pending_cr else 0
 
     def redact_text(self, text: str) -> tuple[str, list[str]]:
         data = text.encode("utf-8", "surrogateescape")
@@ -316,18 +330,29 @@ class StreamRedactor:
     b"" when it has nothing to pass on yet: the caller must treat that as "nothing", never as the
     end of the body (the gateway's HTTP/1 writers drop empty pieces)."""
 
-    def __init__(self, redactor: Redactor, on_hit=None):
-        self.redactor = redactor
+    def __init__(self, redactor: "Redactor | Callable[[], Redactor | None]", on_hit=None):
+        # A callable is asked again for every chunk: a secret rotated while the stream is open is
+        # redacted from the next chunk on.
+        self._current = redactor if callable(redactor) and not isinstance(redactor, Redactor) else (lambda: redactor)
         self.pending = b""
         self.wrap_run = 0  # the body starts a line
         self.on_hit = on_hit
 
+    @property
+    def redactor(self) -> Redactor | None:
+        return self._current()
+
     def __call__(self, chunk: bytes) -> bytes:
         data = self.pending + chunk
+        redactor = self.redactor
+        if redactor is None or not redactor:
+            self.pending = b""
+            return data
+        view = _View(data, self.wrap_run)
         # At the end of the body (b"") everything goes; otherwise the tail that could still become
         # a form waits. A match starting before the cut is final (see Redactor.held_suffix).
-        cut = len(data) - self.redactor.held_suffix(data, self.wrap_run) if chunk else len(data)
-        clean, end, hits = self.redactor.redact_prefix(data, cut, self.wrap_run)
+        cut = len(data) - redactor.held_suffix(data, self.wrap_run, view) if chunk else len(data)
+        clean, end, hits = redactor.redact_prefix(data, cut, self.wrap_run, view)
         self.wrap_run = wrap_run_after(data[:end], self.wrap_run)
         self.pending = data[end:]
         if hits and self.on_hit is not None:

@@ -7,24 +7,19 @@ piece of it, which a truncated URL would show). The embedded runner gets the sam
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote_plus
 
 import pytest
 
-from mitmproxy.utils import strutils
 from tests.conftest import policy_text
-from tests.credentials.clients import leaks
 from tests.credentials.servers import EchoUpstream
 from tests.e2e.helpers import H2Client, get, tls_tunnel
 from tests.support.gateway import PROJECT_ROOT, GatewayProcess, free_port, wait_for_port
+from tests.support.mitmdump import clean_env, start_mitmdump, stop
+from tests.support.mitmdump import secret_forms_in as forms_in
 
 # A space, '&', '=', '+', '/', a backslash and a double quote: every escaping a printer does shows.
 SECRET = 'fo-Tok9+Zq/Ww3=Ee5&Rr7 \\x"q_live'
@@ -51,35 +46,6 @@ def _extra(upstreams) -> str:
             f"secrets:\n  out_token: {{env: {ENV_VAR}}}\n")
 
 
-def secret_forms_in(data: bytes) -> list[str]:
-    """Every way SECRET shows in `data`: the redactor's forms and independent decodings (leaks),
-    the printer's escapings, and any 12-byte piece of the raw or URL-encoded value."""
-    found = leaks(data, SECRET)
-    escaped = {repr(SECRET.encode())[2:-1], strutils.bytes_to_escaped_str(SECRET.encode()),
-               json.dumps(SECRET)[1:-1], strutils.escape_control_characters(SECRET)}
-    found += [f"escaped {e!r}" for e in escaped if e.encode() in data]
-    for whole in (SECRET, quote_plus(SECRET), quote(SECRET, safe="")):
-        pieces = {whole[i:i + 12] for i in range(len(whole) - 11)}
-        found += [f"piece {p!r}" for p in sorted(pieces) if p.encode() in data][:3]
-    return found
-
-
-@dataclass
-class Proxy:
-    """What the test clients need of a proxy (tests.e2e.helpers take a GatewayProcess)."""
-    host: str
-    port: int
-    confdir: Path
-    log_path: Path
-
-    @property
-    def ca_cert(self) -> Path:
-        return self.confdir / "mitmproxy-ca-cert.pem"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
 def echo(pki, upstreams):
     address = f"{upstreams.block}.{LAST_OCTET}"
@@ -89,19 +55,18 @@ def echo(pki, upstreams):
     server.stop()
 
 
-def _mitmdump() -> str:
-    candidate = Path(sys.executable).with_name("mitmdump")
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("mitmdump")
-    if not found:
-        pytest.skip("mitmdump not installed next to this Python")
-    return found
+def secret_forms_in(data: bytes) -> list[str]:
+    return forms_in(data, SECRET)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("SSLKEYLOGFILE", "MITMPROXY_SSLKEYLOGFILE")}
-    return env | {ENV_VAR: SECRET, "PYTHONUNBUFFERED": "1"} | extra
+    return clean_env(**{ENV_VAR: SECRET}, **extra)
+
+
+def _run_mitmdump(tmp_path, upstreams, pki, args: list[str], env: dict[str, str] | None = None):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_text(upstreams, RULES, _extra(upstreams)))
+    return start_mitmdump(tmp_path, policy, pki.ca_cert, args, env or _env())
 
 
 def _traffic(proxy, echo) -> None:
@@ -122,30 +87,6 @@ def _traffic(proxy, echo) -> None:
     for seen in bound:  # the credential did go out: the search below is not vacuous
         assert seen.header_all("authorization") == [f"Bearer {SECRET}"]
         assert f"api_key={quote_plus(SECRET)}" in seen.path
-
-
-def _run_mitmdump(tmp_path, upstreams, pki, args: list[str], env: dict[str, str] | None = None):
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(policy_text(upstreams, RULES, _extra(upstreams)))
-    port = free_port()
-    confdir = tmp_path / "conf"
-    log_path = tmp_path / "mitmdump.out"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [_mitmdump(), "-s", str(PROJECT_ROOT / "addons" / "egress.py"), "--listen-host", "127.0.0.1",
-             "-p", str(port), "--set", f"confdir={confdir}", "--set", f"egress_policy={policy}",
-             "--set", f"ssl_verify_upstream_trusted_ca={pki.ca_cert}", *args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env or _env())
-    return proc, Proxy("127.0.0.1", port, confdir, log_path)
-
-
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def _everything_written(tmp_path: Path) -> dict[str, bytes]:
@@ -172,7 +113,7 @@ def test_flow_printer_never_shows_the_secret(tmp_path, upstreams, pki, echo, det
         wait_for_port("127.0.0.1", proxy.port, process=proc)
         _traffic(proxy, echo)
     finally:
-        _stop(proc)
+        stop(proc)
     out = _assert_nothing_leaked(tmp_path)["mitmdump.out"].decode("utf-8", "replace")
     if detail >= 1:  # the flows were printed, with the injected parts redacted
         assert "/v1/anything?q=1" in out, out[-3000:]
@@ -190,7 +131,7 @@ def test_verbose_and_protocol_debugging_leak_nothing(tmp_path, upstreams, pki, e
         wait_for_port("127.0.0.1", proxy.port, process=proc)
         _traffic(proxy, echo)
     finally:
-        _stop(proc)
+        stop(proc)
     out = _assert_nothing_leaked(tmp_path)["mitmdump.out"].decode("utf-8", "replace")
     assert "ignoring proxy_debug=True" in out
     assert "termlog_verbosity=debug lowered to info" in out
@@ -207,7 +148,7 @@ def test_flow_files_har_key_log_and_sticky_auth_are_off(tmp_path, upstreams, pki
         wait_for_port("127.0.0.1", proxy.port, process=proc)
         _traffic(proxy, echo)
     finally:
-        _stop(proc)
+        stop(proc)
     written = _assert_nothing_leaked(tmp_path)
     out = written["mitmdump.out"].decode("utf-8", "replace")
     for option in ("save_stream_file", "hardump", "stickyauth"):

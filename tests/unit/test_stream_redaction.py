@@ -8,7 +8,7 @@ import string
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.redact import Redactor, StreamRedactor, _View, forms_of
+from gateway.redact import Redactor, SecretMemory, StreamRedactor, _View, forms_of
 
 TOKEN_ALPHABET = string.ascii_letters + string.digits + "-_+/="
 secret_values = st.text(TOKEN_ALPHABET, min_size=8, max_size=60)
@@ -90,3 +90,41 @@ def test_a_secret_that_is_a_prefix_of_another_is_not_redacted_early():
     rest = stream(b"XYZW7890 tail") + stream(b"")
     assert long.encode() not in first + rest
     assert b"XYZW7890" not in first + rest  # the longer secret is redacted whole, not its tail left
+
+
+def test_many_trailing_carriage_returns_are_released_and_do_not_recurse():
+    """A chunk ending in thousands of CRs: only the last one can be half of a line break."""
+    redactor = Redactor({"key": "tok-A1b2C3d4E5f6G7h8I9j0"})
+    stream = StreamRedactor(redactor)
+    out = stream(b"data: x\n\n" + b"\r" * 5000)
+    assert len(stream.pending) == 1 and out == b"data: x\n\n" + b"\r" * 4999
+
+
+def test_a_secret_split_by_any_number_of_nuls_across_chunks_is_redacted():
+    secret = "tok-A1b2C3d4E5f6G7h8I9j0"
+    redactor = Redactor({"key": secret})
+    stream = StreamRedactor(redactor)
+    out = stream(secret[:1].encode() + b"\0" * 2000) + stream(secret[1:].encode() + b" end") + stream(b"")
+    assert secret.encode() not in out.replace(b"\0", b"")
+
+
+def test_a_value_rotated_while_a_stream_is_open_is_redacted_from_the_next_chunk():
+    memory = SecretMemory()
+    memory.remember({"key": "old-Value-1234567890ab"})
+    stream = StreamRedactor(memory.redactor)
+    first = stream(b"event one\n")
+    memory.remember({"key": "new-Value-0987654321cd"})
+    second = stream(b"echo new-Value-0987654321cd and old-Value-1234567890ab\n") + stream(b"")
+    assert first == b"event one\n"
+    assert b"Value" not in second
+
+
+def test_a_value_percent_encoded_twice_is_redacted():
+    from urllib.parse import quote
+
+    secret = "sk-Ab3/x+Yz9=Qw8Er7Ty6"
+    redactor = Redactor({"key": secret})
+    # The gateway sent ?api_key=<quote(secret)>; the server's redirect quotes the whole URL again.
+    echo = "Location: /login?next=" + quote("/v1?api_key=" + quote(secret, safe=""), safe="")
+    clean, hits = redactor.redact(echo.encode())
+    assert hits == ["key"]
