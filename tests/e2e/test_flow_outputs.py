@@ -24,7 +24,7 @@ from tests.support.mitmdump import secret_forms_in as forms_in
 # A space, '&', '=', '+', '/', a backslash and a double quote: every escaping a printer does shows.
 SECRET = 'fo-Tok9+Zq/Ww3=Ee5&Rr7 \\x"q_live'
 ENV_VAR = "EGRESS_OUTPUT_TOKEN"
-LAST_OCTET = 44
+LAST_OCTET = 46  # in the session block: .40-.45 are tests/credentials/bound.py users
 
 RULES = """
 - id: echo

@@ -40,7 +40,7 @@ pytestmark = attack("credentials")
 SECRET = "lk-Tok7+Yy/Qq5=Pp3&Nn1_live"
 SMUGGLE = "lk-first\r\nX-Injected: 1\r\n\r\nGET /admin HTTP/1.1\r\nHost: lk-echo.test"
 ENV = {"lk_token": ("EGRESS_LK_TOKEN", SECRET), "lk_smuggle": ("EGRESS_LK_SMUGGLE", SMUGGLE)}
-OCTETS = {"te": 50, "echo": 51}
+OCTETS = {"te": 50, "echo": 51}  # in the session block (.40-.47 are taken, .53 and .60+ too)
 
 RULES = """
 - id: lk-te
