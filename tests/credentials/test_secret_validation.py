@@ -24,7 +24,7 @@ from tests.e2e.helpers import ScriptedUpstream, assert_refused, connect_proxy, e
 from tests.support.gateway import PROJECT_ROOT
 from tests.unit.test_secret_values import VALUES, expected
 
-LAST_OCTET = 45
+LAST_OCTET = 47  # in the session block: .40-.45 are tests/credentials/bound.py users, .46 test_flow_outputs
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
 # secret name -> the bytes its environment variable holds
