@@ -37,14 +37,7 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._http1 import Http1Client
 
-# Fields that must not travel as trailers (RFC 9110 section 6.5.1): framing, routing, auth, control.
-FORBIDDEN_TRAILERS = frozenset({
-    "transfer-encoding", "content-length", "host", "connection", "keep-alive", "te", "trailer", "upgrade",
-    "proxy-connection", "proxy-authorization", "proxy-authenticate", "authorization", "set-cookie", "cookie",
-    "content-encoding", "content-type", "content-range", "cache-control", "expect", "max-forwards", "pragma",
-    "range", "www-authenticate", "age", "expires", "date", "location", "retry-after", "vary", "warning",
-})
-
+from gateway.streaming import FORBIDDEN_TRAILERS
 
 def _is_chunked(message) -> bool:
     return "chunked" in message.headers.get("transfer-encoding", "").lower()

@@ -23,7 +23,6 @@ from mitmproxy.net.http import http1
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, RequestHeaders
-from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     RequestData,
@@ -33,6 +32,7 @@ from mitmproxy.proxy.layers.http._events import (
 )
 from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http import SendHttp
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.utils import human
 from mitmproxy.proxy.layers.http._http1 import Http1Server, make_body_reader
 from mitmproxy.proxy.layers.http._http2 import Http2Server
@@ -43,6 +43,7 @@ from gateway.decision import Decision
 from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
+from . import h2_backpressure
 from .http1 import ServerFraming
 from .respond import raw_http_refusal, refusal_headers
 
@@ -213,14 +214,33 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
 
 
 class GatewayHttp2Server(Http2Server):
-    """mitmproxy's HTTP/2 server, except that an error it would answer with its own HTML page
-    (quoting what failed) is answered in the gateway's format: text body, X-Egress-Reason."""
+    """mitmproxy's HTTP/2 server, except that
+    - an error it would answer with its own HTML page (quoting what failed) is answered in the
+      gateway's format: text body, X-Egress-Reason;
+    - what waits for the client's flow-control window is reported to addons/h2_backpressure.py
+      after every event, which holds the upstream readers while it is too much."""
 
     def __init__(self, context, on_refusal: OnRefusal):
         super().__init__(context)
         self.on_refusal = on_refusal
 
+    def _unread(self) -> int:
+        unread = 0
+        for stream_id, buffer in list(self.h2_conn.stream_buffers.items()):
+            if self.is_closed(stream_id):  # reset by the client: that data will never be sent
+                self.h2_conn.stream_buffers.pop(stream_id, None)
+                continue
+            unread += sum(len(item.data) for item in buffer)
+        return unread
+
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from self._handle(event)
+        if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
+            h2_backpressure.release(self.context.client)
+        else:
+            h2_backpressure.update(self.context.client, self._unread())
+
+    def _handle(self, event: events.Event) -> layer.CommandGenerator[None]:
         if (isinstance(event, ResponseProtocolError) and event.code in _ERROR_REASONS
                 and event.code.http_status_code() is not None and self.is_open_for_us(event.stream_id)
                 and not self.h2_conn.streams[event.stream_id].state_machine.headers_sent):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from mitmproxy import ctx, http, tls
 
-from gateway.streaming import Plan, request_streams, response_plan
+from gateway.streaming import Plan, forbidden_trailers, request_streams, response_plan
 
-from . import http1
+from . import h2_backpressure, http1
 from .credentials import BOUND
 
 
@@ -30,6 +30,7 @@ def _allowed(flow: http.HTTPFlow) -> bool:
 class BodyStreaming:
     def __init__(self) -> None:
         http1.install()  # empty pieces, trailers and translated framing on HTTP/1 upstreams
+        h2_backpressure.install()  # an HTTP/2 client that reads slowly slows its upstreams down
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or not _allowed(flow) or flow.request.stream:
@@ -45,6 +46,15 @@ class BodyStreaming:
                                 headers=response.headers.items(multi=True), bound=False, buffer_limit=None)
         if plan is Plan.STREAM:
             response.stream = True
+
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        """Trailers go out after this hook: none may carry framing or routing fields, whichever
+        protocol the client speaks (on HTTP/2 they make the message malformed)."""
+        trailers = flow.response.trailers if flow.response is not None else None
+        if trailers:
+            for name in forbidden_trailers(list(dict.fromkeys(trailers.keys()))):
+                trailers.pop(name, None)
 
 
 class Http2Preference:

@@ -61,7 +61,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),
-    "response_too_large": (502, "the upstream response exceeds body_size_limit"),
+    "response_too_large": (502, "the upstream response exceeds body_size_limit (or its decoded budget)"),
     "upstream_failed": (502, "the upstream connection or TLS verification failed"),
     "resolve_failed": (502, "the host name could not be resolved"),
     "internal_error": (500, "the gateway failed while deciding; the request was refused"),

@@ -93,3 +93,18 @@ def request_streams(headers: Iterable[tuple[str, str]]) -> bool:
     DATA without content-length). Known-length bodies below stream_large_bodies stay buffered:
     mitmproxy sends them in one piece, and larger ones it streams by itself."""
     return not any(name.lower() == "content-length" for name, _ in headers)
+
+
+# Fields that must not travel as trailers (RFC 9110 section 6.5.1, RFC 9113 section 8.2.2):
+# framing, routing, connection control, authentication, content metadata.
+FORBIDDEN_TRAILERS = frozenset({
+    "transfer-encoding", "content-length", "host", "connection", "keep-alive", "te", "trailer", "upgrade",
+    "proxy-connection", "proxy-authorization", "proxy-authenticate", "authorization", "set-cookie", "cookie",
+    "content-encoding", "content-type", "content-range", "cache-control", "expect", "max-forwards", "pragma",
+    "range", "www-authenticate", "age", "expires", "date", "location", "retry-after", "vary", "warning",
+})
+
+
+def forbidden_trailers(names: Iterable[str]) -> list[str]:
+    """The trailer field names that must be dropped (pseudo-headers included)."""
+    return [n for n in names if n.lower() in FORBIDDEN_TRAILERS or n.startswith(":")]

@@ -106,6 +106,22 @@ def stream_body(size: int, chunk: int, token: str) -> tuple[bytes, list[tuple[in
 _NOISE = b"!#$(),.:;<>?@[]^{|}~*"
 
 
+_BOMB: list[bytes] = []
+
+
+def brotli_bomb(size: int = 96 << 20) -> bytes:
+    """Brotli of `size` zero bytes (made once, in 1 MiB steps: the zeros are never held whole)."""
+    if not _BOMB:
+        import brotli
+
+        compressor, zeros, out = brotli.Compressor(quality=5), bytes(1 << 20), []
+        for _ in range(size >> 20):
+            out.append(compressor.process(zeros))
+        out.append(compressor.finish())
+        _BOMB.append(b"".join(out))
+    return _BOMB[0]
+
+
 def incompressible(n: int) -> bytes:
     """Random punctuation: compresses poorly (about 4.4 bits a byte) and never looks like base64 or hex."""
     return bytes(_NOISE[b % len(_NOISE)] for b in os.urandom(n))
@@ -146,7 +162,7 @@ class EchoUpstream:
                                         ("/v1/ws", self.websocket), ("/v1/encoded", self.encoded),
                                         ("/v1/reason", self.reason), ("/v1/trailers", self.trailers),
                                         ("/v1/badhead", self.bad_head), ("/v1/escaped", self.escaped),
-                                        ("/v1/te-gzip", self.te_gzip)):
+                                        ("/v1/te-gzip", self.te_gzip), ("/v1/bomb", self.bomb)):
                     if route.startswith(prefix):
                         return handler(seen)
                 return self.anything(seen)
@@ -305,8 +321,10 @@ class EchoUpstream:
                 self.end_headers()
                 event = b"data: {\"ok\": true}\n\n"
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                self.wfile.write(b"0\r\nX-Echo: %s\r\nGrpc-Message: bad token %s\r\n\r\n"
-                                 % (token.encode(), quote(token, safe="").encode()))
+                extra = (b"Connection: close\r\nContent-Length: 5\r\nHost: other.test\r\n"
+                         if self.query().get("forbidden") else b"")
+                self.wfile.write(b"0\r\nX-Echo: %s\r\nGrpc-Message: bad token %s\r\n%s\r\n"
+                                 % (token.encode(), quote(token, safe="").encode(), extra))
                 self.close_connection = True
 
             def bad_head(self, seen: Seen) -> None:
@@ -347,6 +365,22 @@ class EchoUpstream:
                     body = json.dumps({"token": token}).encode("utf-16")
                     return self.send(200, body, content_type="application/json; charset=utf-16")
                 self.send(200, encoders[style](token).encode(), content_type="text/plain")
+
+            def bomb(self, seen: Seen) -> None:
+                """A few hundred bytes of brotli that decode to 96 MiB (?te=cl|chunked)."""
+                data = brotli_bomb()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Encoding", "br")
+                if self.query().get("te") == "chunked":
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                self.close_connection = True
 
             def te_gzip(self, seen: Seen) -> None:
                 """`Transfer-Encoding: gzip, chunked`: the gzip layer is a transfer-coding, which the

@@ -91,3 +91,50 @@ def test_a_transfer_coding_other_than_chunked_is_refused_on_a_bound_flow(cred):
     assert response.status == 502
     assert response.header("x-egress-reason") == "undecodable_response"
     assert_no_leak(response_bytes(response), SECRETS, "gzip transfer-coding")
+
+
+def test_trailers_that_must_not_be_trailers_never_reach_an_http2_client(cred):
+    """Connection, Content-Length and Host in trailers would make the HTTP/2 message malformed (the
+    client's h2 library refuses it) or restate framing and routing."""
+    with tls_to(cred.gateway, "echo.test", alpn=["h2"]) as tls:
+        client = H2Client(tls)  # validates inbound headers: a connection-specific trailer raises
+        sid = client.send("echo.test", "/v1/trailers?forbidden=1", extra=[("te", "trailers")])
+        client.wait(sid)
+        entry = client.responses[sid]
+    names = {k.lower() for k, _ in entry["trailers"]}
+    assert "x-echo" in names and not names & {"connection", "content-length", "host"}, entry["trailers"]
+
+
+def _rss_kib(pid: int) -> int:
+    return int(open(f"/proc/{pid}/status").read().split("VmRSS:")[1].split()[0])
+
+
+@pytest.mark.parametrize("te", ["cl", "chunked"])
+def test_a_decompression_bomb_on_a_bound_rule_stays_within_budget(cred, te):
+    """96 MiB of zeros as a few hundred bytes of brotli: refused (known length, decoded whole) or
+    cut off (streamed), and the worker never holds more than a budget's worth."""
+    from .servers import brotli_bomb
+
+    brotli_bomb()  # made before the clock of the request starts
+    pid = cred.gateway.process.pid
+    before = _rss_kib(pid)
+    with tls_to(cred.gateway, "echo.test") as tls:
+        tls.send(f"GET /v1/bomb?te={te} HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n".encode())
+        tls.sock.settimeout(20)
+        received = b""
+        while True:
+            try:
+                piece = tls.sock.recv(1 << 20)
+            except OSError:
+                break
+            if not piece:
+                break
+            received += piece
+    grown = _rss_kib(pid) - before
+    assert len(received) < 80 << 20, len(received)
+    if te == "cl":
+        assert received.startswith(b"HTTP/1.1 502") and b"response_too_large" in received, received[:300]
+    else:
+        assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"\r\n0\r\n\r\n")
+    assert grown < 200 * 1024, f"the worker grew by {grown} KiB"
+    assert any(e.get("reason") == "response_too_large" for e in cred.gateway.audit()[-20:])

@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STALL_SECONDS = 2.0  # a /chunked/ write blocked this long means its reader stopped reading
+
 
 @dataclass
 class Received:
@@ -35,6 +37,8 @@ class RecordingUpstream:
     key: Path | None = None
     requests: list[Received] = field(default_factory=list)
     connections: int = 0
+    written: int = 0  # body bytes /chunked/ wrote
+    stalled: threading.Event = field(default_factory=threading.Event)  # a /chunked/ write blocked
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -59,11 +63,17 @@ class RecordingUpstream:
                     self.send_response(200)
                     self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()
-                    while remaining > 0:
-                        n = min(remaining, 65536)
-                        self.wfile.write(b"%x\r\n%s\r\n" % (n, b"x" * n))
-                        remaining -= n
-                    self.wfile.write(b"0\r\n\r\n")
+                    self.connection.settimeout(STALL_SECONDS)
+                    try:
+                        while remaining > 0:
+                            n = min(remaining, 65536)
+                            self.wfile.write(b"%x\r\n%s\r\n" % (n, b"x" * n))
+                            remaining -= n
+                            upstream.written += n
+                        self.wfile.write(b"0\r\n\r\n")
+                    except TimeoutError:  # the reader stopped: back-pressure reached this socket
+                        upstream.stalled.set()
+                        self.close_connection = True
                     return
                 if self.path.startswith("/bytes/"):
                     size = int(self.path.split("/")[2])
@@ -128,6 +138,8 @@ class RecordingUpstream:
         with self._lock:
             self.requests.clear()
             self.connections = 0
+            self.written = 0
+            self.stalled.clear()
 
     @property
     def touched(self) -> bool:
