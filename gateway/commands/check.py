@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..lint import Finding, issue_dict, lint
 from ..policy import Policy, PolicyError, load_policy
+from ..secretmap import secret_map
 from ..secrets import SecretStore
 from ..yamlsource import parse
 from . import EXIT_FAILED, EXIT_INVALID, EXIT_OK
@@ -33,7 +34,8 @@ def register(sub) -> None:
     check.add_argument("files", metavar="FILE", nargs="+", help="policy files to check")
     check.add_argument("--strict", action="store_true", help="treat warnings as errors (exit status 1)")
     check.add_argument("--format", choices=("text", "json"), default="text",
-                       help="json: {\"files\": [{\"file\", \"ok\", \"errors\": [...], \"warnings\": [...]}]}")
+                       help="json: {\"files\": [{\"file\", \"ok\", \"errors\": [...], \"warnings\": [...], "
+                            "\"secrets\": {...}}]}")
     check.set_defaults(func=main)
 
 
@@ -43,14 +45,16 @@ def check_file(path: str) -> tuple[dict, str | None, list[Finding], PolicyError 
         policy = load_policy(path)
     except PolicyError as exc:
         result = {"file": path, "ok": False, "errors": [issue_dict(i) for i in exc.issues], "warnings": [],
-                  "rules": None, "sha256": None}
+                  "rules": None, "sha256": None, "secrets": None}
         return result, None, [], exc
     text = Path(path).read_text(encoding="utf-8")
     findings = sorted(lint(policy, text) + unusable_secrets(policy, text),
                       key=lambda f: (f.location.line, f.location.column, f.code))
     summary = f"{path}: ok ({len(policy.rules)} rules, sha256 {policy.sha256})"
     result = {"file": path, "ok": True, "errors": [], "warnings": [f.as_dict() for f in findings],
-              "rules": len(policy.rules), "sha256": policy.sha256}
+              "rules": len(policy.rules), "sha256": policy.sha256,
+              # where every secret can go, and the proof it goes nowhere else (docs/policy.md)
+              "secrets": secret_map(policy, text).as_dict()}
     return result, summary, findings, None
 
 

@@ -87,7 +87,7 @@ def test_json_errors(tmp_path):
     assert result.status == 2
     report = json.loads(result.stdout)
     assert report == {"files": [{
-        "file": str(path), "ok": False, "warnings": [], "rules": None, "sha256": None,
+        "file": str(path), "ok": False, "warnings": [], "rules": None, "sha256": None, "secrets": None,
         "errors": [
             {"file": str(path), "line": 4, "column": 13, "path": "rules[0].hosts[0]",
              "message": "'*': a wildcard needs a domain (\"*.example.com\")"},
