@@ -230,8 +230,8 @@ class Redactor:
     """Finds every form of every secret; `redact` returns the redacted bytes and the secret names hit.
 
     Built once per set of values (at load, on a rotation): the forms, one Aho-Corasick automaton
-    over them (leftmost-longest, linear in the body whatever the number of forms), and the index
-    of their proper prefixes that streaming hold-back needs."""
+    over them (leftmost-longest, linear in the body whatever the number of forms), and the sorted
+    forms that streaming hold-back searches for prefixes."""
 
     def __init__(self, secrets: dict[str, str] | Iterable[tuple[str, str]]):
         owner: dict[bytes, str] = {}
@@ -246,7 +246,10 @@ class Redactor:
         self._automaton = (ahocorasick_rs.BytesAhoCorasick(forms, matchkind=ahocorasick_rs.MatchKind.LeftmostLongest)
                            if forms else None)
         self.max_length = max((len(f) for f in forms), default=0)
-        self._prefixes = frozenset(f[:i] for f in forms for i in range(1, len(f)))
+        # Sorted, the forms that start with some bytes p follow p directly: "is p a proper prefix
+        # of a form" is one bisection, in memory linear in the forms (an index of every prefix
+        # grew with the square of a secret's length: 1.6 GiB for a 4 KiB secret).
+        self._sorted = sorted(forms)
         self._alphabet = frozenset(b for f in forms for b in f)
 
     def __bool__(self) -> bool:
@@ -284,6 +287,14 @@ class Redactor:
             end = max(end, view.position(stop - 1) + 1)
         return bytes(out[:end]), end, hits
 
+    def _begins_a_form(self, piece: bytes) -> bool:
+        """Whether `piece` is a proper prefix of some form."""
+        forms = self._sorted
+        i = bisect.bisect_left(forms, piece)
+        if i < len(forms) and forms[i] == piece:
+            i += 1
+        return i < len(forms) and forms[i].startswith(piece)
+
     def held_suffix(self, data: bytes, wrap_run: int = -1, view: "_View | None" = None) -> int:
         """How many bytes at the end of `data` more data could still turn into a secret: from the
         start of the longest suffix of the view that is a proper prefix of some form.
@@ -293,7 +304,7 @@ class Redactor:
         form can still grow at s for the same reason. So every match that starts before the cut
         is final, whatever comes next. The view is of the whole buffer (skipped bytes have no
         bound: 2,000 NULs between two characters of a form are still one form in the view)."""
-        if not self._prefixes or not data:
+        if not self._sorted or not data:
             return 0
         view = view if view is not None else _View(data, wrap_run)
         text = view.text
@@ -306,7 +317,7 @@ class Redactor:
         while run < limit and text[end - 1 - run] in self._alphabet:
             run += 1
         for length in range(run, 0, -1):
-            if text[end - length:end] in self._prefixes:
+            if self._begins_a_form(text[end - length:end]):
                 return len(data) - view.position(end - length)
         return 1 if pending_cr else 0
 
