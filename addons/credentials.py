@@ -301,6 +301,16 @@ class ResponseRedactor:
             flow.response.content = clean
             self._count(flow, hits, "body")
 
+    def request(self, flow: http.HTTPFlow) -> None:
+        """Request trailers arrive after the head was checked, and some origins merge them into the
+        headers (Apache's MergeTrailers): on a bound rule none is forwarded, so no credential of the
+        sandbox's own rides there (HTTP/1.1 request trailers are refused outright)."""
+        if BOUND in flow.metadata and flow.request.trailers:
+            logging.getLogger("egress").info(
+                "egress gateway: %d request trailer field(s) dropped on a credential-bound rule",
+                len(flow.request.trailers.fields))
+            flow.request.trailers = None
+
     def _refuse_buffered(self, flow: http.HTTPFlow, decision: Decision) -> None:
         flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
         self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,

@@ -47,7 +47,6 @@ DEFAULT_HEADERS = ("Authorization", "Proxy-Authorization", "X-Api-Key", "Api-Key
 DEFAULT_QUERY = ("key", "api_key", "access_token")
 SCRUBBED = "[REDACTED]"
 _DECODE_ROUNDS = 4
-_ARRAY_SUFFIX = re.compile(r"(?:\[[^\]]*\])+\Z")
 _QUERY_SPLIT = re.compile(r"[&;]")
 # "Bearer <placeholder>": one auth-scheme word before the placeholder, from a closed list (the IANA
 # HTTP authentication schemes APIs use, and vendors' own), so that the sandbox cannot send its own
@@ -68,7 +67,13 @@ def query_key(name: str) -> str:
         if decoded == name:
             break
         name = decoded
-    name = _ARRAY_SUFFIX.sub("", name.strip().casefold())
+    name = name.split("\0", 1)[0]  # PHP reads a name up to its first NUL
+    name = name.strip().casefold().lstrip("[]")  # qs (Express) and Rack read "[api_key]" as api_key
+    head = re.match(r"[^\[\]]*", name).group(0)
+    rest = name[len(head):]
+    # "api_key[x]" is an array of api_key (and "api_key]" is Rack's api_key); an unclosed
+    # "api[key" is PHP's api_key.
+    name = f"{head}_{rest[1:]}" if rest.startswith("[") and "]" not in rest else head
     return re.sub(r"[ .\-]", "_", name)
 
 

@@ -39,6 +39,11 @@ def test_every_spelling_of_an_auth_header(name):
     ("api.key=mine", "api.key"), ("api+key=mine", "api+key"), ("api_key[]=mine", "api_key[]"),
     ("key[0]=mine", "key[0]"), ("access_token=mine", "access_token"), ("x=1;key=mine", "key"),
     ("a=1&b=2&access_token=mine", "access_token"),
+    # found by the fresh-eyes review: qs (Express) and Rack read a bracketed name as the name,
+    # PHP reads an unclosed '[' as '_' and a name up to its NUL
+    ("[api_key]=mine", "[api_key]"), ("%5Baccess_token%5D=mine", "%5Baccess_token%5D"), ("[key]=mine", "[key]"),
+    ("api[key=mine", "api[key"), ("access[token=mine", "access[token"), ("key%00x=mine", "key%00x"),
+    ("api_key%00=mine", "api_key%00"),
 ])
 def test_every_spelling_of_an_auth_parameter(query, where):
     assert find([], f"/v1?{query}", DEFAULT) == f"query parameter {where}"
