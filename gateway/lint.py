@@ -19,7 +19,7 @@ from .cdn import shared_cdn
 from .hostnames import HostError, canonical_host
 from .matcher import HostPattern
 from .policy import DEFAULT_PORTS, STANDARD_METHODS, Policy, Rule
-from .yamlsource import ConfigIssue, Location, Node, parse
+from .yamlsource import ConfigIssue, Location, Node, node_at, parse
 
 WARNING_CODES: dict[str, str] = {
     "unused-rule": "no sandbox grants this rule (the policy has a sandboxes section)",
@@ -110,16 +110,7 @@ class _Tree:
         self.root = root
 
     def get(self, *keys: str | int) -> Node | None:
-        node: Node | None = self.root
-        for key in keys:
-            if node is None:
-                return None
-            value = node.value
-            if isinstance(key, int):
-                node = value[key] if isinstance(value, list) and 0 <= key < len(value) else None
-            else:
-                node = value.get(key) if isinstance(value, dict) else None
-        return node
+        return node_at(self.root, *keys)
 
     def key_location(self, *keys: str | int) -> Location:
         parent = self.get(*keys[:-1])

@@ -50,7 +50,7 @@ from .hostnames import Host
 from .lint import _pattern_covers
 from .matcher import HostIndex, HostPattern
 from .policy import DEFAULT_PORTS, STANDARD_METHODS, Policy, Rule, Scope
-from .yamlsource import Location, Node, PolicyError, parse
+from .yamlsource import Location, Node, PolicyError, node_at, parse
 
 SCHEMA_VERSION = 1
 
@@ -394,16 +394,7 @@ class _Tree:
                 self.root = None
 
     def get(self, *keys) -> Node | None:
-        node = self.root
-        for key in keys:
-            if node is None:
-                return None
-            value = node.value
-            if isinstance(key, int):
-                node = value[key] if isinstance(value, list) and 0 <= key < len(value) else None
-            else:
-                node = value.get(key) if isinstance(value, dict) else None
-        return node
+        return node_at(self.root, *keys)
 
     def location(self, *keys) -> Location | None:
         node = self.get(*keys)

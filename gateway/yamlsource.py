@@ -160,3 +160,17 @@ def parse(text: str, file: str) -> tuple[Node, list[ConfigIssue]]:
     except yaml.YAMLError as exc:
         raise PolicyError([ConfigIssue(Location(file, 1, 1), "", f"YAML error: {exc}")]) from None
     return tree, issues
+
+
+def node_at(root: "Node | None", *keys: str | int) -> "Node | None":
+    """The node at a key path (mapping keys and list indexes), or None where the path leaves the tree."""
+    node = root
+    for key in keys:
+        if node is None:
+            return None
+        value = node.value
+        if isinstance(key, int):
+            node = value[key] if isinstance(value, list) and 0 <= key < len(value) else None
+        else:
+            node = value.get(key) if isinstance(value, dict) else None
+    return node
