@@ -84,6 +84,10 @@ class CredentialInjector:
         # Ask for an uncompressed answer: the response is redacted on its way back, and identity
         # bodies stream through the redactor without decoding.
         request.headers["Accept-Encoding"] = "identity"
+        if request.headers.get("content-type", "").lower().startswith("application/grpc"):
+            # gRPC compresses message by message only when the client accepts it (grpc-encoding on a
+            # bound response is refused: gateway/streaming.py).
+            request.headers["grpc-accept-encoding"] = "identity"
         flow.metadata[BOUND] = used
         # Whatever happens to the store from now on (a rotation, a reload), the response to this
         # request is redacted for exactly these values.

@@ -76,6 +76,10 @@ def response_plan(*, method: str, status: int, headers: Iterable[tuple[str, str]
     if any(c != "chunked" for c in transfer):
         # `Transfer-Encoding: gzip, chunked` would hand the redactor compressed bytes.
         return Plan.REFUSE, f"the response uses Transfer-Encoding {', '.join(transfer)[:60]!r}"
+    grpc = [c for c in codings(",".join(fields.get("grpc-encoding", []))) if c != "identity"]
+    if grpc:
+        # gRPC compresses message by message inside the body: the redactor would see compressed bytes.
+        return Plan.REFUSE, f"the response uses grpc-encoding {', '.join(grpc)[:60]!r}"
     encoding = codings(",".join(fields.get("content-encoding", [])))
     encoding = [c for c in encoding if c != "identity"]
     if not encoding:

@@ -31,6 +31,8 @@ def plan(headers: dict[str, str], *, bound: bool, method: str = "GET", status: i
     ({"content-encoding": "x-unknown"}, Plan.STREAM, Plan.REFUSE),
     ({"content-encoding": "gzip, br"}, Plan.STREAM, Plan.REFUSE),
     ({"transfer-encoding": "gzip, chunked"}, Plan.STREAM, Plan.REFUSE),
+    ({"content-type": "application/grpc", "grpc-encoding": "gzip"}, Plan.STREAM, Plan.REFUSE),
+    ({"content-type": "application/grpc", "grpc-encoding": "identity"}, Plan.STREAM, Plan.REDACT),
 ])
 def test_response_plans(headers, unbound, bound):
     assert plan(headers, bound=False) is unbound
