@@ -11,11 +11,11 @@ methods and paths are at least as wide, so the later rule can never decide a req
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from .addresses import AddressGuard
 from .cdn import shared_cdn
+from .globs import PathGlob
 from .hostnames import HostError, canonical_host
 from .matcher import HostPattern
 from .policy import DEFAULT_PORTS, STANDARD_METHODS, Policy, Rule
@@ -190,7 +190,7 @@ def _ports_on(rule: Rule, scheme: str) -> frozenset[int]:
     return rule.ports if rule.ports is not None else frozenset({DEFAULT_PORTS[scheme]})
 
 
-def _glob_covers(wide_glob: str, wide_pattern: re.Pattern[str], narrow: str) -> bool:
+def _glob_covers(wide_glob: str, wide_pattern: PathGlob, narrow: str) -> bool:
     if wide_glob == narrow:
         return True
     if not any(c in narrow for c in "*?"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote_to_bytes
 
+from .globs import PathGlob
+
 MAX_DECODE_ROUNDS = 4
 
 
@@ -77,27 +79,8 @@ def normalise_path(target: str) -> str:
     return normalised
 
 
-def compile_glob(pattern: str) -> re.Pattern[str]:
+def compile_glob(pattern: str) -> PathGlob:
     """`*` = any run of characters within one segment, `**` = any number of segments,
-    `?` = one character within a segment. `/a/**` matches `/a` and everything below it."""
-    if not pattern.startswith("/"):
-        raise ValueError("a path glob must start with '/'")
-    out = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("/**", i) and (i + 3 == len(pattern) or pattern[i + 3] == "/"):
-            out.append("(?:/.*)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z", re.DOTALL)
+    `?` = one character within a segment. `/a/**` matches `/a` and everything below it.
+    Matching is linear in the path (gateway/globs.py)."""
+    return PathGlob(pattern)

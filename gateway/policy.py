@@ -25,6 +25,7 @@ from .credentials import (
 )
 from .foreign import DEFAULT as DEFAULT_FOREIGN, ForeignCredentials, header_key, query_key
 from .hostnames import HostError, IPAddress, canonical_host
+from .globs import PathGlob
 from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
 from .placeholders import NO_POSITIONS, Positions
@@ -68,7 +69,7 @@ class Rule:
     ports: frozenset[int] | None  # None: the scheme's default port
     methods: frozenset[str] | None  # None: any standard method
     path_globs: tuple[str, ...] | None  # None: any path
-    path_patterns: tuple[re.Pattern[str], ...] | None
+    path_patterns: tuple[PathGlob, ...] | None  # linear-time matchers (gateway/globs.py)
     location: Location
     protocol: str = "http"  # http: HTTP(S) requests; tcp: raw TCP (transparent mode)
     injections: tuple[Injection, ...] = ()
@@ -414,7 +415,7 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
         methods = frozenset(values_m)
 
     globs: tuple[str, ...] | None = None
-    patterns: tuple[re.Pattern[str], ...] | None = None
+    patterns: tuple[PathGlob, ...] | None = None
     if "paths" in fields:
         items = v.sequence(fields["paths"], f"{path}.paths", non_empty=True) or []
         g_list, p_list = [], []
