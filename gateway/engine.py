@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
-from . import foreign, placeholders
+from . import foreign, methods, placeholders
 from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
 from .paths import PathError, check_target, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
@@ -43,6 +43,13 @@ class RequestFacts:
     scheme: str
     method: str
     target: str  # the request target as sent (origin-form path with query)
+    # The request's header fields as sent, for method overrides (gateway/methods.py); callers that
+    # have none (explain without -H, replay, policy tests) judge the target's overrides only.
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def overrides(self) -> tuple[methods.Override, ...]:
+        return methods.overrides(self.headers, self.target)
 
 
 # Denials that report mode turns into `would_deny` (the allowlist's own verdicts).
@@ -72,6 +79,11 @@ class Engine:
             return self._report(check(*args))
         finally:
             self.timings(kind, time.perf_counter() - started)
+
+    def report(self, decision: Decision) -> Decision:
+        """`_report`, for decisions made outside the engine's checks (a method override found in a
+        request body after its head was allowed)."""
+        return self._report(decision)
 
     def _report(self, decision: Decision) -> Decision:
         """Report mode: an allowlist denial is let through as `would_deny` when the rule that
@@ -132,6 +144,10 @@ class Engine:
         method = facts.method.upper()
         if method in FORBIDDEN_METHODS:
             return Decision.deny("method_forbidden", f"{method} is always refused")
+        overrides = facts.overrides
+        if (never := methods.forbidden(overrides)) is not None:
+            return Decision.deny("method_forbidden", f"{never.method} is always refused, also as a method override "
+                                                     f"({never.where}) on {method}")
         try:
             check_target(facts.target)
             path = normalise_path(facts.target)
@@ -141,16 +157,19 @@ class Engine:
         where = f"{facts.scheme}://{facts.host.authority(facts.port)}"
         if not candidates:
             return Decision.deny("no_rule", f"no rule allows {where}{_for(scope)}", notes=notes)
-        best_stage, best_rule = -1, candidates[0]
+        best_stage, best_rule, best_override = -1, candidates[0], None
         for rule in candidates:
-            stage, why = _first_failure(rule, facts, method, path)
+            stage, why, override = _first_failure(rule, facts, method, path, overrides)
             if stage is None:
-                return Decision.allow(rule.id, f"rule {rule.id} allows {method} {where}{path}")
+                return Decision.allow(rule.id, f"rule {rule.id} allows {method} {where}{path}{_with(overrides)}")
             notes.append(f"rule {rule.id}: {why}")
             if stage > best_stage:
-                best_stage, best_rule = stage, rule
+                best_stage, best_rule, best_override = stage, rule, override
         reason = _STAGES[best_stage]
-        return Decision.deny(reason, f"no rule allows {method} {where}{path} ({reason.replace('_', ' ')})", best_rule.id, notes)
+        what = f"{method} {where}{path}"
+        if best_override is not None:
+            what += f" with the method override {best_override.describe()}"
+        return Decision.deny(reason, f"no rule allows {what} ({reason.replace('_', ' ')})", best_rule.id, notes)
 
     def check_tcp(self, address: IPAddress, port: int, names: Iterable[str] = (), scope: Scope = EVERY_RULE) -> Decision:
         """Raw TCP (transparent mode): a `protocol: tcp` rule must name the address (or a CIDR holding
@@ -261,17 +280,44 @@ def _ports_text(rule: Rule) -> str:
     return "[" + ", ".join(str(DEFAULT_PORTS[s]) for s in sorted(rule.schemes)) + "] (scheme defaults)"
 
 
-def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str) -> tuple[int | None, str]:
+def _with(overrides: tuple[methods.Override, ...]) -> str:
+    if not overrides:
+        return ""
+    return " (method override " + ", ".join(o.describe() for o in overrides) + ")"
+
+
+def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str,
+                   overrides: tuple[methods.Override, ...] = ()) -> tuple[int | None, str, methods.Override | None]:
+    """How far `rule` gets with this request: (stage it fails at, why, the override that failed it),
+    or (None, "", None) when it allows it. The method stage checks the wire method and then every
+    method an override names (gateway/methods.py): each must be one the rule allows."""
     if facts.scheme not in rule.schemes:
-        return 0, f"scheme {facts.scheme} not in [{', '.join(sorted(rule.schemes))}]"
+        return 0, f"scheme {facts.scheme} not in [{', '.join(sorted(rule.schemes))}]", None
     if not rule.allows_port(facts.port, facts.scheme):
-        return 1, f"port {facts.port} not in {_ports_text(rule)}"
+        return 1, f"port {facts.port} not in {_ports_text(rule)}", None
+    allowed = "standard methods" if rule.methods is None else ", ".join(sorted(rule.methods))
     if not rule.allows_method(method):
-        allowed = "standard methods" if rule.methods is None else ", ".join(sorted(rule.methods))
-        return 2, f"method {method} not in [{allowed}]"
+        return 2, f"method {method} not in [{allowed}]", None
+    if (override := methods.refused(overrides, rule.allows_method)) is not None:
+        return 2, f"method override {override.describe()} not in [{allowed}]", override
     if not rule.allows_path(path):
-        return 3, f"path {path} matches none of [{', '.join(rule.path_globs or ())}]"
-    return None, ""
+        return 3, f"path {path} matches none of [{', '.join(rule.path_globs or ())}]", None
+    return None, "", None
+
+
+def body_override_refusal(rule: Rule, method: str, found: list[methods.Override]) -> Decision | None:
+    """A method override in the body of a request `rule` allowed by its head (gateway/methods.py
+    BodyScanner): refused when it names a method the rule does not allow, or TRACE/TRACK/CONNECT."""
+    if (never := methods.forbidden(found)) is not None:
+        return Decision.deny("method_forbidden", f"the request body names {never.method} as a method override "
+                                                 f"({never.where}), which is always refused; its end was not sent",
+                             rule.id)
+    if (override := methods.refused(found, rule.allows_method)) is None:
+        return None
+    allowed = "standard methods" if rule.methods is None else ", ".join(sorted(rule.methods))
+    return Decision.deny("method_not_allowed", f"rule {rule.id} allows {method.upper()} here, but the request body "
+                                               f"names the method override {override.describe()}, not in [{allowed}]; "
+                                               "its end was not sent", rule.id)
 
 
 def credential_refusal(rule: Rule, scheme: str, host: Host) -> Decision | None:
