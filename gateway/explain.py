@@ -22,6 +22,7 @@ from .addresses import AddressVerdict
 from .decision import Decision
 from .engine import Engine, RequestFacts, check_bound_request, credential_refusal
 from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
+from .methods import overrides as overrides_in
 from .paths import PathError, normalise_path
 from .placeholders import ShapeTokens
 from .policy import DEFAULT_PORTS, Policy, Rule, Scope
@@ -104,6 +105,8 @@ class Explanation:
     credentials: list[Credential]
     mode: str | None  # the deciding rule's effective mode (enforce | report), when a rule decided
     notes: list[str] = field(default_factory=list)
+    headers: tuple[tuple[str, str], ...] = ()  # given with -H: the request's header fields
+    overrides: tuple[str, ...] = ()  # the method overrides in the headers and the URL, described
 
     @property
     def verdict(self) -> str:
@@ -120,6 +123,8 @@ class Explanation:
         return {
             "url": t.url,
             "method": None if t.scheme == "tcp" else self.method,
+            "headers": [[k, v] for k, v in self.headers],
+            "method_override": list(self.overrides),
             "scheme": t.scheme,
             "host": t.host.value if t.host else None,
             "port": t.port,
@@ -198,6 +203,7 @@ def explain(
     addresses: Sequence[IPAddress] | None = None,
     resolve: Resolve | None = None,
     engine: Engine | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> Explanation:
     target = url if isinstance(url, Target) else parse_target(url)
     method = method.upper()
@@ -212,7 +218,7 @@ def explain(
     if target.scheme == "tcp":
         policy_decision, candidates, path = _tcp(engine, policy, host, port, found, scope)
     else:
-        facts = RequestFacts(host, port, target.scheme, method, target.target)
+        facts = RequestFacts(host, port, target.scheme, method, target.target, tuple(headers))
         policy_decision = engine.check_request(facts, scope)
         candidates = _http_candidates(engine, policy, facts, scope, policy_decision)
         try:
@@ -233,19 +239,28 @@ def explain(
         elif found is None:
             notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
     credentials: list[Credential] = []
-    # explain has no headers and no placeholder key: the URL's own query and path are checked, and
-    # any well-formed placeholder of a secret the rule is bound to counts as the sandbox's.
+    # explain has no placeholder key (and only the headers given with -H): the URL's own query and
+    # path and those headers are checked, and any well-formed placeholder of a secret the rule is
+    # bound to counts as the sandbox's.
     bound = rule is not None and bool(rule.secrets) and target.scheme != "tcp"
+    overrides = () if target.scheme == "tcp" else tuple(o.describe() for o in overrides_in(headers, target.target))
+    if overrides:
+        notes.append("method overrides: a request is allowed only if every method it names (headers "
+                     "X-HTTP-Method-Override, X-HTTP-Method, X-Method-Override; query _method, method, ...) is "
+                     "allowed by the rule")
+    if target.scheme != "tcp" and decision.allowed and method not in ("GET", "HEAD"):
+        notes.append("request bodies: a form or JSON body naming a method the deciding rule does not allow "
+                     "(`_method=DELETE`) is refused when it arrives (403 method_not_allowed); explain has no body")
     if decision.would_deny:
         notes.append("report mode: the allowlist would refuse this request; the gateway lets it through, "
                      "logged as would_deny, without any credential")
         if bound and decision.allowed:
-            check = check_bound_request(rule, (), target.target, ShapeTokens(rule.secrets), swap=False)
+            check = check_bound_request(rule, tuple(headers), target.target, ShapeTokens(rule.secrets), swap=False)
             decision = check.refusal or decision
     elif decision.allowed and rule is not None and target.scheme != "tcp":
         refusal = credential_refusal(rule, target.scheme, host)
         if refusal is None and bound:
-            refusal = check_bound_request(rule, (), target.target, ShapeTokens(rule.secrets)).refusal
+            refusal = check_bound_request(rule, tuple(headers), target.target, ShapeTokens(rule.secrets)).refusal
         if refusal is not None:
             decision = refusal
         else:
@@ -258,7 +273,7 @@ def explain(
                      "anywhere else a placeholder is refused (403 placeholder_misuse)")
         notes.append(f"foreign credentials: rule {rule.id} refuses requests carrying a key of their own in "
                      f"{rule.foreign_credentials.describe()} or in a look-alike of what it injects "
-                     "(403 foreign_credential); headers are not part of this URL, so only its query is checked")
+                     "(403 foreign_credential); only its query and the headers given with -H are checked")
     if decision.allowed and not decision.would_deny and target.scheme == "https":
         tunnel = engine.check_destination(host, port, scope)
         relay = policy.rules_by_id.get(tunnel.rule or "") if tunnel.allowed and not tunnel.would_deny else None
@@ -270,7 +285,7 @@ def explain(
     if rule is not None:
         mode = rule.mode or mode
     return Explanation(target, method, scope, scope_text, policy_decision, decision, candidates, path,
-                       resolution, verdicts, resolve_error, credentials, mode, notes)
+                       resolution, verdicts, resolve_error, credentials, mode, notes, tuple(headers), overrides)
 
 
 def _resolve(policy: Policy, host: Host, given: Sequence[IPAddress] | None, resolve: Resolve | None):
@@ -368,6 +383,8 @@ def render_text(e: Explanation) -> str:
     lines.append(f"  client:    {e.scope_text}")
     if t.host is not None:
         lines.append(f"  target:    {t.scheme}://{t.host.authority(t.port)}" + (f"  path {e.path}" if e.path else ""))
+    for override in e.overrides:
+        lines.append(f"  override:  {override}")
     if e.policy_decision.allowed and not d.allowed:
         lines.append(f"  rules:     allowed by {e.policy_decision.rule}, then refused ({d.reason})")
     lines.append("candidate rules:" if e.candidates else "candidate rules: none covers this host")

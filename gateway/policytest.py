@@ -11,6 +11,8 @@ cases:
     reason: allowed               # optional: a reason code
     inject: [GITHUB_TOKEN]        # optional: exactly these secret names are injected ([] = none)
     addresses: [140.82.112.6]     # optional: what the host resolves to
+    headers:                      # optional: request header fields (method overrides, credentials)
+      X-HTTP-Method-Override: DELETE
 ```
 
 Each case is decided exactly like `explain` decides it. Names resolve through the policy's
@@ -37,7 +39,8 @@ from .policy import Policy, PolicyError, load_policy
 from .yamlsource import ConfigIssue, Location, Node, parse
 
 FILE_KEYS = {"policy", "cases", "description"}
-CASE_KEYS = {"name", "url", "method", "sandbox", "source_ip", "expect", "reason", "rule", "inject", "addresses"}
+CASE_KEYS = {"name", "url", "method", "sandbox", "source_ip", "expect", "reason", "rule", "inject", "addresses",
+             "headers"}
 # deny also passes for would_deny: the allowlist denies it, report mode only lets it through (so a
 # test keeps passing when a rule goes from report to enforce); would_deny asserts report mode itself.
 EXPECTATIONS = ("allow", "deny", "would_deny")
@@ -58,6 +61,7 @@ class Case:
     rule: str | None = None
     inject: tuple[str, ...] | None = None
     addresses: tuple[IPAddress, ...] | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
@@ -216,11 +220,24 @@ def _case(c: _Checker, node: Node, path: str) -> Case | None:
         addresses = tuple(found)
         if isinstance(fields["addresses"].value, list) and not fields["addresses"].value:
             c.error(fields["addresses"], f"{path}.addresses", "must not be empty (leave it out to use static_hosts)")
+    headers: list[tuple[str, str]] = []
+    if "headers" in fields:
+        given = fields["headers"].value
+        if not isinstance(given, dict) or not given:
+            c.error(fields["headers"], f"{path}.headers", "must be a non-empty mapping of header name to value")
+        else:
+            for name, item in given.items():
+                value = item.value if isinstance(item.value, str) else None
+                if not isinstance(name, str) or not name or any(ch in name for ch in " :\r\n\0") or value is None \
+                        or any(ch in value for ch in "\r\n\0"):
+                    c.error(item, f"{path}.headers.{name}", "a header needs a token name and a one-line string value")
+                else:
+                    headers.append((name, value))
     if len(c.issues) > before or target is None:
         return None
     return Case(node.location, path, values["url"], target, values["expect"], values.get("method") or "GET",
                 values.get("name"), values.get("sandbox"), values.get("source_ip"), values.get("reason"),
-                values.get("rule"), inject, addresses)
+                values.get("rule"), inject, addresses, tuple(headers))
 
 
 def run_cases(policy: Policy, cases: list[Case]) -> tuple[list[CaseResult], list[ConfigIssue]]:
@@ -234,7 +251,7 @@ def run_cases(policy: Policy, cases: list[Case]) -> tuple[list[CaseResult], list
             issues.append(ConfigIssue(case.location, case.path, str(exc)))
             continue
         e = explain(policy, case.target, case.method, sandbox=case.sandbox, source_ip=case.source_ip,
-                    addresses=case.addresses, engine=engine)
+                    addresses=case.addresses, engine=engine, headers=case.headers)
         results.append(CaseResult(case, e, _failures(case, e)))
     return results, issues
 

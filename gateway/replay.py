@@ -2,8 +2,9 @@
 
 Input is the gateway's audit log (one JSON object per line). Lines for `request`, `connect`, `tls`
 and `dns` events are re-decided with the new policy's engine, using the recorded host, port,
-scheme, method, path and client (the client's address picks the sandbox, as the gateway would; the
-recorded `sandbox` id is used only when there is no client address). What the policy does not
+scheme, method, path, header method overrides (`method_override`) and client (the client's address
+picks the sandbox, as the gateway would; the recorded `sandbox` id is used only when there is no
+client address). `request_body` lines (an override in a body) are not replayed: bodies are not logged. What the policy does not
 decide is not replayed: 421s, malformed input, refusals of uninspectable bytes, upstream failures,
 internal errors, raw TCP connections (the DNS memory behind them is not in the log).
 
@@ -27,6 +28,7 @@ from .decision import Decision
 from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine, RequestFacts
 from .engine import check_bound_request, credential_refusal
 from .hostnames import Host, HostError, IPAddress, canonical_host
+from .methods import parse_described
 from .placeholders import ShapeTokens
 from .policy import Policy, Scope
 
@@ -63,6 +65,8 @@ class Record:
     address: str | None = None
     dns_type: str | None = None
     injected: tuple[str, ...] = ()
+    # Header method overrides the audit line recorded (`method_override`), back as header pairs.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         if self.event == "request":
@@ -189,10 +193,13 @@ def _record(source: str, number: int, raw: str) -> tuple[Record | None, str]:
     injected = entry.get("injected") or []
     if not isinstance(injected, list) or not all(isinstance(n, str) for n in injected):
         return None, "malformed fields"
+    overrides = entry.get("method_override") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return None, "malformed fields"
     return Record(
         source, number, event, host, port if event != "dns" else None, verdict, reason, fields["rule"],
         fields["scheme"], fields["method"], fields["path"], fields["sandbox"], fields["client"], fields["address"],
-        fields["dns_type"], tuple(injected),
+        fields["dns_type"], tuple(injected), tuple(parse_described(overrides)),
     ), ""
 
 
@@ -257,7 +264,7 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
     if record.event == "dns":
         decision = _dns(engine, record, host, scope)
     elif record.event == "request":
-        facts = RequestFacts(host, record.port, record.scheme.lower(), record.method, record.path)
+        facts = RequestFacts(host, record.port, record.scheme.lower(), record.method, record.path, record.headers)
         decision = engine.check_request(facts, scope)
         if decision.allowed:
             decision = _check_addresses(engine, record, host, decision, record.port)

@@ -1,4 +1,4 @@
-"""`egress-gateway explain [--policy F] [--sandbox ID | --source-ip IP] [-X METHOD] URL`: one decision, every step shown.
+"""`egress-gateway explain [--policy F] [--sandbox ID | --source-ip IP] [-X METHOD] [-H 'NAME: VALUE']... URL`: one decision, every step shown.
 
 `egress-gateway explain --secrets [--policy F] [--sandbox ID] [--format json]`: where every secret
 can go instead (gateway/secretmap.py): which rules carry it, to which hosts, ports and schemes,
@@ -41,6 +41,9 @@ def register(sub) -> None:
     who.add_argument("--sandbox", metavar="ID", help="decide for this sandbox id")
     who.add_argument("--source-ip", metavar="IP", help="decide for a client with this source address")
     parser.add_argument("-X", "--method", metavar="METHOD", default="GET", help="request method (default GET)")
+    parser.add_argument("-H", "--header", metavar="'NAME: VALUE'", action="append", default=None,
+                        help="a request header field (repeatable), e.g. -H 'X-HTTP-Method-Override: DELETE': "
+                             "method overrides in headers are judged like the URL's")
     parser.add_argument("--resolve", action="store_true",
                         help="look names up in DNS when static_hosts does not have them (default: do not)")
     parser.add_argument("--address", metavar="IP", action="append", default=None,
@@ -55,6 +58,13 @@ def register(sub) -> None:
 
 def _dns(host: Host):
     return asyncio.run(Resolver().resolve(host))
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip() or name != name.strip():
+        raise ExplainError(f"-H {text!r}: give a header as 'NAME: VALUE'")
+    return name, value.strip(" \t")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,8 +85,9 @@ def main(args: argparse.Namespace) -> int:
                 given = [ipaddress.ip_address(a.strip("[]")) for a in args.address]
             except ValueError as exc:
                 raise ExplainError(f"--address: {exc}") from None
+        headers = [_header(h) for h in args.header or ()]
         result = explain(policy, args.url, args.method, sandbox=args.sandbox, source_ip=args.source_ip,
-                         addresses=given, resolve=_dns if args.resolve else None)
+                         addresses=given, resolve=_dns if args.resolve else None, headers=headers)
     except ExplainError as exc:
         print(f"egress-gateway explain: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -89,7 +100,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _secrets(args: argparse.Namespace, policy) -> int:
     unused = [flag for flag, value in (("--source-ip", args.source_ip), ("--resolve", args.resolve),
-                                       ("--address", args.address), ("-X", args.method != "GET")) if value]
+                                       ("--address", args.address), ("-X", args.method != "GET"),
+                                       ("-H", args.header)) if value]
     if unused:
         print(f"egress-gateway explain: --secrets does not take {', '.join(unused)}", file=sys.stderr)
         return EXIT_INVALID

@@ -352,3 +352,28 @@ def test_report_mode_injects_no_credentials():
     assert explain(policy, "https://a.example/").injected == ["T"]
     e = explain(policy, "https://a.example/", "POST")
     assert (e.verdict, e.injected) == ("would_deny", [])
+
+
+def test_method_overrides_in_headers_and_the_url(policy, policy_file):
+    """The engine judges every method a request names (gateway/methods.py); explain takes headers
+    with -H, and finds overrides in the URL's query itself."""
+    e = explain(policy, "https://api.example.com/v1/items", "GET", headers=[("X-HTTP-Method-Override", "DELETE")])
+    assert (e.decision.allowed, e.decision.reason, e.decision.rule) == (False, "method_not_allowed", "api-read")
+    assert e.overrides == ("header X-HTTP-Method-Override: DELETE",)
+    assert "method override header X-HTTP-Method-Override: DELETE" in e.decision.message
+    e = explain(policy, "https://api.example.com/v1/items?_method=delete", "GET")
+    assert (e.decision.allowed, e.decision.reason) == (False, "method_not_allowed")
+    assert e.overrides == ("query parameter _method: DELETE",)
+    assert explain(policy, "https://api.example.com/v1/items?_method=GET", "GET").decision.allowed
+    result = run_cli("explain", "--policy", policy_file, "-H", "X-HTTP-Method: PATCH", "--format", "json",
+                     "https://api.example.com/v1/items")
+    assert result.status == 1
+    data = json.loads(result.stdout)
+    assert data["headers"] == [["X-HTTP-Method", "PATCH"]]
+    assert data["method_override"] == ["header X-HTTP-Method: PATCH"]
+    assert data["decision"]["reason"] == "method_not_allowed"
+    text = run_cli("explain", "--policy", policy_file, "-H", "X-HTTP-Method: PATCH", "https://api.example.com/v1/x")
+    assert "  override:  header X-HTTP-Method: PATCH\n" in text.stdout
+    for bad in ("no-colon", " X: y", ": y"):
+        assert run_cli("explain", "--policy", policy_file, "-H", bad, "https://api.example.com/").status == 2
+    assert run_cli("explain", "--secrets", "--policy", policy_file, "-H", "X: y").status == 2

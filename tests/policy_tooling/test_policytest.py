@@ -198,3 +198,30 @@ def test_report_mode_expectations(files):
     assert "expected allow, got would_deny (path_not_allowed, rule api)" in result.stdout
     assert "expected would_deny, got allow (allowed, rule api)" in result.stdout
     assert result.stdout.endswith("3 passed, 2 failed\n")
+
+
+def test_cases_with_headers(files):
+    write(files / "headers.test.yaml", """\
+policy: policy.yaml
+cases:
+  - url: https://api.example.com/v1/items
+    headers: {X-HTTP-Method-Override: DELETE}
+    expect: deny
+    reason: method_not_allowed
+  - url: https://api.example.com/v1/items
+    headers: {X-HTTP-Method-Override: get}
+    expect: allow
+  - {url: "https://api.example.com/v1/items?_METHOD=put", expect: deny, reason: method_not_allowed}
+""")
+    result = run_file(files / "headers.test.yaml")
+    assert (result.passed, result.failed, result.errors) == (3, 0, [])
+    write(files / "bad.test.yaml", """\
+policy: policy.yaml
+cases:
+  - {url: "https://api.example.com/", headers: {}, expect: allow}
+  - {url: "https://api.example.com/", headers: {"X Y": a}, expect: allow}
+  - {url: "https://api.example.com/", headers: {X: [a]}, expect: allow}
+""")
+    with pytest.raises(PolicyError) as info:
+        parse_cases((files / "bad.test.yaml").read_text(), str(files / "bad.test.yaml"))
+    assert [i.path for i in info.value.issues] == ["cases[0].headers", "cases[1].headers.X Y", "cases[2].headers.X"]

@@ -306,3 +306,25 @@ def test_report_mode_verdicts(tmp_path):
     assert f"WOULD DENY    request GET https://api.example.com:443/v2/x [sandbox default]  x1 ({log}:2)" in result.stdout
     assert "    now: would_deny path_not_allowed (rule api): report mode: no rule allows" in result.stdout
     assert "1 newly would_deny" in result.stdout
+
+
+def test_header_method_overrides_are_replayed(tmp_path):
+    """A request line records the header overrides it carried (`method_override`); replay judges them
+    again, so a refusal made for an override is not reported as newly allowed."""
+    old = write(tmp_path / "old.yaml", OLD)
+    read_only = write(tmp_path / "new.yaml", OLD.replace("methods: [GET, POST]", "methods: [GET]"))
+    log = audit(tmp_path,
+                request("/v1/items", method="POST", method_override=["header X-HTTP-Method-Override: DELETE"],
+                        decision="deny", reason="method_not_allowed"),
+                request("/v1/items", method="GET", method_override=["header X-HTTP-Method-Override: POST"]),
+                request("/v1/items?_method=POST", method="GET"))
+    result = run_cli("replay", "--policy", old, "--format", "json", log)
+    assert result.status == 0, result.stdout
+    result = run_cli("replay", "--policy", read_only, "--format", "json", log)
+    data = json.loads(result.stdout)
+    assert data["summary"]["newly_denied"] == 2 and data["summary"]["newly_allowed"] == 0, data
+    [record] = parse_audit([json.dumps(request("/x", method_override=["header X_HTTP_Method: PUT",
+                                                                       "query parameter _method: GET"]))])[0]
+    assert record.headers == (("X_HTTP_Method", "PUT"),)
+    _, result = parse_audit([json.dumps(request("/x", method_override="header X: y"))])
+    assert result.skipped == {"malformed fields": 1}
