@@ -26,6 +26,7 @@ from mitmproxy.proxy.layers.http import HttpLayer, HttpStream, RequestHeaders
 from mitmproxy.proxy.layers.http._events import (
     ErrorCode,
     RequestData,
+    RequestEndOfMessage,
     RequestProtocolError,
     ResponseData,
     ResponseProtocolError,
@@ -45,6 +46,7 @@ from gateway.hostnames import HostError, parse_authority
 
 from . import h2_backpressure
 from .http1 import ServerFraming
+from .method_body import BODY_CHECK
 from .respond import raw_http_refusal, refusal_headers
 
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
@@ -202,7 +204,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         if (yield from self.send_framed(event)):
             return
         if isinstance(event, ResponseProtocolError) and not self.response:
-            decision = getattr(self.request, REFUSAL_ATTR, None)
+            decision = getattr(event, REFUSAL_ATTR, None) or getattr(self.request, REFUSAL_ATTR, None)
             if decision is None and event.code in _ERROR_REASONS:
                 decision = _report(self.on_refusal, self.context, protocol_error_decision(event), self.request)
             if decision is not None and event.code.http_status_code() is not None:
@@ -244,7 +246,9 @@ class GatewayHttp2Server(Http2Server):
         if (isinstance(event, ResponseProtocolError) and event.code in _ERROR_REASONS
                 and event.code.http_status_code() is not None and self.is_open_for_us(event.stream_id)
                 and not self.h2_conn.streams[event.stream_id].state_machine.headers_sent):
-            decision = _report(self.on_refusal, self.context, protocol_error_decision(event))
+            decision = getattr(event, REFUSAL_ATTR, None)  # a refusal the gateway decided and audited itself
+            if decision is None:
+                decision = _report(self.on_refusal, self.context, protocol_error_decision(event))
             body = decision.body().encode()
             headers = [(b":status", b"%d" % decision.status)]
             headers += [(k.lower().encode(), v.encode()) for k, v in refusal_headers(decision).items()]
@@ -257,21 +261,71 @@ class GatewayHttp2Server(Http2Server):
 
 
 class GatewayHttpStream(HttpStream):
-    """mitmproxy's HttpStream, with `body_size_limit` enforced on streamed bodies too (mitmproxy
-    checks it only against a declared length or a buffered body, so a chunked body that streams
-    would be unbounded). Over the limit, the stream is aborted both ways: a request that has no
-    answer yet gets 413 `request_too_large`, a response already under way is cut off."""
+    """mitmproxy's HttpStream, with
+    - `body_size_limit` enforced on streamed bodies too (mitmproxy checks it only against a declared
+      length or a buffered body, so a chunked body that streams would be unbounded). Over the limit,
+      the stream is aborted both ways: a request that has no answer yet gets 413
+      `request_too_large`, a response already under way is cut off;
+    - the request body fed to its method override check (addons/method_body.py) before any of it
+      goes on: a buffered body is checked whole before the upstream connection is opened; a streamed
+      one chunk by chunk, with its last byte held back until its end has been checked, so that a
+      refusal aborts the upstream stream before the origin has a complete request."""
 
     _streamed_request = 0
     _streamed_response = 0
+    _held = b""  # the last byte of a streamed, checked request body, sent once its end is checked
     on_refusal: OnRefusal | None = None  # set by the HTTP layer that makes the stream
+
+    def state_consume_request_body(self, event) -> layer.CommandGenerator[None]:
+        check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
+        if check is not None and isinstance(event, (RequestData, RequestEndOfMessage)):
+            refusal = check.feed(event.data) if isinstance(event, RequestData) else check.finish()
+            if refusal is not None:
+                yield from self._refuse_body(refusal, upstream=False)
+                return
+        yield from super().state_consume_request_body(event)
 
     def state_stream_request_body(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, RequestData):
             self._streamed_request += len(event.data)
             if (yield from self._over_limit(self._streamed_request, request=True)):
                 return
+        check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
+        if check is not None and isinstance(event, RequestData):
+            if (refusal := check.feed(event.data)) is not None:
+                yield from self._refuse_body(refusal, upstream=True)
+                return
+            data = self._held + event.data
+            if not data:
+                return
+            self._held, data = data[-1:], data[:-1]
+            if not data:
+                return
+            event = RequestData(event.stream_id, data)
+        elif check is not None and isinstance(event, RequestEndOfMessage):
+            if (refusal := check.finish()) is not None:
+                yield from self._refuse_body(refusal, upstream=True)
+                return
+            if self._held:
+                held, self._held = self._held, b""
+                yield from super().state_stream_request_body(RequestData(event.stream_id, held))
         yield from super().state_stream_request_body(event)
+
+    def _refuse_body(self, decision: Decision, upstream: bool) -> layer.CommandGenerator[None]:
+        """The body named a method the rule does not allow (already audited by the check): the
+        client gets the refusal, and an upstream stream already under way is aborted unfinished."""
+        self._held = b""
+        self.flow.error = mitm_flow.Error(f"egress gateway: {decision.message}")
+        setattr(self.flow.request, REFUSAL_ATTR, decision)
+        yield HttpErrorHook(self.flow)
+        refusal = ResponseProtocolError(self.stream_id, decision.message, ErrorCode.GENERIC_CLIENT_ERROR)
+        setattr(refusal, REFUSAL_ATTR, decision)
+        yield SendHttp(refusal, self.context.client)
+        if upstream:
+            yield SendHttp(RequestProtocolError(self.stream_id, decision.message, ErrorCode.GENERIC_CLIENT_ERROR),
+                           self.context.server)
+        self.client_state = self.server_state = self.state_errored
+        self.flow.live = False
 
     def state_stream_response_body(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, ResponseData):

@@ -18,8 +18,10 @@ import ipaddress
 
 from mitmproxy import http
 
+from gateway import methods
 from gateway.decision import Decision
-from gateway.engine import Engine, Pin, RequestFacts
+from gateway.decompress import streaming_decoder
+from gateway.engine import Engine, Pin, RequestFacts, body_override_refusal
 from gateway.hopbyhop import forwardable
 from gateway.hostnames import HostError, parse_authority
 from gateway.policy import Scope
@@ -29,6 +31,7 @@ from .audit_fields import decision_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
 from .layers import raw_authority, target_form
+from .method_body import BODY_CHECK, BodyOverrideCheck
 from .respond import refuse
 from .state import ConnectionState, GatewayState
 
@@ -78,6 +81,9 @@ class RequestGuard:
             decision, pin, destination = await self._proxied(flow, scope, engine)
         # What the sandbox sent, read before any credential is injected or swapped in.
         sent = flow_fields(flow, conn, scope.sandbox)
+        overrides = [o.describe() for o in methods.overrides(_header_pairs(flow.request), flow.request.path)]
+        if overrides:
+            sent["method_override"] = overrides  # the methods the request names besides its own
         injected: list[str] = []
         if decision.allowed and pin is not None:
             _drop_hop_by_hop(flow.request)  # before injecting: nothing the gateway sets can be nominated
@@ -93,6 +99,31 @@ class RequestGuard:
         conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin
+        if not decision.would_deny:
+            self._check_body(flow, decision, pin, engine, sent, bool(injected))
+
+    def _check_body(self, flow: http.HTTPFlow, decision: Decision, pin: Pin, engine: Engine, sent: dict,
+                    bound: bool) -> None:
+        """An allowed request whose body a framework could read a `_method` field from: its body is
+        checked as it arrives, before it goes on (addons/method_body.py)."""
+        rule = engine.policy.rules_by_id.get(decision.rule or "")
+        if rule is None:
+            return
+        scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request), streaming_decoder)
+        if scanner is None:
+            return
+        wire = flow.request.method
+
+        def judge(found: list[methods.Override]) -> Decision | None:
+            refusal = body_override_refusal(rule, wire, found)
+            return engine.report(refusal) if refusal is not None else None
+
+        def record(refusal: Decision, found: list[methods.Override]) -> None:
+            fields = {k: v for k, v in sent.items() if k != "method_override"} | decision_fields(refusal, pin)
+            fields["method_override"] = [o.describe() for o in found] or None
+            self.state.record(event="request_body", **fields)
+
+        flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound)
 
     def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope, engine: Engine) -> tuple[Decision, Pin | None]:
         request = flow.request
@@ -108,7 +139,8 @@ class RequestGuard:
             return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), pin
         if problem := check_restated(restated, scheme, pin.host, pin.port):
             return problem, pin
-        return engine.check_request(RequestFacts(pin.host, pin.port, scheme, request.method, request.path), scope), pin
+        facts = RequestFacts(pin.host, pin.port, scheme, request.method, request.path, tuple(_header_pairs(request)))
+        return engine.check_request(facts, scope), pin
 
     async def _transparent_first(
         self, flow: http.HTTPFlow, conn: ConnectionState, scope: Scope, engine: Engine
@@ -140,7 +172,7 @@ class RequestGuard:
             return Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"), None, named
         if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
             return problem, None, named
-        facts = RequestFacts(host, port, "http", request.method, request.path)
+        facts = RequestFacts(host, port, "http", request.method, request.path, tuple(_header_pairs(request)))
         decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
         if pin is None:
             return decision, None, named
@@ -178,7 +210,7 @@ class RequestGuard:
         if problem := check_restated([("host", v) for v in hosts], "http", host, port):
             reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
             return Decision.deny(reason, problem.message), None, named
-        facts = RequestFacts(host, port, "http", request.method, request.path)
+        facts = RequestFacts(host, port, "http", request.method, request.path, tuple(_header_pairs(request)))
         decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
         if pin is None:
             return decision, None, named

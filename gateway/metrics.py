@@ -36,7 +36,7 @@ RELOAD_RESULTS = frozenset({"ok", "error"})
 DIRECTIONS = frozenset({"sent", "received"})
 
 REQUEST_EVENTS = frozenset({"request"})
-FAILURE_EVENTS = frozenset({"response", "error"})  # refusals after the policy allowed the request
+FAILURE_EVENTS = frozenset({"response", "error", "request_body"})  # refusals after the policy allowed the request
 CONNECTION_EVENTS = frozenset({"connect", "tls", "connection"})
 DNS_EVENT = "dns"
 REDACTION_EVENT = "redaction"

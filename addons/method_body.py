@@ -1,0 +1,78 @@
+"""Method overrides in request bodies: a form field or JSON key `_method` (gateway/methods.py).
+
+The head of a request is decided in `requestheaders`, before its body exists. A POST its rule
+allows may still carry `_method=DELETE` in a form body, which Rails, Laravel, Symfony, Spring and
+others execute as a DELETE. So every allowed request whose body a framework could read fields from
+(urlencoded, multipart, JSON, or no Content-Type at all) gets a `BodyOverrideCheck` in its flow's
+metadata, and the gateway's HTTP stream (addons/layers.py `GatewayHttpStream`) feeds it the body as
+it arrives, before any of it is sent on:
+
+- a **buffered** body (known length up to `stream_large_bodies`) is checked whole before the
+  upstream connection is even opened: a refusal leaves no trace upstream;
+- a **streamed** body (unknown length, or larger) is checked chunk by chunk, and its last byte is
+  held back until the end of the body has been checked: a refusal resets the upstream stream (closes
+  the HTTP/1 connection) before the body is complete, so the origin never has a whole request to
+  act on. The head and the start of the body did go upstream.
+
+A refusal is 403 `method_not_allowed` to the client (or `method_forbidden` for TRACE/TRACK/CONNECT)
+and one audit line, event `request_body`, with `method_override` saying which field. On a rule in
+report mode the override is logged `would_deny` and the body goes on, except on a rule that injects
+credentials: the credential is already in the request, and report mode never lets a credential go
+with a request the allowlist refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.decision import Decision
+from gateway.methods import BodyScanner, BodyTooLarge, Override
+
+BODY_CHECK = "egress_body_check"  # flow.metadata key
+
+
+class BodyOverrideCheck:
+    """Fed the request body (`feed`, then `finish` at its end); returns the refusal to send, once."""
+
+    def __init__(self, scanner: BodyScanner, judge: Callable[[list[Override]], Decision | None],
+                 record: Callable[[Decision, list[Override]], None], bound: bool):
+        self.scanner = scanner
+        self.judge = judge
+        self.record = record
+        self.bound = bound
+        self.done = False
+
+    def feed(self, data: bytes) -> Decision | None:
+        return self._step(lambda: self.scanner.feed(data))
+
+    def finish(self) -> Decision | None:
+        return self._step(self.scanner.finish)
+
+    def _step(self, scan: Callable[[], list[Override]]) -> Decision | None:
+        if self.done:
+            return None
+        try:
+            found = scan()
+        except BodyTooLarge as exc:
+            return self._refuse(Decision.deny(
+                "request_too_large", f"the compressed request body decodes to too much to be checked for method "
+                                     f"overrides ({exc}); its end was not sent"), [])
+        if self.scanner.unreadable:
+            return self._refuse(Decision.deny(
+                "method_not_allowed", "a multipart part's header block is too long to tell whether it is a method "
+                                      "override field; its end was not sent"), [])
+        if not found:
+            return None
+        decision = self.judge(found)
+        if decision is None:
+            return None
+        if decision.would_deny and self.bound:
+            decision = Decision(False, decision.reason, decision.message.removeprefix("report mode: ")
+                                + " (report mode does not apply: the request carries the rule's credential)",
+                                decision.rule, decision.notes)
+        return self._refuse(decision, found)
+
+    def _refuse(self, decision: Decision, found: list[Override]) -> Decision | None:
+        self.done = True
+        self.record(decision, found)
+        return None if decision.allowed else decision

@@ -1,0 +1,462 @@
+"""Method overrides (issue 14): the method a request is judged by is every method it names.
+
+Rule `bound` (api.test) injects a credential and allows GET and POST; `readonly` (allowed.test)
+allows GET only, no credential; `trial` (deep.wild.test) is `methods: [GET, POST]` in report mode;
+`streams` (stream.test, a recorder of this module that reads every body to its end) is bound and
+allows GET and POST. A GET carrying `X-HTTP-Method-Override: DELETE`, a query `_method=DELETE` or a
+POST whose form body says `_method=DELETE` must be refused before anything reaches the origin
+(the recording upstreams count TCP connections), and a streamed body that turns out to carry one
+must never arrive upstream complete.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
+    ALL_UPSTREAMS,
+    H2Client,
+    assert_refused,
+    assert_untouched,
+    audit_for,
+    extra_static_hosts,
+    fresh_upstreams,
+    get,
+    shared_gateway,
+    tls_tunnel,
+)
+from tests.support.gateway import PROJECT_ROOT
+
+LAST_OCTET = 97  # stream.test, in the session block
+SECRET = "e2e-override-Tok7+Qq/9="
+
+RULES = """
+- id: bound
+  hosts: [api.test]
+  methods: [GET, POST]
+  inject:
+    - header: Authorization
+      value: "Bearer ${secrets.tok}"
+- id: readonly
+  hosts: [allowed.test]
+  methods: [GET]
+- id: trial
+  hosts: [deep.wild.test]
+  methods: [GET, POST]
+  mode: report
+- id: streams
+  hosts: [stream.test]
+  methods: [GET, POST]
+  inject:
+    - header: Authorization
+      value: "Bearer ${secrets.tok}"
+"""
+
+
+class BodyRecorder:
+    """A TLS HTTP/1.1 origin that reads every request body to its end (Content-Length or chunked)
+    and records whether it arrived complete; answers 200 to complete requests only."""
+
+    def __init__(self, host: str, cert, key):
+        self.connections = 0
+        self.requests: list[dict] = []
+        self._lock = threading.Lock()
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._tls.load_cert_chain(str(cert), str(key))
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 443))
+        self._sock.listen(16)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.connections = 0
+            self.requests.clear()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _handle(self, raw: socket.socket) -> None:
+        raw.settimeout(5)
+        try:
+            conn = self._tls.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()
+            return
+        buf = b""
+        record: dict = {}
+        try:
+            while b"\r\n\r\n" not in buf:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]
+            fields = {k.lower(): v for k, v in headers}
+            record = {"method": method, "path": path, "headers": headers, "body": b"", "complete": False}
+            with self._lock:
+                self.requests.append(record)
+
+            def more() -> bytes:
+                data = conn.recv(65536)
+                if not data:
+                    raise ConnectionError("closed")
+                return data
+
+            if "chunked" in fields.get("transfer-encoding", "").lower():
+                body = b""
+                while True:
+                    while b"\r\n" not in buf:
+                        buf += more()
+                    size_line, buf = buf.split(b"\r\n", 1)
+                    size = int(size_line.split(b";")[0], 16)
+                    while len(buf) < size + 2:
+                        buf += more()
+                    body += buf[:size]
+                    buf = buf[size + 2:]
+                    record["body"] = body
+                    if size == 0:
+                        break
+            else:
+                length = int(fields.get("content-length", "0"))
+                while len(buf) < length:
+                    buf += more()
+                    record["body"] = buf[:length]
+                record["body"] = buf[:length]
+            record["complete"] = True
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        except (OSError, ConnectionError, ValueError, ssl.SSLError):
+            pass
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._sock.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, upstreams, pki):
+    address = f"{upstreams.block}.{LAST_OCTET}"
+    cert, key = pki.issue(["stream.test"], [address], stem="e2e-stream")
+    recorder = BodyRecorder(address, cert, key)
+    secret = tmp_path_factory.mktemp("override-secret") / "tok"
+    secret.write_text(SECRET)
+    extra = extra_static_hosts({"stream.test": address}) + f"secrets:\n  tok: {{file: {secret}}}\n"
+    # Small bodies stream too, so the streamed path is exercised without megabytes of test data.
+    gateway = shared_gateway(tmp_path_factory, upstreams, pki, RULES, extra, name="overrides",
+                             args=["--set", "stream_large_bodies=4k"])
+    yield gateway, recorder
+    gateway.stop()
+    recorder.stop()
+
+
+@pytest.fixture
+def gw(world):
+    gateway, recorder = world
+    recorder.reset()
+    return gateway
+
+
+@pytest.fixture
+def recorder(world):
+    return world[1]
+
+
+def _request_line(gateway, client: str, event: str = "request") -> dict:
+    lines = [a for a in audit_for(gateway, client, 2) if a["event"] == event]
+    assert lines, gateway.audit()[-5:]
+    return lines[-1]
+
+
+def _send(gateway, host: str, method: str, target: str, headers=(), body: bytes = b""):
+    with tls_tunnel(gateway, f"{host}:443") as tls:
+        response = tls.request(method, target, [("Host", host), *headers], body)
+        return response, tls.client
+
+
+# --- headers and query: decided with the head, nothing goes upstream ------------------------------
+
+
+@pytest.mark.parametrize("header", [
+    ("X-HTTP-Method-Override", "DELETE"),
+    ("X-HTTP-Method", "DELETE"),
+    ("X-Method-Override", "PUT"),
+    ("x-http-method-override", "delete"),
+    ("X_HTTP_METHOD_OVERRIDE", "DELETE"),
+    ("X-Http-Method-Override", " PATCH "),
+    ("X-HTTP-Method-Override", "GET, DELETE"),
+    ("X-HTTP-Method-Override", "DELETE;x"),
+    ("X-HTTP-Method-Override", "PROPFIND"),
+])
+def test_override_header_on_an_allowed_get_is_refused(gw, upstreams, header):
+    response, client = _send(gw, "api.test", "GET", "/repos/x", [header])
+    assert_refused(response, 403, "method_not_allowed", rule="bound")
+    assert "method override" in response.text
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    line = _request_line(gw, client)
+    assert (line["decision"], line["reason"], line["rule"], line["method"]) == ("deny", "method_not_allowed", "bound",
+                                                                                 "GET")
+    assert any(entry.startswith(f"header {header[0]}: ") for entry in line["method_override"]), line
+    assert "injected" not in line
+
+
+def test_duplicate_override_headers_each_count(gw, upstreams):
+    response, client = _send(gw, "api.test", "GET", "/x", [("X-HTTP-Method-Override", "GET"),
+                                                          ("X-HTTP-Method-Override", "DELETE")])
+    assert_refused(response, 403, "method_not_allowed", rule="bound")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    assert _request_line(gw, client)["method_override"] == ["header X-HTTP-Method-Override: GET",
+                                                           "header X-HTTP-Method-Override: DELETE"]
+
+
+@pytest.mark.parametrize("query", [
+    "_method=DELETE", "_METHOD=delete", "_method=%44ELETE", "_method=%2544ELETE", "a=1;_method=PUT",
+    "x-http-method-override=PATCH", "X_HTTP_Method=DELETE", "_method_override=DELETE", "method=DELETE",
+    "_method[]=DELETE", "%5Fmethod=DELETE", "_method=DELETE%00",
+])
+def test_override_in_the_query_is_refused(gw, upstreams, query):
+    response, client = _send(gw, "api.test", "GET", f"/items?{query}")
+    assert_refused(response, 403, "method_not_allowed", rule="bound")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    line = _request_line(gw, client)
+    assert line["method_override"][0].startswith("query parameter "), line
+
+
+def test_override_to_trace_is_method_forbidden(gw, upstreams):
+    response, _ = _send(gw, "api.test", "POST", "/x", [("X-HTTP-Method-Override", "TRACE")])
+    assert_refused(response, 403, "method_forbidden")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+
+
+def test_allowed_override_and_api_parameters_named_method_go_through(gw, upstreams):
+    response, client = _send(gw, "api.test", "POST", "/x?method=flickr.photos.search",
+                             [("X-HTTP-Method-Override", "GET")], b"q=1")
+    assert response.status == 200, response.text
+    [seen] = upstreams.tls["api.test"].requests
+    assert (seen.method, seen.path, seen.body) == ("POST", "/x?method=flickr.photos.search", b"q=1")
+    assert ("X-HTTP-Method-Override", "GET") in seen.headers  # forwarded as sent
+    line = _request_line(gw, client)
+    assert (line["decision"], line["method_override"]) == ("allow", ["header X-HTTP-Method-Override: GET"])
+    assert line["injected"] == ["tok"]
+
+
+def test_unbound_rule_refuses_too(gw, upstreams):
+    response, _ = _send(gw, "allowed.test", "GET", "/x", [("X-HTTP-Method-Override", "POST")])
+    assert_refused(response, 403, "method_not_allowed", rule="readonly")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+
+
+def test_http2_override_header_and_query(gw, upstreams):
+    with tls_tunnel(gw, "api.test:443", alpn=["h2"]) as tls:
+        h2 = H2Client(tls)
+        header = h2.send("api.test", "/x", extra=[("x-http-method-override", "DELETE")])
+        query = h2.send("api.test", "/x?_method=PATCH")
+        fine = h2.send("api.test", "/x", extra=[("x-http-method-override", "get")])
+        h2.wait(header, query, fine)
+    for stream in (header, query):
+        assert h2.responses[stream]["status"] == 403, h2.responses[stream]
+        assert h2.header(stream, "x-egress-reason") == "method_not_allowed"
+    assert h2.responses[fine]["status"] == 200
+    assert [r.method for r in upstreams.tls["api.test"].requests] == ["GET"]
+
+
+def test_report_mode_lets_a_header_override_through_as_would_deny(gw, upstreams):
+    response, client = _send(gw, "deep.wild.test", "GET", "/x", [("X-HTTP-Method-Override", "DELETE")])
+    assert response.status == 200, response.text
+    line = _request_line(gw, client)
+    assert (line["decision"], line["reason"], line["rule"]) == ("would_deny", "method_not_allowed", "trial")
+
+
+# --- bodies: buffered ones are checked before the upstream is dialled ------------------------------
+
+
+MULTIPART = (b"--XyZ\r\nContent-Disposition: form-data; name=\"title\"\r\n\r\nhello\r\n"
+             b"--XyZ\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--XyZ--\r\n")
+
+
+@pytest.mark.parametrize("content_type, body, where", [
+    ("application/x-www-form-urlencoded", b"title=x&_method=DELETE", "form field _method: DELETE"),
+    ("application/x-www-form-urlencoded; charset=utf-8", b"_method=put", "form field _method: PUT"),
+    (None, b"a=1&_METHOD=DELETE", "form field _METHOD: DELETE"),
+    ("multipart/form-data; boundary=XyZ", MULTIPART, "form field _method: DELETE"),
+    ("application/json", b'{"title": "x", "_method": "DELETE"}', "JSON key _method: DELETE"),
+    ("application/json", b'{"\\u005fmethod": "patch"}', "JSON key _method: PATCH"),
+])
+def test_override_in_a_buffered_body_is_refused_before_any_upstream_connection(gw, upstreams, content_type,
+                                                                               body, where):
+    headers = [("Content-Type", content_type)] if content_type else []
+    response, client = _send(gw, "api.test", "POST", "/items", headers, body)
+    assert_refused(response, 403, "method_not_allowed", rule="bound")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    allowed = _request_line(gw, client)  # the head was allowed, the credential injected...
+    assert (allowed["decision"], allowed["injected"]) == ("allow", ["tok"])
+    refused = _request_line(gw, client, "request_body")  # ...and the body refused: nothing was sent
+    assert (refused["decision"], refused["reason"], refused["rule"], refused["method_override"]) == (
+        "deny", "method_not_allowed", "bound", [where])
+
+
+def test_body_overrides_that_are_not_overrides_go_through(gw, upstreams):
+    bodies = [
+        ("application/json", b'{"messages": [{"_method": "DELETE"}], "text": "\\"_method\\": \\"DELETE\\""}'),
+        ("application/x-www-form-urlencoded", b"x_method=DELETE&_method=POST&note=_method%3DDELETE"),
+        ("text/plain", b"_method=DELETE"),
+        ("multipart/form-data; boundary=B", b"--B\r\nContent-Disposition: form-data; name=\"file\"; "
+                                            b"filename=\"_method\"\r\n\r\nDELETE\r\n--B--\r\n"),
+    ]
+    for content_type, body in bodies:
+        response, _ = _send(gw, "api.test", "POST", "/items", [("Content-Type", content_type)], body)
+        assert response.status == 200, (content_type, response.text)
+    assert [r.body for r in upstreams.tls["api.test"].requests] == [b for _, b in bodies]
+
+
+def test_h2_form_body_override_is_refused(gw, upstreams):
+    with tls_tunnel(gw, "api.test:443", alpn=["h2"]) as tls:
+        h2 = H2Client(tls)
+        stream = h2.h2.get_next_available_stream_id()
+        h2.h2.send_headers(stream, [(":method", "POST"), (":scheme", "https"), (":authority", "api.test"),
+                                    (":path", "/items"), ("content-type", "application/x-www-form-urlencoded"),
+                                    ("content-length", "15")])
+        h2.h2.send_data(stream, b"_method=DELETE&", end_stream=True)
+        h2._flush()
+        h2.responses[stream] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False,
+                                "reset": False}
+        h2.wait(stream)
+    assert h2.responses[stream]["status"] == 403, h2.responses[stream]
+    assert h2.header(stream, "x-egress-reason") == "method_not_allowed"
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+
+
+def test_report_mode_body_override_on_an_unbound_rule_is_would_deny(gw, upstreams):
+    response, client = _send(gw, "deep.wild.test", "POST", "/x",
+                             [("Content-Type", "application/x-www-form-urlencoded")], b"_method=DELETE")
+    assert response.status == 200, response.text
+    line = _request_line(gw, client, "request_body")
+    assert (line["decision"], line["reason"], line["rule"]) == ("would_deny", "method_not_allowed", "trial")
+    assert [r.body for r in upstreams.tls["deep.wild.test"].requests] == [b"_method=DELETE"]
+
+
+# --- streamed bodies: the origin never gets a complete request ------------------------------------
+
+
+def _streamed(gateway, host: str, headers: list[tuple[str, str]], first: bytes, rest: bytes):
+    """Send a request head and the first part of its body, wait until that part is upstream, then
+    the rest (which names the override), and read the answer."""
+    with tls_tunnel(gateway, f"{host}:443") as tls:
+        head = f"POST /upload HTTP/1.1\r\nHost: {host}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+        tls.send(head.encode() + b"\r\n" + first)
+        time.sleep(0.4)
+        tls.send(rest)
+        try:
+            response = tls.read_response()
+        except (ConnectionError, OSError):
+            response = None
+        return response, tls.client
+
+
+def _chunks(*pieces: bytes, end: bool = True) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + (b"0\r\n\r\n" if end else b"")
+
+
+FORM = ("Content-Type", "application/x-www-form-urlencoded")
+CHUNKED = ("Transfer-Encoding", "chunked")
+
+
+def _settle(recorder) -> None:
+    time.sleep(0.3)  # the recorder's handler notices the upstream reset
+
+
+def test_streamed_chunked_form_with_a_late_override_never_completes_upstream(gw, recorder):
+    response, client = _streamed(gw, "stream.test", [FORM, CHUNKED], _chunks(b"title=" + b"x" * 5000, end=False),
+                                 _chunks(b"&_method=DEL", b"ETE", b"&more=1"))
+    assert response is not None and response.status == 403, response
+    assert response.egress_reason == "method_not_allowed"
+    _settle(recorder)
+    assert recorder.requests, "the head of a streamed request goes upstream before its body"
+    assert not any(r["complete"] for r in recorder.requests), recorder.requests
+    line = _request_line(gw, client, "request_body")
+    assert (line["decision"], line["method_override"]) == ("deny", ["form field _method: DELETE"])
+
+
+def test_streamed_override_as_the_last_field_is_caught_at_the_end(gw, recorder):
+    """`_method=DELETE` is only complete when the body ends; the body's last byte was held back,
+    so the origin (reading by Content-Length) still waits for it when the stream is reset."""
+    body = b"title=" + b"y" * 6000 + b"&_method=DELETE"
+    response, _ = _streamed(gw, "stream.test", [FORM, ("Content-Length", str(len(body)))], body[:5000],
+                            body[5000:])
+    assert response is not None and response.status == 403, response
+    assert response.egress_reason == "method_not_allowed"
+    _settle(recorder)
+    assert recorder.requests and not any(r["complete"] for r in recorder.requests), recorder.requests
+    assert all(len(r["body"]) < len(body) for r in recorder.requests)
+
+
+@pytest.mark.parametrize("content_type, body", [
+    ("multipart/form-data; boundary=B", b"--B\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\n" + b"z" * 6000
+     + b"\r\n--B\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--B--\r\n"),
+    ("application/json", b'{"pad": "' + b"p" * 6000 + b'", "_method": "DELETE"}'),
+])
+def test_streamed_multipart_and_json_overrides(gw, recorder, content_type, body):
+    response, _ = _streamed(gw, "stream.test", [("Content-Type", content_type), ("Content-Length", str(len(body)))],
+                            body[:5000], body[5000:])
+    assert response is not None and response.status == 403, response
+    assert response.egress_reason == "method_not_allowed", response.text
+    _settle(recorder)
+    assert recorder.requests and not any(r["complete"] for r in recorder.requests), recorder.requests
+
+
+def test_streamed_bodies_without_an_override_arrive_whole(gw, recorder):
+    pieces = [b"title=" + b"x" * 5000, b"&_method=POST", b"&note=ok"]
+    response, _ = _streamed(gw, "stream.test", [FORM, CHUNKED], _chunks(pieces[0], end=False),
+                            _chunks(*pieces[1:]))
+    assert response is not None and response.status == 200, response
+    body = b"t" * 9000 + b"&x=1"
+    response, _ = _streamed(gw, "stream.test", [FORM, ("Content-Length", str(len(body)))], body[:5000],
+                            body[5000:])
+    assert response is not None and response.status == 200, response
+    complete = [r for r in recorder.requests if r["complete"]]
+    assert [r["body"] for r in complete] == [b"".join(pieces), body]
+    assert all(("Authorization", f"Bearer {SECRET}") in r["headers"] for r in complete)
+
+
+# --- explain agrees ---------------------------------------------------------------------------------
+
+
+def _explain(gateway, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", "explain", "--policy", str(gateway.policy),
+                           "--format", "json", *args], capture_output=True, text=True, cwd=PROJECT_ROOT,
+                          timeout=60)
+
+
+def test_explain_agrees_with_the_gateway(gw, upstreams):
+    cases = [
+        (["-X", "GET", "-H", "X-HTTP-Method-Override: DELETE", "https://api.test/x"], "GET", "/x",
+         [("X-HTTP-Method-Override", "DELETE")]),
+        (["https://api.test/x?_method=put"], "GET", "/x?_method=put", []),
+        (["-X", "POST", "-H", "X-HTTP-Method-Override: GET", "https://api.test/x"], "POST", "/x",
+         [("X-HTTP-Method-Override", "GET")]),
+    ]
+    for args, method, target, headers in cases:
+        explained = json.loads(_explain(gw, *args).stdout)
+        response, _ = _send(gw, "api.test", method, target, headers)
+        assert (explained["decision"]["reason"], explained["decision"]["status"]) == (
+            response.egress_reason or "allowed", response.status if response.egress_reason else None), (args,
+                                                                                                        explained)
