@@ -1,8 +1,12 @@
-"""Audit-line fields taken from mitmproxy flows, in one place so every guard logs the same shape."""
+"""Audit-line fields taken from mitmproxy flows, in one place so every guard logs the same shape.
+
+The verdict keys (`decision`, `reason`, `status`, `rule`, `message`) always come from a Decision
+through gateway.decision.verdict_fields (`decision_fields`, or `verdict_fields` directly); no guard
+spells a verdict by hand (tests/unit/test_audit_verdicts.py checks the source)."""
 
 from __future__ import annotations
 
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
 
 from .state import ConnectionState
@@ -30,12 +34,8 @@ def flow_fields(flow, conn: ConnectionState | None, sandbox: str | None = None) 
 
 
 def decision_fields(decision: Decision, pin: Pin | None = None, host: str | None = None, port: int | None = None) -> dict:
-    return {
-        "decision": decision.verdict,
-        "reason": decision.reason,
-        "status": None if decision.allowed else decision.status,
-        "rule": decision.rule,
-        "message": decision.message,
+    """The verdict (gateway.decision.verdict_fields: the one place it is built) and the destination."""
+    return verdict_fields(decision) | {
         "host": pin.host.value if pin else host,
         "port": pin.port if pin else port,
         "address": str(pin.address) if pin else None,

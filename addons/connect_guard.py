@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mitmproxy import http
 
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 from gateway.hostnames import HostError, parse_authority
 
 from .audit_fields import decision_fields, flow_fields
@@ -19,8 +19,9 @@ from .state import GatewayState
 
 
 def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
-    refuse(flow, Decision.deny("internal_error", "the gateway failed while deciding this CONNECT"))
-    self.state.record(event="connect", decision="deny", reason="internal_error", status=500)
+    decision = Decision.deny("internal_error", "the gateway failed while deciding this CONNECT")
+    refuse(flow, decision)
+    self.state.record(event="connect", **verdict_fields(decision))
 
 
 class ConnectGuard:

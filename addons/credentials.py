@@ -21,7 +21,7 @@ from mitmproxy import ctx, http
 from mitmproxy.utils import human
 
 from gateway.credentials import placeholder
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
 from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, decode_whole, streaming_decoder
@@ -197,8 +197,8 @@ class ResponseRedactor:
 
     def _count(self, flow, hits: list[str], where: str) -> None:
         for name in dict.fromkeys(hits):
-            self.state.record(event="redaction", secret=name, decision="allow", reason="redacted",
-                              message=f"secret {name} redacted from the response {where}",
+            redacted = Decision(True, "redacted", f"secret {name} redacted from the response {where}")
+            self.state.record(event="redaction", secret=name, **verdict_fields(redacted),
                               host=flow.request.pretty_host if flow.request else None)
 
     @fail_closed(_kill_on_error)
@@ -263,8 +263,7 @@ class ResponseRedactor:
         response.headers["Content-Length"] = str(len(body))
         response.headers["X-Egress-Reason"] = decision.reason
         response.stream = _Replacement(body)
-        self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,
-                          message=decision.message, host=flow.request.pretty_host)
+        self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
 
     @fail_closed(_kill_on_error)
     def response(self, flow: http.HTTPFlow) -> None:
@@ -317,12 +316,12 @@ class ResponseRedactor:
 
     def _refuse_buffered(self, flow: http.HTTPFlow, decision: Decision) -> None:
         flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
-        self.state.record(event="response", decision="deny", reason=decision.reason, status=decision.status,
-                          message=decision.message, host=flow.request.pretty_host)
+        self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
 
     def _cut_off(self, flow: http.HTTPFlow, reason: str) -> None:
-        self.state.record(event="response", decision="deny", reason=reason, status=None,
-                          message="the streamed response to a credential-bound request was cut off",
+        cut = Decision.deny(reason, "the streamed response to a credential-bound request was cut off")
+        # Its head was already sent: no refusal status reached the client.
+        self.state.record(event="response", **verdict_fields(cut, status_sent=False),
                           host=flow.request.pretty_host if flow.request else None)
 
     def error(self, flow: http.HTTPFlow) -> None:

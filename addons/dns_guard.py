@@ -14,6 +14,8 @@ import ipaddress
 from mitmproxy import dns
 from mitmproxy.net.dns import classes, op_codes, response_codes, types
 
+from gateway.decision import Decision, verdict_fields
+
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .state import GatewayState
@@ -42,7 +44,7 @@ class DnsGuard:
         question = request.question
         if not request.query or request.op_code != op_codes.QUERY or question is None or question.class_ != classes.IN:
             flow.response = request.fail(response_codes.REFUSED)
-            self._audit(conn, scope, None, "?", "deny", "dns_type_refused", "not a single IN query")
+            self._audit(conn, scope, None, "?", Decision.deny("dns_type_refused", "not a single IN query"))
             return
         query_type = types.to_str(question.type)
         engine = self.state.require_engine()
@@ -59,15 +61,14 @@ class DnsGuard:
                 self.state.dns_memory.remember(conn.address, answer.name, answer.addresses)
         else:
             flow.response = request.fail(RCODES[answer.rcode])
-        decision = answer.decision
         self._audit(
-            conn, scope, answer.name or question.name[:253], query_type,
-            "allow" if decision.allowed else "deny", decision.reason, decision.message, decision.rule,
+            conn, scope, answer.name or question.name[:253], query_type, answer.decision,
             ",".join(a.compressed for a in answer.addresses) or None, answer.rcode,
         )
 
-    def _audit(self, conn, scope, name, query_type, verdict, reason, message, rule=None, addresses=None, rcode="REFUSED"):
+    def _audit(self, conn, scope, name, query_type, decision: Decision, addresses=None, rcode="REFUSED"):
+        # A DNS answer has no HTTP status: the rcode says what the sandbox got.
         self.state.record(
-            event="dns", **connection_fields(conn, scope.sandbox), decision=verdict, reason=reason,
-            rule=rule, host=name, address=addresses, message=message, dns_type=query_type, rcode=rcode,
+            event="dns", **connection_fields(conn, scope.sandbox), **verdict_fields(decision, status_sent=False),
+            host=name, address=addresses, dns_type=query_type, rcode=rcode,
         )

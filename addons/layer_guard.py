@@ -25,7 +25,7 @@ from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TC
 from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 
 from . import passthrough
 from .audit_fields import connection_fields
@@ -225,12 +225,11 @@ class LayerGuard:
             verdict = engine.guard.check(address, port)
             if not verdict.allowed:
                 decision = Decision.deny(verdict.reason, verdict.describe(), decision.rule)
+        # allow, deny, or (report mode) would_deny: from the decision, never by hand.
         self.state.record(
-            event="connection", **connection_fields(conn, scope.sandbox),
-            decision="allow" if decision.allowed else "deny", reason=decision.reason,
-            status=None if decision.allowed else decision.status, rule=decision.rule,
+            event="connection", **connection_fields(conn, scope.sandbox), **verdict_fields(decision),
             host=address.compressed, port=port, address=address.compressed if decision.allowed else None,
-            message=decision.message, protocol="tcp",
+            protocol="tcp",
         )
         if not decision.allowed:
             nextlayer.layer = RefusalLayer(nextlayer.context, decision, speak_http=False)
@@ -272,7 +271,7 @@ class LayerGuard:
         self.state.record(
             event="error" if upstream else "connect" if method == "CONNECT" else "request",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            decision="deny", reason=decision.reason, status=decision.status, message=decision.message,
+            **verdict_fields(decision),
             host=pin.host.value if pin else None, port=pin.port if pin else None,
             address=pin.address.compressed if pin else None, sni=context.client.sni,
             method=method, path=getattr(request, "path", None),
@@ -310,12 +309,9 @@ class LayerGuard:
         self.state.record(
             event="connection",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            decision="deny",
-            reason=reason,
-            status=decision.status,
+            **verdict_fields(decision),
             host=pin.host.value if pin else None,
             port=pin.port if pin else None,
             sni=context.client.sni,
-            message=message,
         )
         nextlayer.layer = RefusalLayer(context, decision, speak_http)

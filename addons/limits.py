@@ -17,6 +17,8 @@ from collections import Counter
 
 from mitmproxy import ctx
 
+from gateway.decision import Decision, verdict_fields
+
 from .audit_fields import connection_fields
 from .state import GatewayState
 
@@ -45,9 +47,11 @@ class ConnectionLimiter:
         limit = ctx.options.egress_max_connections_per_sandbox
         if limit and self.open[key] >= limit:
             client.error = "egress gateway: too many connections"
+            refusal = Decision.deny("too_many_connections",
+                                    f"{self.open[key]} connections already open for {key} (limit {limit})")
+            # Closed at accept: no HTTP status is sent.
             self.state.record(event="connection", **connection_fields(conn, key.partition(":")[2]),
-                              decision="deny", reason="too_many_connections", status=None,
-                              message=f"{self.open[key]} connections already open for {key} (limit {limit})")
+                              **verdict_fields(refusal, status_sent=False))
             return
         self.open[key] += 1
         self._keys[client.id] = key

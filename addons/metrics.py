@@ -448,7 +448,8 @@ class Observability:
 
     def _on_decision(self, entry: dict[str, Any]) -> None:
         self.metrics.on_decision(entry)
-        if entry.get("protocol") == "tcp" and entry.get("event") == "connection" and entry.get("decision") == "allow":
+        if (entry.get("protocol") == "tcp" and entry.get("event") == "connection"
+                and entry.get("decision") in ("allow", "would_deny")):  # both relay bytes
             self._tcp_rules[str(entry.get("client"))] = entry.get("rule")
 
     # --- mitmproxy hooks -------------------------------------------------------------------------

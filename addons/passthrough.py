@@ -10,8 +10,10 @@ connection gets the same single audit line whichever hook took it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from gateway.clienthello import ECH, check_passthrough_hello
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine, Pin
 from gateway.hostnames import HostError, canonical_host
 from gateway.policy import Rule
@@ -46,13 +48,13 @@ def decide(pin: Pin, sni: str | None, extensions: list[tuple[int, bytes]]) -> De
 def record(state: GatewayState, conn: ConnectionState, pin: Pin, sni: str | None,
            extensions: list[tuple[int, bytes]], refusal: Decision | None) -> None:
     rule = conn.passthrough_rule
+    rule_id = rule.id if rule else None
     allowed = refusal is None
+    decision = (Decision.allow(rule_id, f"rule {rule_id} relays TLS to {pin.host.authority(pin.port)} unread "
+                                        "(inspect: false)")
+                if allowed else dataclasses.replace(refusal, rule=rule_id))
     state.record(
-        event="tls", **connection_fields(conn, state.scope(conn).sandbox),
-        decision="allow" if allowed else "deny", reason="allowed" if allowed else refusal.reason,
-        status=None if allowed else refusal.status, rule=rule.id if rule else None,
-        message=f"rule {rule.id} relays TLS to {pin.host.authority(pin.port)} unread (inspect: false)"
-        if allowed else refusal.message,
+        event="tls", **connection_fields(conn, state.scope(conn).sandbox), **verdict_fields(decision),
         host=pin.host.value, port=pin.port, address=pin.address.compressed if allowed else None,
         sni=sni, ech=any(t == ECH for t, _ in extensions), passthrough=True,
     )

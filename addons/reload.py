@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mitmproxy import ctx
 
+from gateway.decision import Decision, verdict_fields
 from gateway.policy import PolicyError, compile_policy
 
 from .state import GatewayState
@@ -96,11 +97,11 @@ class PolicyReloader:
                 return False
             self.state.install(engine)
             logger.info("egress gateway: policy %s reloaded (sha256 %s, %d rules)", path, policy.sha256, len(policy.rules))
-            self.state.record(event="policy_reload", decision="allow", reason="policy_reloaded", result="ok",
-                              sha256=policy.sha256, message=f"policy {path} reloaded ({len(policy.rules)} rules)")
+            reloaded = Decision(True, "policy_reloaded", f"policy {path} reloaded ({len(policy.rules)} rules)")
+            self.state.record(event="policy_reload", **verdict_fields(reloaded), result="ok", sha256=policy.sha256)
             return True
 
     def _rejected(self, why: str) -> None:
         logger.error("egress gateway: policy reload rejected, the current policy stays:\n%s", why)
-        self.state.record(event="policy_reload", decision="deny", reason="policy_invalid", result="error",
-                          message=f"reload rejected: {why[:1500]}")
+        rejected = Decision(False, "policy_invalid", f"reload rejected: {why[:1500]}")
+        self.state.record(event="policy_reload", **verdict_fields(rejected), result="error")

@@ -19,7 +19,7 @@ import ipaddress
 from mitmproxy import http
 
 from gateway import methods
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 from gateway.decompress import streaming_decoder
 from gateway.engine import Engine, Pin, RequestFacts, body_override_refusal
 from gateway.hopbyhop import forwardable
@@ -37,8 +37,9 @@ from .state import ConnectionState, GatewayState
 
 
 def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
-    refuse(flow, Decision.deny("internal_error", "the gateway failed while deciding this request"))
-    self.state.record(event="request", decision="deny", reason="internal_error", status=500)
+    decision = Decision.deny("internal_error", "the gateway failed while deciding this request")
+    refuse(flow, decision)
+    self.state.record(event="request", **verdict_fields(decision))
 
 
 def _header_pairs(request: http.Request) -> list[tuple[str, str]]:

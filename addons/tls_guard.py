@@ -13,7 +13,7 @@ import ipaddress
 
 from mitmproxy import tls
 
-from gateway.decision import Decision
+from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
 from gateway.hostnames import HostError, canonical_host, ip_host
 
@@ -72,14 +72,11 @@ class TlsGuard:
         self.state.record(
             event="tls",
             **connection_fields(conn, self.state.scope(conn).sandbox),
-            decision="deny",
-            reason=decision.reason,
-            status=decision.status,
+            **verdict_fields(decision),
             host=pin.host.value,
             port=pin.port,
             address=str(pin.address),
             sni=sni,
-            message=decision.message,
             ech=has_ech,
         )
 
@@ -111,10 +108,9 @@ class TlsGuard:
         relay = passthrough.rule_for(engine, decision) if pin is not None else None
         if relay is None:  # a passthrough connection gets one line, from _passthrough
             has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
+            # allow, deny, or (report mode) would_deny: from the decision, never by hand.
             self.state.record(
-                event="tls", **connection_fields(conn, scope.sandbox),
-                decision="allow" if pin is not None else "deny", reason=decision.reason,
-                status=None if pin is not None else decision.status, rule=decision.rule, message=decision.message,
+                event="tls", **connection_fields(conn, scope.sandbox), **verdict_fields(decision),
                 host=host.value if host else None, port=port, address=pin.address.compressed if pin else None,
                 sni=sni, ech=has_ech,
             )

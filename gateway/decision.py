@@ -103,3 +103,19 @@ class Decision:
             lines.append(f"rule: {self.rule}")
         lines.extend(self.notes)
         return "\n".join(lines) + "\n"
+
+
+def verdict_fields(decision: Decision, status_sent: bool = True) -> dict[str, object]:
+    """The verdict keys of an audit line: `decision` (allow | deny | would_deny, `Decision.verdict`),
+    `reason`, `status` (the refusal's HTTP status; null when the traffic was let through, report
+    mode's would_deny included), `rule` and `message`.
+
+    Every audit line that records a decision takes these keys from here and nowhere else, so what a
+    line says is what the gateway did: a report-mode let-through is never written as `allow` (it once
+    was, where transparent TLS and raw TCP lines spelled the verdict by hand). Event-only reasons
+    that are not refusal codes (`redacted`, `policy_reloaded`, `policy_invalid`) have no status, and
+    neither has a refusal no HTTP status could carry (`status_sent=False`: a connection closed at
+    accept, a response cut off after its head was sent)."""
+    status = None if decision.allowed or not status_sent else REASONS.get(decision.reason, (None,))[0]
+    return {"decision": decision.verdict, "reason": decision.reason, "status": status, "rule": decision.rule,
+            "message": decision.message}
