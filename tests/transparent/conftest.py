@@ -7,6 +7,7 @@ four sandboxes built by docker/sandbox-net.sh, and three gateways in the gateway
     strict   strict   allowed.test only, network.strict_original_destination: true
     alpha    multi    `sandboxes:` alpha -> allowed.test only
     beta     multi    `sandboxes:` beta  -> other.test only
+    report   report   `mode: report`: allowed.test (GET), raw TCP :22 to tcp.test's IP; the rest would_deny
 
 Safety: everything that is sent to a non-loopback address is sent from inside a namespace created
 here (the test process switches only a thread's namespace, programs run under `ip netns exec`);
@@ -95,14 +96,33 @@ sandboxes:
     rules: [beta-web]
 """
 
+REPORT_POLICY = f"""\
+version: 1
+mode: report
+resolver:
+  static_hosts:
+{_static_hosts()}
+rules:
+  - id: web
+    hosts: [allowed.test]
+    schemes: [https, http]
+    methods: [GET]
+  - id: ssh-by-ip
+    protocol: tcp
+    hosts: ["{TCP_HOST}"]
+    ports: [22]
+"""
+
 # key -> (sandbox index, proxy port, dns port, redirected TCP ports, gateway key)
 SANDBOXES = {
     "main": (1, 18081, 15353, "80 443 22", "main"),
     "strict": (2, 18082, 15354, "80 443 22", "strict"),
     "alpha": (3, 18083, 15355, "80 443", "multi"),
     "beta": (4, 18083, 15355, "80 443", "multi"),
+    "report": (5, 18084, 15356, "80 443 22", "report"),
 }
-GATEWAYS = {"main": (MAIN_POLICY, 18181), "strict": (STRICT_POLICY, 18182), "multi": (MULTI_POLICY, 18183)}
+GATEWAYS = {"main": (MAIN_POLICY, 18181), "strict": (STRICT_POLICY, 18182), "multi": (MULTI_POLICY, 18183),
+            "report": (REPORT_POLICY, 18184)}
 
 
 class NamespacedGateway(GatewayProcess):
@@ -246,6 +266,11 @@ def strict(world) -> Site:
 
 
 @pytest.fixture(scope="session")
+def report(world) -> Site:
+    return world.sites["report"]
+
+
+@pytest.fixture(scope="session")
 def alpha(world) -> Site:
     return world.sites["alpha"]
 
@@ -258,7 +283,7 @@ def beta(world) -> Site:
 @pytest.fixture(autouse=True)
 def _fresh_recorders(request):
     if "world" in request.fixturenames or any(
-            name in request.fixturenames for name in ("topology", "main", "strict", "alpha", "beta")):
+            name in request.fixturenames for name in ("topology", "main", "strict", "alpha", "beta", "report")):
         request.getfixturevalue("world").topology.reset()
     yield
 
