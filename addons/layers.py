@@ -268,12 +268,13 @@ class GatewayHttpStream(HttpStream):
       `request_too_large`, a response already under way is cut off;
     - the request body fed to its method override check (addons/method_body.py) before any of it
       goes on: a buffered body is checked whole before the upstream connection is opened; a streamed
-      one chunk by chunk, with its last byte held back until its end has been checked, so that a
-      refusal aborts the upstream stream before the origin has a complete request."""
+      one chunk by chunk, holding back the last byte while the body ends inside an override field
+      (only its end can settle that one), so that a refusal aborts the upstream stream before the
+      origin has a complete request."""
 
     _streamed_request = 0
     _streamed_response = 0
-    _held = b""  # the last byte of a streamed, checked request body, sent once its end is checked
+    _held = b""  # the last byte of a streamed request body that ends inside an override field so far
     on_refusal: OnRefusal | None = None  # set by the HTTP layer that makes the stream
 
     def state_consume_request_body(self, event) -> layer.CommandGenerator[None]:
@@ -295,10 +296,9 @@ class GatewayHttpStream(HttpStream):
             if (refusal := check.feed(event.data)) is not None:
                 yield from self._refuse_body(refusal, upstream=True)
                 return
-            data = self._held + event.data
-            if not data:
-                return
-            self._held, data = data[-1:], data[:-1]
+            data, self._held = self._held + event.data, b""
+            if check.pending:  # the end of the body could still reveal an override: keep its last byte
+                self._held, data = data[-1:], data[:-1]
             if not data:
                 return
             event = RequestData(event.stream_id, data)

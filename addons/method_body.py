@@ -9,10 +9,12 @@ it arrives, before any of it is sent on:
 
 - a **buffered** body (known length up to `stream_large_bodies`) is checked whole before the
   upstream connection is even opened: a refusal leaves no trace upstream;
-- a **streamed** body (unknown length, or larger) is checked chunk by chunk, and its last byte is
-  held back until the end of the body has been checked: a refusal resets the upstream stream (closes
-  the HTTP/1 connection) before the body is complete, so the origin never has a whole request to
-  act on. The head and the start of the body did go upstream.
+- a **streamed** body (unknown length, or larger) is checked chunk by chunk, each chunk before it
+  is sent on; while what has arrived ends inside an override field (its value not terminated yet),
+  the last byte is held back, since only the end of the body can settle it. A refusal therefore
+  always comes before the body is complete upstream: it resets the upstream stream (closes the
+  HTTP/1 connection) and the origin never has a whole request to act on. The head and the start
+  of the body did go upstream.
 
 A refusal is 403 `method_not_allowed` to the client (or `method_forbidden` for TRACE/TRACK/CONNECT)
 and one audit line, event `request_body`, with `method_override` saying which field. On a rule in
@@ -47,6 +49,11 @@ class BodyOverrideCheck:
 
     def finish(self) -> Decision | None:
         return self._step(self.scanner.finish)
+
+    @property
+    def pending(self) -> bool:
+        """Whether the end of the body could still bring a refusal (see BodyScanner.pending)."""
+        return not self.done and self.scanner.pending
 
     def _step(self, scan: Callable[[], list[Override]]) -> Decision | None:
         if self.done:

@@ -233,6 +233,10 @@ class _Form:
     def finish(self, found: list[Override]) -> None:
         self._close(found)
 
+    @property
+    def pending(self) -> bool:
+        return self._state == "value"
+
 
 def _judged_value(source: str, name: str, raw: bytes, decode: bool = True) -> list[Override]:
     if len(raw) > VALUE_CAP:
@@ -318,6 +322,10 @@ class _Multipart:
             if query_key(name) in FIELD_KEYS:
                 found += _judged_value("form", name, raw, decode=False)
         self._value.clear()
+
+    @property
+    def pending(self) -> bool:
+        return self._state == "value"
 
     def finish(self, found: list[Override]) -> None:
         if self._state == "value":  # no closing delimiter: a lenient parser still has the field
@@ -459,6 +467,8 @@ class _Json:
     def finish(self, found: list[Override]) -> None:
         self._dead = True
 
+    pending = False  # a JSON string must be closed to count: the end of the body adds nothing
+
 
 _FORM_TYPES = ("application/x-www-form-urlencoded",)
 _BOUNDARY = re.compile(r"""(?:^|;)\s*boundary\s*=\s*("(?:[^"\\]|\\.)*"|[^;,\s]*)""", re.IGNORECASE)
@@ -541,6 +551,13 @@ class BodyScanner:
                     parser.feed(tail, found)
                 parser.finish(found)
         return found
+
+    @property
+    def pending(self) -> bool:
+        """Could the end of the body, right after what was fed, still reveal an override (`finish`
+        judges an override field whose value is not terminated yet, or flushes a decoder)? While it
+        could, a streaming caller must hold back the last byte it has (addons/layers.py)."""
+        return not self._broken and (self.decoder is not None or any(p.pending for p in self.parsers))
 
     @property
     def unreadable(self) -> bool:

@@ -423,6 +423,26 @@ def test_streamed_multipart_and_json_overrides(gw, recorder, content_type, body)
     assert recorder.requests and not any(r["complete"] for r in recorder.requests), recorder.requests
 
 
+def test_streamed_chunks_go_on_at_once_unless_they_end_inside_an_override(gw, recorder):
+    """No latency for ordinary streamed bodies: a chunk goes upstream as soon as it is checked. Only
+    a chunk ending inside an override field's value keeps its last byte (the end of the body would
+    settle the value)."""
+    with tls_tunnel(gw, "stream.test:443") as tls:
+        tls.send(b"POST /upload HTTP/1.1\r\nHost: stream.test\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n" + _chunks(b"a=1&b=2", end=False))
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and not (recorder.requests and recorder.requests[-1]["body"]):
+            time.sleep(0.05)
+        assert recorder.requests and recorder.requests[-1]["body"] == b"a=1&b=2"
+        tls.send(_chunks(b"&_method=GE", end=False))
+        time.sleep(0.5)
+        assert recorder.requests[-1]["body"] == b"a=1&b=2&_method=G"  # "E" waits: GET? GETX?
+        tls.send(_chunks(b"T"))
+        response = tls.read_response()
+    assert response.status == 200, response.text
+    assert recorder.requests[-1]["body"] == b"a=1&b=2&_method=GET" and recorder.requests[-1]["complete"]
+
+
 def test_streamed_bodies_without_an_override_arrive_whole(gw, recorder):
     pieces = [b"title=" + b"x" * 5000, b"&_method=POST", b"&note=ok"]
     response, _ = _streamed(gw, "stream.test", [FORM, CHUNKED], _chunks(pieces[0], end=False),
