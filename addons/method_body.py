@@ -20,11 +20,13 @@ A refusal is 403 `method_not_allowed` to the client (or `method_forbidden` for T
 and one audit line, event `request_body`, with `method_override` saying which field. On a rule in
 report mode the override is logged `would_deny` and the body goes on, except on a rule that injects
 credentials: the credential is already in the request, and report mode never lets a credential go
-with a request the allowlist refuses.
+with a request the allowlist refuses. A check that fails (a bug) refuses the body: 500
+`internal_error`, like every other decision hook (fail closed).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from gateway.decision import Decision
@@ -58,6 +60,20 @@ class BodyOverrideCheck:
     def _step(self, scan: Callable[[], list[Override]]) -> Decision | None:
         if self.done:
             return None
+        try:
+            return self._judge(scan)
+        except Exception:  # fail closed: a body that could not be checked does not go on
+            logging.getLogger("egress").exception("egress gateway: the request body check failed")
+            self.done = True
+            refusal = Decision.deny("internal_error", "the gateway failed while checking the request body for "
+                                                      "method overrides; its end was not sent")
+            try:
+                self.record(refusal, [])
+            except Exception:
+                logging.getLogger("egress").exception("egress gateway: could not record a refusal")
+            return refusal
+
+    def _judge(self, scan: Callable[[], list[Override]]) -> Decision | None:
         try:
             found = scan()
         except BodyTooLarge as exc:

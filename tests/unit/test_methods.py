@@ -338,3 +338,20 @@ def test_pending_while_an_override_value_is_open():
     json_scanner = BodyScanner.for_headers([("Content-Type", "application/json")])
     json_scanner.feed(b'{"_method": "DEL')
     assert not json_scanner.pending  # a JSON string only counts once closed
+
+
+def test_a_failing_body_check_fails_closed():
+    from addons.method_body import BodyOverrideCheck
+
+    class Broken:
+        pending = True
+        unreadable = False
+
+        def feed(self, data):
+            raise RuntimeError("bug")
+
+    recorded = []
+    check = BodyOverrideCheck(Broken(), lambda found: None, lambda d, found: recorded.append(d.reason), bound=False)
+    refusal = check.feed(b"x")
+    assert (refusal.allowed, refusal.reason, refusal.status) == (False, "internal_error", 500)
+    assert recorded == ["internal_error"] and not check.pending and check.feed(b"y") is None
