@@ -36,6 +36,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "bad_host_header": (400, "the Host header is missing, duplicated or malformed"),
     "bad_header": (400, "a header name or value is malformed"),
     "malformed_request": (400, "the request is malformed (framing, headers) and was not forwarded"),
+    "unexpected_body": (400, "a GET, HEAD, OPTIONS or DELETE request carries a body and its rule does not set allow_body"),
     "host_url_mismatch": (400, "the Host header does not match the absolute URL"),
     "origin_form": (400, "a request to the proxy itself (origin-form) is not proxied"),
     "https_absolute_form": (400, "https:// URLs must be tunnelled with CONNECT"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
-from . import foreign, methods, placeholders
+from . import bodies, foreign, methods, placeholders
 from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
 from .paths import PathError, check_target, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
@@ -46,19 +46,26 @@ class RequestFacts:
     # The request's header fields as sent, for method overrides (gateway/methods.py); callers that
     # have none (explain without -H, replay, policy tests) judge the target's overrides only.
     headers: tuple[tuple[str, str], ...] = ()
+    # What the head says about the body (gateway/bodies.py); None: read from `headers` as HTTP/1
+    # frames them (live traffic passes what the wire said, with HTTP/2's END_STREAM).
+    framing: bodies.Framing | None = None
 
     @property
     def overrides(self) -> tuple[methods.Override, ...]:
         return methods.overrides(self.headers, self.target)
 
+    @property
+    def body(self) -> bodies.Framing:
+        return self.framing if self.framing is not None else bodies.request_framing(self.headers)
+
 
 # Denials that report mode turns into `would_deny` (the allowlist's own verdicts).
 REPORTABLE_REASONS = frozenset(
-    {"no_rule", "port_not_allowed", "scheme_not_allowed", "method_not_allowed", "path_not_allowed"}
+    {"no_rule", "port_not_allowed", "scheme_not_allowed", "method_not_allowed", "path_not_allowed", "unexpected_body"}
 )
 
 # How far a candidate rule got before failing; the furthest one explains the denial best.
-_STAGES = ("scheme_not_allowed", "port_not_allowed", "method_not_allowed", "path_not_allowed")
+_STAGES = ("scheme_not_allowed", "port_not_allowed", "method_not_allowed", "path_not_allowed", "unexpected_body")
 
 
 class Engine:
@@ -169,6 +176,9 @@ class Engine:
         what = f"{method} {where}{path}"
         if best_override is not None:
             what += f" with the method override {best_override.describe()}"
+        if reason == "unexpected_body":
+            return Decision.deny(reason, f"no rule allows {what} with a body: "
+                                         f"{bodies.body_refusal_text(method, best_rule.id)}", best_rule.id, notes)
         return Decision.deny(reason, f"no rule allows {what} ({reason.replace('_', ' ')})", best_rule.id, notes)
 
     def check_tcp(self, address: IPAddress, port: int, names: Iterable[str] = (), scope: Scope = EVERY_RULE) -> Decision:
@@ -302,17 +312,20 @@ def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str,
         return 2, f"method override {override.describe()} not in [{allowed}]", override
     if not rule.allows_path(path):
         return 3, f"path {path} matches none of [{', '.join(rule.path_globs or ())}]", None
+    if not rule.allow_body and bodies.needs_allow_body(method, facts.body):
+        return 4, f"{method} with a body, and allow_body is not set", None
     return None, "", None
 
 
-def body_override_refusal(rule: Rule, method: str, found: list[methods.Override]) -> Decision | None:
+def body_override_refusal(rule: Rule | None, method: str, found: list[methods.Override]) -> Decision | None:
     """A method override in the body of a request `rule` allowed by its head (gateway/methods.py
-    BodyScanner): refused when it names a method the rule does not allow, or TRACE/TRACK/CONNECT."""
+    BodyScanner): refused when it names a method the rule does not allow, or TRACE/TRACK/CONNECT
+    (those also when no rule was involved: a report-mode `no_rule`)."""
     if (never := methods.forbidden(found)) is not None:
         return Decision.deny("method_forbidden", f"the request body names {never.method} as a method override "
                                                  f"({never.where}), which is always refused; its end was not sent",
-                             rule.id)
-    if (override := methods.refused(found, rule.allows_method)) is None:
+                             rule.id if rule is not None else None)
+    if rule is None or (override := methods.refused(found, rule.allows_method)) is None:
         return None
     allowed = "standard methods" if rule.methods is None else ", ".join(sorted(rule.methods))
     return Decision.deny("method_not_allowed", f"rule {rule.id} allows {method.upper()} here, but the request body "

@@ -46,7 +46,7 @@ RESOLVER_KEYS = {"static_hosts"}
 RULE_KEYS = {
     "id", "hosts", "ports", "schemes", "methods", "paths", "protocol", "mode",
     "inject", "allow_wildcard_credentials", "allow_plaintext_credentials", "inspect",
-    "foreign_credentials", "placeholders",
+    "foreign_credentials", "placeholders", "allow_body",
 }
 FOREIGN_KEYS = {"headers", "query"}
 PLACEHOLDER_KEYS = {"query", "path"}
@@ -55,7 +55,7 @@ SECRET_SOURCE_KEYS = {"env", "file"}
 MODES = ("enforce", "report")
 SANDBOX_KEYS = {"id", "source_ips", "rules"}
 PROTOCOLS = ("http", "tcp")
-HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths")
+HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths", "allow_body")
 DEFAULT_SANDBOX_ID = "default"
 DEFAULT_POLICY_NAME = "default.yaml"
 
@@ -83,6 +83,9 @@ class Rule:
     foreign_credentials: ForeignCredentials = DEFAULT_FOREIGN
     # Where placeholders are swapped besides header values (gateway/placeholders.py).
     placeholders: Positions = NO_POSITIONS
+    # True: GET, HEAD, OPTIONS and DELETE requests may carry a body (gateway/bodies.py: off by
+    # default, since an origin that ignores it reads it as the next request on the connection).
+    allow_body: bool = False
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -450,7 +453,7 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
 
     rule_mode = _mode(v, fields.get("mode"), f"{path}.mode")
     flags = {}
-    for flag in ("allow_wildcard_credentials", "allow_plaintext_credentials"):
+    for flag in ("allow_wildcard_credentials", "allow_plaintext_credentials", "allow_body"):
         flags[flag] = False
         if flag in fields:
             if not isinstance(fields[flag].value, bool):
@@ -485,7 +488,7 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
         return None
     return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol,
                 injections, rule_mode, flags["allow_wildcard_credentials"], flags["allow_plaintext_credentials"],
-                inspect, foreign_credentials=foreign, placeholders=positions)
+                inspect, foreign_credentials=foreign, placeholders=positions, allow_body=flags["allow_body"])
 
 
 def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
@@ -548,6 +551,7 @@ PASSTHROUGH_FORBIDDEN_KEYS = {
     "methods": "methods cannot be checked inside an uninspected (inspect: false) TLS tunnel",
     "paths": "paths cannot be checked inside an uninspected (inspect: false) TLS tunnel",
     "inject": "credentials cannot be injected into an uninspected (inspect: false) TLS tunnel",
+    "allow_body": "request bodies cannot be checked inside an uninspected (inspect: false) TLS tunnel",
 }
 
 

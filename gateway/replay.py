@@ -42,7 +42,7 @@ POLICY_REASONS = frozenset({
 })
 # Refusals that depend on the request's headers, which the audit log does not record: a replay could
 # only ever say "newly allowed" for them, so they are skipped.
-HEADER_REASONS = frozenset({"placeholder_misuse", "foreign_credential"})
+HEADER_REASONS = frozenset({"placeholder_misuse", "foreign_credential", "unexpected_body"})
 CHANGE_KINDS = ("newly_denied", "newly_allowed", "newly_would_deny", "reason_changed", "rule_changed",
                 "credentials_changed")
 
