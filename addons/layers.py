@@ -29,6 +29,7 @@ from mitmproxy.proxy.layers.http._events import (
     RequestEndOfMessage,
     RequestProtocolError,
     ResponseData,
+    ResponseEndOfMessage,
     ResponseProtocolError,
 )
 from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
@@ -67,6 +68,7 @@ _ERROR_REASONS = {
 
 TARGET_FORM_ATTR = "_egress_target_form"  # "origin" | "absolute" | "authority" | "asterisk"
 RAW_AUTHORITY_ATTR = "_egress_raw_authority"
+END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
 
 
 class RefusalLayer(layer.Layer):
@@ -218,13 +220,14 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
 class GatewayHttp2Server(Http2Server):
     """mitmproxy's HTTP/2 server, except that
     - an error it would answer with its own HTML page (quoting what failed) is answered in the
-      gateway's format: text body, X-Egress-Reason;
+      gateway's format: text body, X-Egress-Reason (no body at all to a HEAD request);
     - what waits for the client's flow-control window is reported to addons/h2_backpressure.py
       after every event, which holds the upstream readers while it is too much."""
 
     def __init__(self, context, on_refusal: OnRefusal):
         super().__init__(context)
         self.on_refusal = on_refusal
+        self._head_requests: set[int] = set()  # streams whose request is a HEAD: answers carry no body
 
     def _unread(self) -> int:
         unread = 0
@@ -253,11 +256,20 @@ class GatewayHttp2Server(Http2Server):
             headers = [(b":status", b"%d" % decision.status)]
             headers += [(k.lower().encode(), v.encode()) for k, v in refusal_headers(decision).items()]
             headers.append((b"content-length", b"%d" % len(body)))
-            self.h2_conn.send_headers(event.stream_id, headers)
-            self.h2_conn.send_data(event.stream_id, body, end_stream=True)
+            if event.stream_id in self._head_requests:
+                self.h2_conn.send_headers(event.stream_id, headers, end_stream=True)
+            else:
+                self.h2_conn.send_headers(event.stream_id, headers)
+                self.h2_conn.send_data(event.stream_id, body, end_stream=True)
             yield commands.SendData(self.conn, self.h2_conn.data_to_send())
             return
-        yield from super()._handle_event(event)
+        for command in super()._handle_event(event):
+            if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+                if command.event.request.method.upper() == "HEAD":
+                    self._head_requests.add(command.event.stream_id)
+            yield command
+        if isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
+            self._head_requests.discard(event.stream_id)
 
 
 class GatewayHttpStream(HttpStream):
@@ -276,6 +288,11 @@ class GatewayHttpStream(HttpStream):
     _streamed_response = 0
     _held = b""  # the last byte of a streamed request body that ends inside an override field so far
     on_refusal: OnRefusal | None = None  # set by the HTTP layer that makes the stream
+
+    def state_wait_for_request_headers(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, RequestHeaders):
+            setattr(event.request, END_STREAM_ATTR, event.end_stream)  # what a body check needs to know
+        return (yield from super().state_wait_for_request_headers(event))
 
     def state_consume_request_body(self, event) -> layer.CommandGenerator[None]:
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
@@ -392,6 +409,11 @@ def target_form(request) -> str | None:
 
 def raw_authority(request) -> str | None:
     return getattr(request, RAW_AUTHORITY_ATTR, None)
+
+
+def end_stream(request) -> bool | None:
+    """Whether the request's head ended it; None when no gateway HTTP layer saw it."""
+    return getattr(request, END_STREAM_ATTR, None)
 
 
 class _TargetFormStream(GatewayHttpStream):

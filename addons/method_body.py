@@ -99,3 +99,40 @@ class BodyOverrideCheck:
         self.done = True
         self.record(decision, found)
         return None if decision.allowed else decision
+
+
+class EmptyBodyCheck:
+    """An HTTP/2 GET, HEAD, OPTIONS or DELETE whose head did not say whether a body follows
+    (gateway/bodies.py `Framing.UNKNOWN`) and whose rule does not set allow_body: the body is held
+    (never streamed) and its first byte refuses the request, 400 `unexpected_body`, before anything
+    of it goes upstream. Same interface as `BodyOverrideCheck`, in the same metadata slot."""
+
+    def __init__(self, refusal: Decision, record: Callable[[Decision, list[Override]], None],
+                 then: BodyOverrideCheck | None = None):
+        self.refusal = refusal
+        self.record = record
+        self.then = then  # a report-mode refusal lets the body on: it is still checked for overrides
+        self.seen = False
+
+    def feed(self, data: bytes) -> Decision | None:
+        if data and not self.seen:
+            self.seen = True
+            try:
+                self.record(self.refusal, [])
+            except Exception:
+                logging.getLogger("egress").exception("egress gateway: could not record a refusal")
+            if not self.refusal.allowed:
+                return self.refusal
+        if self.seen and not self.refusal.allowed:
+            return None  # refused already: nothing more is read
+        return self.then.feed(data) if self.then is not None else None
+
+    def finish(self) -> Decision | None:
+        if self.seen and not self.refusal.allowed:
+            return None
+        return self.then.finish() if self.then is not None else None
+
+    @property
+    def pending(self) -> bool:
+        return self.then.pending if self.then is not None else False
+

@@ -18,7 +18,7 @@ import ipaddress
 
 from mitmproxy import http
 
-from gateway import methods
+from gateway import bodies, methods
 from gateway.decision import Decision, verdict_fields
 from gateway.decompress import streaming_decoder
 from gateway.engine import Engine, Pin, RequestFacts, body_override_refusal
@@ -30,10 +30,13 @@ from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
 from .audit_fields import decision_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
-from .layers import raw_authority, target_form
-from .method_body import BODY_CHECK, BodyOverrideCheck
+from .layers import end_stream, raw_authority, target_form
+from .method_body import BODY_CHECK, BodyOverrideCheck, EmptyBodyCheck
 from .respond import refuse
 from .state import ConnectionState, GatewayState
+
+
+HOLD_BODY = "egress_hold_body"  # flow.metadata key: the request body is buffered, never streamed
 
 
 def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
@@ -44,6 +47,12 @@ def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) 
 
 def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
     return [(k, v) for k, v in request.headers.items(multi=True)]
+
+
+def _facts(host, port: int, scheme: str, request: http.Request) -> RequestFacts:
+    headers = tuple(_header_pairs(request))
+    return RequestFacts(host, port, scheme, request.method, request.path, headers,
+                        bodies.request_framing(headers, end_stream(request)))
 
 
 def _drop_hop_by_hop(request: http.Request) -> None:
@@ -100,19 +109,43 @@ class RequestGuard:
         conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin
-        if not decision.would_deny:
-            self._check_body(flow, decision, pin, engine, sent, bool(injected))
+        # Also on a report-mode (would_deny) head: a body naming TRACE is refused in report mode too,
+        # and any other override in it is recorded.
+        overrides_check = self._check_body(flow, decision, pin, engine, sent, bool(injected))
+        self._hold_empty_body(flow, decision, pin, engine, sent, bool(injected), overrides_check)
+
+    def _hold_empty_body(self, flow: http.HTTPFlow, decision: Decision, pin: Pin, engine: Engine, sent: dict,
+                         bound: bool, then: BodyOverrideCheck | None) -> None:
+        """An allowed GET/HEAD/OPTIONS/DELETE whose head left its body open (HTTP/2 without
+        END_STREAM or content-length) on a rule without allow_body: its body is held, and any byte
+        of one refuses it (addons/method_body.py EmptyBodyCheck)."""
+        rule = engine.policy.rules_by_id.get(decision.rule or "")
+        framing = bodies.request_framing(_header_pairs(flow.request), end_stream(flow.request))
+        if rule is None or not bodies.must_stay_empty(flow.request.method, framing, rule.allow_body):
+            return
+        refusal = engine.report(Decision.deny("unexpected_body", bodies.body_refusal_text(flow.request.method, rule.id)
+                                              + "; nothing of it was sent", rule.id))
+        if refusal.would_deny and bound:  # report mode never lets a credential go with a refused request
+            refusal = Decision(False, refusal.reason, refusal.message.removeprefix("report mode: ")
+                               + " (report mode does not apply: the request carries the rule's credential)",
+                               refusal.rule, refusal.notes)
+
+        def record(refused: Decision, _found) -> None:
+            self.state.record(event="request_body", **({k: v for k, v in sent.items() if k != "method_override"}
+                                                      | decision_fields(refused, pin)))
+
+        flow.metadata[BODY_CHECK] = EmptyBodyCheck(refusal, record, then)
+        flow.metadata[HOLD_BODY] = True
 
     def _check_body(self, flow: http.HTTPFlow, decision: Decision, pin: Pin, engine: Engine, sent: dict,
-                    bound: bool) -> None:
+                    bound: bool) -> BodyOverrideCheck | None:
         """An allowed request whose body a framework could read a `_method` field from: its body is
-        checked as it arrives, before it goes on (addons/method_body.py)."""
+        checked as it arrives, before it goes on (addons/method_body.py). With no rule behind the
+        decision (report mode's `no_rule`), only the overrides that are always refused count."""
         rule = engine.policy.rules_by_id.get(decision.rule or "")
-        if rule is None:
-            return
         scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request), streaming_decoder)
         if scanner is None:
-            return
+            return None
         wire = flow.request.method
 
         def judge(found: list[methods.Override]) -> Decision | None:
@@ -124,7 +157,8 @@ class RequestGuard:
             fields["method_override"] = [o.describe() for o in found] or None
             self.state.record(event="request_body", **fields)
 
-        flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound)
+        check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound)
+        return check
 
     def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope, engine: Engine) -> tuple[Decision, Pin | None]:
         request = flow.request
@@ -140,7 +174,7 @@ class RequestGuard:
             return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), pin
         if problem := check_restated(restated, scheme, pin.host, pin.port):
             return problem, pin
-        facts = RequestFacts(pin.host, pin.port, scheme, request.method, request.path, tuple(_header_pairs(request)))
+        facts = _facts(pin.host, pin.port, scheme, request)
         return engine.check_request(facts, scope), pin
 
     async def _transparent_first(
@@ -173,7 +207,7 @@ class RequestGuard:
             return Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"), None, named
         if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
             return problem, None, named
-        facts = RequestFacts(host, port, "http", request.method, request.path, tuple(_header_pairs(request)))
+        facts = _facts(host, port, "http", request)
         decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
         if pin is None:
             return decision, None, named
@@ -211,7 +245,7 @@ class RequestGuard:
         if problem := check_restated([("host", v) for v in hosts], "http", host, port):
             reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
             return Decision.deny(reason, problem.message), None, named
-        facts = RequestFacts(host, port, "http", request.method, request.path, tuple(_header_pairs(request)))
+        facts = _facts(host, port, "http", request)
         decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
         if pin is None:
             return decision, None, named

@@ -20,6 +20,7 @@ from gateway.streaming import Plan, forbidden_trailers, request_streams, respons
 
 from . import h2_backpressure, http1
 from .credentials import BOUND
+from .request_guard import HOLD_BODY
 
 
 def _allowed(flow: http.HTTPFlow) -> bool:
@@ -33,7 +34,7 @@ class BodyStreaming:
         h2_backpressure.install()  # an HTTP/2 client that reads slowly slows its upstreams down
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or not _allowed(flow) or flow.request.stream:
+        if flow.response is not None or not _allowed(flow) or flow.request.stream or HOLD_BODY in flow.metadata:
             return
         if request_streams(flow.request.headers.items(multi=True)):
             flow.request.stream = True
