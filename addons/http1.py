@@ -23,9 +23,10 @@ from __future__ import annotations
 import h11
 from mitmproxy import http
 from mitmproxy.net.http import http1, status_codes
-from mitmproxy.proxy import commands, layer
+from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import (
+    ErrorCode,
     RequestData,
     RequestEndOfMessage,
     RequestHeaders,
@@ -33,11 +34,14 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseData,
     ResponseEndOfMessage,
     ResponseHeaders,
+    ResponseProtocolError,
     ResponseTrailers,
 )
-from mitmproxy.proxy.layers.http._http1 import Http1Client
+from mitmproxy.proxy.layers.http._http1 import Http1Client, should_make_pipe
 
+from gateway.bodies import MAX_INTERIM_RESPONSES, UpstreamExchange, request_framing
 from gateway.streaming import FORBIDDEN_TRAILERS
+
 
 def _is_chunked(message) -> bool:
     return "chunked" in message.headers.get("transfer-encoding", "").lower()
@@ -117,14 +121,33 @@ class ServerFraming:
         yield commands.SendData(self.conn, http1.assemble_response_head(response))
 
 
+def _interim_status(buf) -> int | None:
+    """The status of the response head at the start of `buf` when it is an interim one (1xx but
+    101, which switches protocols), else None."""
+    start = bytes(buf)[:13]
+    if len(start) < 13 or not start.startswith((b"HTTP/1.1 1", b"HTTP/1.0 1")) or start[12:13] not in (b" ", b"\r", b"\n"):
+        return None
+    try:
+        status = int(start[9:12])
+    except ValueError:
+        return None
+    return status if status != 101 else None
+
+
 class GatewayHttp1Client(Http1Client):
     """Towards the upstream: no empty chunk, chunked framing for translated HTTP/2 request bodies of
-    unknown length, request trailers after the last chunk, and response trailers read."""
+    unknown length, request trailers after the last chunk, and response trailers read. And the
+    connection is reused only after an exchange that cannot have left bytes behind
+    (gateway/bodies.py `UpstreamExchange`): interim 1xx responses are read past (mitmproxy took the
+    first for the final response), and a request body, an early response or an interim response
+    ends the connection once the exchange is over."""
 
     _chunked_body = False
     _pending_trailers: http.Headers | None = None
+    _exchange: UpstreamExchange | None = None
 
     def send(self, event) -> layer.CommandGenerator[None]:
+        self._note_sent(event)
         if isinstance(event, RequestHeaders) and (event.request.is_http2 or event.request.is_http3):
             if self.stream_id is None:
                 self.stream_id = event.stream_id
@@ -163,6 +186,50 @@ class GatewayHttp1Client(Http1Client):
         if self._chunked_body:
             request.headers["transfer-encoding"] = "chunked"
         yield commands.SendData(self.conn, http1.assemble_request_head(request))
+
+    def _note_sent(self, event) -> None:
+        if isinstance(event, RequestHeaders):
+            self._exchange = UpstreamExchange()
+            self._exchange.request_head(request_framing(event.request.headers.items(multi=True), event.end_stream))
+        elif self._exchange is not None:
+            if isinstance(event, RequestData):
+                self._exchange.request_data(len(event.data))
+            elif isinstance(event, RequestEndOfMessage):
+                self._exchange.request_end()
+
+    def read_headers(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.DataReceived) and self.request is not None and self._exchange is not None:
+            while (status := _interim_status(self.buf)) is not None:
+                if self.buf.maybe_extract_lines() is None:
+                    return  # the rest of the interim head is still on its way
+                self._exchange.response_head(status)
+                if self._exchange.too_many_interim:
+                    yield commands.CloseConnection(self.conn)
+                    yield ReceiveHttp(ResponseProtocolError(
+                        self.stream_id, f"the server sent more than {MAX_INTERIM_RESPONSES} interim (1xx) responses",
+                        ErrorCode.GENERIC_SERVER_ERROR))
+                    self.state = self.done
+                    return
+        for command in super().read_headers(event):
+            if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseHeaders)
+                    and self._exchange is not None):
+                self._exchange.response_head(command.event.response.status_code)
+            yield command
+
+    def mark_done(self, *, request: bool = False, response: bool = False) -> layer.CommandGenerator[None]:
+        self.request_done = self.request_done or request
+        self.response_done = self.response_done or response
+        exchange = self._exchange
+        if (self.request_done and self.response_done and exchange is not None and self.request is not None
+                and self.response is not None and not should_make_pipe(self.request, self.response)
+                and exchange.single_use_reason() is not None):
+            self._exchange = None
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+            return
+        if self.request_done and self.response_done:
+            self._exchange = None
+        yield from super().mark_done()
 
     def read_body(self, event) -> layer.CommandGenerator[None]:
         if not isinstance(self.body_reader, TrailerCatcher):
