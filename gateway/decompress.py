@@ -24,38 +24,110 @@ class DecodedTooLarge(ValueError):
     pass
 
 
-class _Zlib:
-    def __init__(self, wbits: int):
-        self._wbits = wbits
-        self._d = zlib.decompressobj(wbits)
-        self._started = False
-        self._tail = b""
+class _Concatenated:
+    """A coding whose body may be several streams back to back: gzip members (RFC 1952; Node and
+    gzip(1) decode them all), zlib or raw deflate streams, zstd frames. Each stream is decoded to
+    its end, then the next one from the bytes after it. Bytes after a complete stream that do not
+    start a new one are dropped and flagged (`trailing`); `finished()` says whether the last
+    stream ended (False for a body cut short)."""
+
+    def __init__(self):
+        self._d = None
+        self._input = b""  # bytes not yet given to a stream decoder
+        self._streams = 0
+        self._out = 0  # output of the current stream
+        self.trailing = False
+
+    # one stream's decoder: made from its first bytes, fed (output, input it left to us), at its end
+    def _new(self, data: bytes):
+        raise NotImplementedError
+
+    def _feed(self, d, data: bytes, max_length: int) -> tuple[bytes, bytes]:
+        raise NotImplementedError
+
+    def _more(self, d) -> bool:  # the decoder holds input it has not turned into output yet
+        return False
 
     def decompress(self, data: bytes, max_length: int) -> bytes:
-        if not self._started and self._wbits == zlib.MAX_WBITS and data:
-            self._started = True
-            # "deflate" is meant to be zlib-wrapped, but servers send raw deflate too.
-            if (data[0] & 0x0F) != 8 or (len(data) > 1 and ((data[0] << 8) | data[1]) % 31):
-                self._d = zlib.decompressobj(-zlib.MAX_WBITS)
-        out = self._d.decompress(self._tail + data, max_length)
-        self._tail = self._d.unconsumed_tail
-        return out
+        self._input += data
+        out = []
+        while not self.trailing and max_length > 0:
+            if self._d is not None and self._d.eof:
+                if not self._input:
+                    break
+                self._d = None
+            if self._d is None:
+                if not self._input:
+                    break
+                self._d, self._out = self._new(self._input), 0
+                self._streams += 1
+            elif not self._input and not self._more(self._d):
+                break
+            chunk, self._input = self._input, b""
+            try:
+                piece, self._input = self._feed(self._d, chunk, max_length)
+            except Exception:
+                if self._streams > 1 and self._out == 0:  # not a stream at all: data after the last one
+                    self.trailing, self._input = True, b""
+                    break
+                raise
+            self._out += len(piece)
+            out.append(piece)
+            max_length -= len(piece)
+            if not piece and not self._d.eof and self._input == chunk:
+                break  # no progress: wait for more input
+        return b"".join(out)
 
     def has_more(self) -> bool:
-        return bool(self._tail)
+        if self.trailing:
+            return False
+        return bool(self._input) or (self._d is not None and not self._d.eof and self._more(self._d))
+
+    def finished(self) -> bool:
+        if self._d is None:
+            return not self._input
+        return self._d.eof and not self._input
 
     def flush(self) -> bytes:
-        return self._d.flush()
+        return b""
+
+
+class _Zlib(_Concatenated):
+    def __init__(self, wbits: int):
+        super().__init__()
+        self._wbits = wbits
+
+    def _new(self, data: bytes):
+        wbits = self._wbits
+        # "deflate" is meant to be zlib-wrapped, but servers send raw deflate too.
+        if wbits == zlib.MAX_WBITS and ((data[0] & 0x0F) != 8 or (len(data) > 1 and ((data[0] << 8) | data[1]) % 31)):
+            wbits = -zlib.MAX_WBITS
+        return zlib.decompressobj(wbits)
+
+    def _feed(self, d, data: bytes, max_length: int) -> tuple[bytes, bytes]:
+        out = d.decompress(data, max_length)
+        return out, (d.unused_data if d.eof else d.unconsumed_tail)
+
+    def flush(self) -> bytes:
+        return self._d.flush() if self._d is not None and not self._d.eof else b""
 
 
 class _Brotli:
+    """One brotli stream (the format has no concatenation); bytes after its end are `trailing`."""
+
     def __init__(self):
         import brotli
 
         self._d = brotli.Decompressor()
         self._more = False
+        self._seen = False
+        self.trailing = False
 
     def decompress(self, data: bytes, max_length: int) -> bytes:
+        self._seen |= bool(data)
+        if self._d.is_finished():
+            self.trailing |= bool(data)
+            return b""
         if not data and not self._more:
             return b""
         out = self._d.process(data, output_buffer_limit=max(max_length, 1))
@@ -63,30 +135,33 @@ class _Brotli:
         return out
 
     def has_more(self) -> bool:
-        return self._more
+        return self._more and not self._d.is_finished()
+
+    def finished(self) -> bool:
+        return self._d.is_finished() or not self._seen
 
     def flush(self) -> bytes:
         return b""
 
 
-class _Zstd:
+class _Zstd(_Concatenated):
     def __init__(self):
+        super().__init__()
         try:
             from backports import zstd
         except ImportError:  # Python 3.14+
             from compression import zstd  # type: ignore[no-redef]
-        self._d = zstd.ZstdDecompressor()
+        self._zstd = zstd
 
-    def decompress(self, data: bytes, max_length: int) -> bytes:
-        if self._d.eof or (not data and self._d.needs_input):
-            return b""
-        return self._d.decompress(data, max_length)
+    def _new(self, data: bytes):
+        return self._zstd.ZstdDecompressor()
 
-    def has_more(self) -> bool:
-        return not self._d.eof and not self._d.needs_input
+    def _feed(self, d, data: bytes, max_length: int) -> tuple[bytes, bytes]:
+        out = d.decompress(data, max_length)  # it keeps input it has not decoded yet itself
+        return out, (d.unused_data if d.eof else b"")
 
-    def flush(self) -> bytes:
-        return b""
+    def _more(self, d) -> bool:
+        return not d.needs_input
 
 
 DECODERS: dict[str, Callable[[], object]] = {
@@ -132,6 +207,15 @@ class BoundedDecoder:
 
     def flush(self) -> bytes:
         return self._take(self.inner.flush(), self._room())
+
+    def finished(self) -> bool:
+        """Did the (last) compressed stream end? False for a body cut short."""
+        return self.inner.finished()
+
+    @property
+    def trailing(self) -> bool:
+        """Were there bytes after the end of the compressed data that start no new stream?"""
+        return self.inner.trailing
 
 
 def streaming_decoder(content_encoding: str, limit: int | None = None) -> BoundedDecoder | None:
