@@ -42,16 +42,26 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote_plus
 
-from .foreign import header_key, query_key
+from .foreign import query_key
 from .policy import FORBIDDEN_METHODS
 
 OVERRIDE_HEADERS = ("X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override")
 # Query parameters, form fields and top-level JSON keys (compared as query names are).
-OVERRIDE_FIELDS = ("_method", "_method_override", "X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override")
+OVERRIDE_FIELDS = ("_method", "_method_override", "_HttpMethod", "X-HTTP-Method-Override", "X-HTTP-Method",
+                   "X-Method-Override")
 # Query parameters that are an override only when their value is a registered method name.
 GENERIC_FIELDS = ("method",)
 
-HEADER_KEYS = frozenset(header_key(n) for n in OVERRIDE_HEADERS)
+
+
+def override_header_key(name: str) -> str:
+    """A header name as CGI-style servers file it: PHP's built-in server, Apache's and others'
+    CGI/FastCGI environments turn every character that is not a letter or digit into `_`
+    (`X.HTTP.Method.Override` is HTTP_X_HTTP_METHOD_OVERRIDE), so every such character is `-` here."""
+    return re.sub(r"[^0-9a-z]", "-", name.strip().lower())
+
+
+HEADER_KEYS = frozenset(override_header_key(n) for n in OVERRIDE_HEADERS)
 FIELD_KEYS = frozenset(query_key(n) for n in OVERRIDE_FIELDS)
 GENERIC_KEYS = frozenset(query_key(n) for n in GENERIC_FIELDS)
 
@@ -128,7 +138,7 @@ def field_overrides(source: str, name: str, value: str, generic: bool = False) -
 def header_overrides(headers: Iterable[tuple[str, str]]) -> list[Override]:
     found = []
     for name, value in headers:
-        if header_key(name) in HEADER_KEYS:
+        if override_header_key(name) in HEADER_KEYS:
             found += [Override("header", name[:64], m) for m in _elements(value)]
     return found
 

@@ -355,3 +355,22 @@ def test_a_failing_body_check_fails_closed():
     refusal = check.feed(b"x")
     assert (refusal.allowed, refusal.reason, refusal.status) == (False, "internal_error", 500)
     assert recorded == ["internal_error"] and not check.pending and check.feed(b"y") is None
+
+
+@pytest.mark.parametrize("name", ["X.HTTP.Method.Override", "x~http~method~override", "X HTTP-Method-Override",
+                                  "X_HTTP.METHOD-OVERRIDE", "X.Method.Override", "x@http@method"])
+def test_header_names_are_read_as_cgi_servers_file_them(name):
+    """PHP's built-in server (and CGI environments) turn every non-alphanumeric character of a
+    header name into `_`: `X.HTTP.Method.Override` is Symfony's X-HTTP-Method-Override (review 14a F5)."""
+    assert [o.method for o in overrides([(name, "DELETE")], "/")] == ["DELETE"]
+
+
+def test_header_names_that_no_server_reads_as_an_override():
+    for name in ("X-HTTP-Method-Override.", "X-HTTP-Method-Override~", "XHTTPMethodOverride", "X-HTTP-Method-Overrides"):
+        assert overrides([(name, "DELETE")], "/") == ()
+
+
+def test_salesforce_httpmethod_parameter():
+    assert [o.method for o in overrides([], "/services/data/v60.0/sobjects/Account/1?_HttpMethod=PATCH")] == ["PATCH"]
+    assert [o.method for o in scan([], b"_HttpMethod=DELETE")] == ["DELETE"]
+
