@@ -49,10 +49,13 @@ class RequestFacts:
     # What the head says about the body (gateway/bodies.py); None: read from `headers` as HTTP/1
     # frames them (live traffic passes what the wire said, with HTTP/2's END_STREAM).
     framing: bodies.Framing | None = None
+    # Overrides known otherwise than from headers and target: replay's recorded query overrides
+    # (the recorded path is capped and may have lost its query).
+    recorded: tuple[methods.Override, ...] = ()
 
     @property
     def overrides(self) -> tuple[methods.Override, ...]:
-        return methods.overrides(self.headers, self.target)
+        return tuple(dict.fromkeys(methods.overrides(self.headers, self.target) + self.recorded))
 
     @property
     def body(self) -> bodies.Framing:

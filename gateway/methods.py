@@ -175,7 +175,7 @@ def forbidden(found: Iterable[Override]) -> Override | None:
 
 def parse_described(entries: Sequence[str]) -> list[tuple[str, str]]:
     """The header overrides of an audit line's `method_override` entries, back as header pairs
-    (replay re-decides them; query overrides are in the recorded path already)."""
+    (replay re-decides them)."""
     headers = []
     for entry in entries:
         if isinstance(entry, str) and entry.startswith("header "):
@@ -183,6 +183,22 @@ def parse_described(entries: Sequence[str]) -> list[tuple[str, str]]:
             if sep and name:
                 headers.append((name, value))
     return headers
+
+
+def described_query_overrides(entries: Sequence[str]) -> list[Override]:
+    """The query overrides of an audit line's `method_override` entries. The recorded path is
+    capped (gateway/audit.py), so its query may have lost them: replay judges these as recorded."""
+    found = []
+    prefix = SOURCES["query"] + " "
+    for entry in entries:
+        if isinstance(entry, str) and entry.startswith(prefix):
+            name, sep, value = entry[len(prefix):].rpartition(": ")
+            if sep and name:
+                method = None if value == NOT_A_METHOD else value.strip().upper()
+                if method is not None and not (method.isascii() and _TOKEN.match(method)):
+                    method = None
+                found.append(Override("query", name, method))
+    return found
 
 
 # --- bodies ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Input is the gateway's audit log (one JSON object per line). Lines for `request`, `connect`, `tls`
 and `dns` events are re-decided with the new policy's engine, using the recorded host, port,
-scheme, method, path, header method overrides (`method_override`) and client (the client's address
+scheme, method, path, header and query method overrides (`method_override`; the recorded path is
+capped, so the query overrides are judged as recorded, not only from it) and client (the client's address
 picks the sandbox, as the gateway would; the recorded `sandbox` id is used only when there is no
 client address). `request_body` lines (an override in a body) are not replayed: bodies are not logged. What the policy does not
 decide is not replayed: 421s, malformed input, refusals of uninspectable bytes, upstream failures,
@@ -28,7 +29,7 @@ from .decision import Decision
 from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine, RequestFacts
 from .engine import check_bound_request, credential_refusal
 from .hostnames import Host, HostError, IPAddress, canonical_host
-from .methods import parse_described
+from .methods import Override, described_query_overrides, parse_described
 from .placeholders import ShapeTokens
 from .policy import Policy, Scope
 
@@ -67,6 +68,9 @@ class Record:
     injected: tuple[str, ...] = ()
     # Header method overrides the audit line recorded (`method_override`), back as header pairs.
     headers: tuple[tuple[str, str], ...] = ()
+    # Query method overrides the audit line recorded: the recorded path is capped at
+    # gateway/audit.py's MAX_VALUE_LENGTH, so its query may no longer hold them.
+    query_overrides: tuple[Override, ...] = ()
 
     def describe(self) -> str:
         if self.event == "request":
@@ -200,6 +204,7 @@ def _record(source: str, number: int, raw: str) -> tuple[Record | None, str]:
         source, number, event, host, port if event != "dns" else None, verdict, reason, fields["rule"],
         fields["scheme"], fields["method"], fields["path"], fields["sandbox"], fields["client"], fields["address"],
         fields["dns_type"], tuple(injected), tuple(parse_described(overrides)),
+        tuple(described_query_overrides(overrides)),
     ), ""
 
 
@@ -264,7 +269,8 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
     if record.event == "dns":
         decision = _dns(engine, record, host, scope)
     elif record.event == "request":
-        facts = RequestFacts(host, record.port, record.scheme.lower(), record.method, record.path, record.headers)
+        facts = RequestFacts(host, record.port, record.scheme.lower(), record.method, record.path, record.headers,
+                             record.query_overrides)
         decision = engine.check_request(facts, scope)
         if decision.allowed:
             decision = _check_addresses(engine, record, host, decision, record.port)

@@ -328,3 +328,22 @@ def test_header_method_overrides_are_replayed(tmp_path):
     assert record.headers == (("X_HTTP_Method", "PUT"),)
     _, result = parse_audit([json.dumps(request("/x", method_override="header X: y"))])
     assert result.skipped == {"malformed fields": 1}
+
+
+def test_query_overrides_are_replayed_as_recorded_when_the_path_lost_them(tmp_path):
+    """The audit line's path is capped (AuditLog, 2048 characters): a long path loses its query and
+    the `_method` in it. Replay judges the query overrides the line recorded, so a live refusal is
+    not replayed as newly allowed (review 14a F7)."""
+    old = write(tmp_path / "old.yaml", OLD)
+    long = "/v1/" + "a" * 2100
+    log = audit(tmp_path,
+                request(long + "?_method=DELETE", decision="deny", reason="method_not_allowed",
+                        method_override=["query parameter _method: DELETE"]),
+                request(long + "?_method=x;y", decision="deny", reason="method_not_allowed",
+                        method_override=["query parameter _method: (not a method name)"]))
+    [line, _] = [json.loads(raw) for raw in log.read_text().splitlines()]
+    assert "_method" not in line["path"]  # the recorded path really did lose it
+    result = run_cli("replay", "--policy", old, "--format", "json", log)
+    assert result.status == 0, result.stdout
+    [record] = parse_audit([json.dumps(request("/x", method_override=["query parameter a: b: DELETE"]))])[0]
+    assert [(o.name, o.method) for o in record.query_overrides] == [("a: b", "DELETE")]

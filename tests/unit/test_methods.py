@@ -374,3 +374,9 @@ def test_salesforce_httpmethod_parameter():
     assert [o.method for o in overrides([], "/services/data/v60.0/sobjects/Account/1?_HttpMethod=PATCH")] == ["PATCH"]
     assert [o.method for o in scan([], b"_HttpMethod=DELETE")] == ["DELETE"]
 
+
+def test_replayed_query_overrides_parse_back():
+    described = [o.describe() for o in overrides([], "/?_method=PUT&_method=x;y&X-HTTP-Method=DELETE,GET")]
+    back = methods.described_query_overrides(described + ["header X-HTTP-Method-Override: PATCH"])
+    assert [o.describe() for o in back] == described
+    assert methods.described_query_overrides(["query parameter _method: DEL ETE"])[0].method is None
