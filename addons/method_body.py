@@ -16,6 +16,11 @@ it arrives, before any of it is sent on:
   HTTP/1 connection) and the origin never has a whole request to act on. The head and the start
   of the body did go upstream.
 
+A body the scanner cannot read every way some framework might (a charset the gateway does not
+know, a Content-Encoding that does not decode, a multipart header block past its cap; see
+`BodyScanner.problem`) is refused the same way, `method_not_allowed`, saying it could not be
+checked: failing closed, since what the origin makes of it is not knowable.
+
 A refusal is 403 `method_not_allowed` to the client (or `method_forbidden` for TRACE/TRACK/CONNECT)
 and one audit line, event `request_body`, with `method_override` saying which field. On a rule in
 report mode the override is logged `would_deny` and the body goes on, except on a rule that injects
@@ -80,10 +85,10 @@ class BodyOverrideCheck:
             return self._refuse(Decision.deny(
                 "request_too_large", f"the compressed request body decodes to too much to be checked for method "
                                      f"overrides ({exc}); its end was not sent"), [])
-        if self.scanner.unreadable:
+        if (why := self.scanner.problem) is not None:  # a body the gateway cannot read every way a server may
             return self._refuse(Decision.deny(
-                "method_not_allowed", "a multipart part's header block is too long to tell whether it is a method "
-                                      "override field; its end was not sent"), [])
+                "method_not_allowed", f"the request body could not be checked for method overrides: {why}; "
+                                      f"its end was not sent"), found)
         if not found:
             return None
         decision = self.judge(found)

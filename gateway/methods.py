@@ -36,11 +36,12 @@ chunk by chunk.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, unquote_to_bytes
 
 from .foreign import query_key
 from .policy import FORBIDDEN_METHODS
@@ -202,10 +203,186 @@ def described_query_overrides(entries: Sequence[str]) -> list[Override]:
 
 
 # --- bodies ---------------------------------------------------------------------------------------
+#
+# A body is read as a SUPERSET of what any mainstream framework could read a `_method` field from
+# (docs/policy.md "Method overrides"): every plausible reading of its Content-Type, every plausible
+# charset, the bytes as sent and decoded, multipart as liberally as PHP and Rack. A reading that
+# finds an override the rule does not allow refuses the body; a body the gateway cannot read under
+# some plausible reading (an unknown charset, a Content-Encoding that does not decode) is refused as
+# uncheckable (`BodyScanner.problem`).
 
 
 class BodyTooLarge(ValueError):
     """A compressed body decodes past the decoder's budget: it cannot be checked."""
+
+
+READINGS_CAP = 6  # distinct boundaries (or charsets) one Content-Type may name; more is refused
+CODINGS_CAP = 3  # stacked Content-Encodings decoded; more is refused
+_ESCAPES_PROBE = bytes(range(128)) + b"\\u005f\\x5f+AF8-~{_~}\x1b$B_\x1b(B&#95;"
+
+
+def _codec(name: str) -> str | None:
+    """Python's codec for a declared charset, or None when Python has no such text encoding."""
+    name = name.strip().strip("\"'").strip().lower()
+    name = {"ucs-2": "utf-16", "ucs2": "utf-16", "ucs-4": "utf-32", "ucs4": "utf-32", "unicode": "utf-16",
+            "unicodefffe": "utf-16-be", "unicodefeff": "utf-16-le", "x-utf-16le-bom": "utf-16-le",
+            "x-utf-32le-bom": "utf-32-le", "x-utf-16be-bom": "utf-16-be", "x-utf-32be-bom": "utf-32-be"}.get(name, name)
+    try:
+        info = codecs.lookup(name)
+    except (LookupError, ValueError):
+        return None
+    return info.name if getattr(info, "_is_text_encoding", True) else None
+
+
+_WIDE = ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+
+
+def _ascii_transparent(codec: str) -> bool:
+    """Does every ASCII byte read as itself, whatever surrounds it (UTF-8, Latin-1, windows-125x,
+    Shift_JIS, GBK...)? Then the bytes as sent are a reading of the text already. Not so for
+    EBCDIC, UTF-16/32, UTF-7, ISO-2022, HZ or Python's escape codecs."""
+    try:
+        return codecs.decode(_ESCAPES_PROBE, codec) == _ESCAPES_PROBE.decode("latin-1")
+    except Exception:
+        return False
+
+
+@dataclass
+class BodyPlan:
+    """How a request body is read, from its Content-Type values (`plan_body`)."""
+
+    form: bool = False
+    json: bool = False
+    multipart: bool = False
+    boundaries: tuple[bytes, ...] = ()
+    charsets: tuple[str, ...] = ()  # codecs (not ASCII-transparent) the text may be in: decoded readings
+    wide: bool = False  # a UTF-16/32 charset was declared
+    problem: str | None = None  # why a body of this type cannot be checked
+
+    @property
+    def parses(self) -> bool:
+        return self.form or self.json or self.multipart
+
+    @property
+    def field_charsets(self) -> tuple[str, ...]:
+        """What field names and values are decoded as, besides UTF-8 (Tomcat splits a form at the
+        ASCII `&` and `=` bytes and decodes each name with the declared charset)."""
+        return self.charsets + (_WIDE if self.wide else ())
+
+
+_CT_FORM = "application/x-www-form-urlencoded"
+_PARAM = r"\s*=\s*(\"[^\"]*\"?|'[^']*'?|[^;,\s]*)"
+_CHARSET = re.compile(r"charset" + _PARAM, re.IGNORECASE)
+
+
+def _boundaries(value: str) -> list[str]:
+    """Every boundary any parser could take from a Content-Type value: after each `boundary`
+    anywhere in it (PHP: the next `=` after the word), quoted or not, cut at `;` / `,` (PHP, Rack)
+    or at whitespace too (RFC 2046)."""
+    found: list[str] = []
+    lower = value.lower()
+    start = lower.find("boundary")
+    while start >= 0:
+        equals = value.find("=", start + len("boundary"))
+        if equals < 0:
+            break
+        rest = value[equals + 1:]
+        for text in {rest, rest.lstrip()}:
+            if text.startswith('"'):
+                inner = text[1:]
+                found.append(inner.split('"', 1)[0])  # PHP and Rack: up to the next quote
+                m = re.match(r'((?:[^"\\]|\\.)*)', inner)  # RFC quoted-string, escapes undone
+                found.append(re.sub(r"\\(.)", r"\1", m.group(1)))
+                found.append(re.split(r"[;,]", text, maxsplit=1)[0].strip('"'))  # Rack's "?([^";,]+)"?
+            else:
+                cut = re.split(r"[;,]", text, maxsplit=1)[0]
+                found += [cut, cut.rstrip(), re.split(r"[;,\s]", text, maxsplit=1)[0]]
+        start = lower.find("boundary", start + 1)
+    return found
+
+
+def plan_body(content_types: Sequence[str]) -> BodyPlan:
+    """The readings of a body with these Content-Type values (none at all: Rack parses it as a
+    form; some JSON parsers do not look at the type). Liberal on purpose: the media type is cut at
+    `;`, `,` or whitespace by one server or another (a prefix test covers them all), `/json` or
+    `+json` anywhere makes Laravel read JSON, `boundary` is found anywhere (PHP)."""
+    plan = BodyPlan()
+    if not content_types:
+        plan.form = plan.json = True
+        return plan
+    values = list(content_types) + ([", ".join(content_types)] if len(content_types) > 1 else [])
+    boundaries: list[str] = []
+    charsets: list[str] = []
+    for value in values:
+        for piece in [value, *value.split(",")]:
+            media = piece.strip().lower()
+            plan.form |= media.startswith(_CT_FORM) or not media
+            plan.multipart |= media.startswith("multipart/")
+            plan.json |= "json" in media
+        if "multipart/" in value.lower():
+            boundaries += _boundaries(value)
+        charsets += [m.group(1) for m in _CHARSET.finditer(value)]
+    if plan.multipart:
+        plan.boundaries = tuple(dict.fromkeys(b.encode("utf-8", "surrogateescape") for b in boundaries if b))
+    decoded: list[str] = []
+    for name in dict.fromkeys(c.strip().strip("\"'").strip() for c in charsets):
+        if not name:
+            continue
+        codec = _codec(name)
+        if codec is None:
+            if plan.form or plan.multipart:
+                plan.problem = f"its charset {name[:40]!r} is not one the gateway can read"
+            continue
+        if codec.startswith(("utf-16", "utf-32")):
+            plan.wide = True
+        elif not _ascii_transparent(codec):
+            decoded.append(codec)
+    plan.charsets = tuple(dict.fromkeys(decoded))
+    if len(plan.boundaries) > READINGS_CAP or len(plan.charsets) > READINGS_CAP:
+        plan.problem = "its Content-Type names too many boundaries or charsets"
+    return plan
+
+
+def _unquoted_bytes(raw: bytes) -> bytes:
+    raw = raw.replace(b"+", b" ")
+    for _ in range(_DECODE_ROUNDS):
+        decoded = unquote_to_bytes(raw)
+        if decoded == raw:
+            break
+        raw = decoded
+    return raw
+
+
+def _texts(raw: bytes, charsets: Sequence[str], percent: bool, value: bool = False) -> list[str]:
+    """A field name's or value's text under UTF-8 and under each charset (percent escapes decoded
+    to bytes first, as Django and Tomcat do), distinct, UTF-8 first (a UTF-8 name is left as sent:
+    query_key decodes it)."""
+    texts = [raw.decode("utf-8", "replace")]
+    if percent and value:
+        texts = [_decoded(texts[0])]
+    for charset in charsets:
+        try:
+            texts.append((_unquoted_bytes(raw) if percent else raw).decode(charset, "replace"))
+        except Exception:
+            continue
+    return list(dict.fromkeys(texts))
+
+
+def _override_names(raw: bytes, charsets: Sequence[str], percent: bool = True) -> list[str]:
+    return [t for t in _texts(raw, charsets, percent) if query_key(t) in FIELD_KEYS]
+
+
+def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[str], percent: bool) -> list[Override]:
+    """The overrides a field under override names carries: its value read every way its name was."""
+    if not names:
+        return []
+    name = names[0][:64]
+    if len(raw) > VALUE_CAP:
+        return [Override(source, name, None)]
+    found: list[Override] = []
+    for text in _texts(raw, charsets, percent, value=True):
+        found += [Override(source, name, m) for m in _elements(text)]
+    return list(dict.fromkeys(found))
 
 
 class _Form:
@@ -215,11 +392,12 @@ class _Form:
     _STOP = re.compile(rb"[=&;]")
     _SEP = re.compile(rb"[&;]")
 
-    def __init__(self) -> None:
+    def __init__(self, charsets: Sequence[str] = ()) -> None:
+        self._charsets = tuple(charsets)
         self._state = "name"  # name | value | skip
         self._name = bytearray()
         self._value = bytearray()
-        self._field = ""
+        self._names: list[str] = []
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         pos, end = 0, len(data)
@@ -233,9 +411,8 @@ class _Form:
                     return
                 pos = stop + 1
                 if data[stop] == ord("=") and len(self._name) <= NAME_CAP:
-                    self._field = self._name.decode("utf-8", "replace")
-                    overriding = query_key(self._field) in FIELD_KEYS
-                    self._state = "value" if overriding else "skip"
+                    self._names = _override_names(bytes(self._name), self._charsets)
+                    self._state = "value" if self._names else "skip"
                 elif data[stop] == ord("="):
                     self._state = "skip"
                 self._name.clear()
@@ -251,7 +428,7 @@ class _Form:
 
     def _close(self, found: list[Override]) -> None:
         if self._state == "value":
-            found += _judged_value("form", self._field, bytes(self._value))
+            found += _judged("form", self._names, bytes(self._value), self._charsets, percent=True)
         self._state = "name"
         self._value.clear()
         self._name.clear()
@@ -264,27 +441,37 @@ class _Form:
         return self._state == "value"
 
 
-def _judged_value(source: str, name: str, raw: bytes, decode: bool = True) -> list[Override]:
-    if len(raw) > VALUE_CAP:
-        return [Override(source, name[:64], None)]
-    text = raw.decode("utf-8", "replace")
-    if not decode:
-        return [Override(source, name[:64], m) for m in _elements(text)]
-    return field_overrides(source, name, text)
-
-
 class _Multipart:
     """multipart/form-data (and the other multipart types Rack parses): every part whose
-    Content-Disposition names an override field. Delimiters are found anywhere (not only at the
-    start of a line): looser than any parser, so no part a server reads is missed."""
+    Content-Disposition names an override field, read at least as liberally as PHP and Rack:
+
+    - delimiters are found anywhere (not only at the start of a line), and a close-delimiter does
+      not end the body (PHP goes on to the next delimiter);
+    - a part's header block ends at the first empty line, `\\r\\n` or bare `\\n` ones in any mix;
+    - its header lines are read folded as PHP does (a line that starts with whitespace or has no
+      colon continues the previous one, joined without a space), as RFC 5322 does (joined with a
+      space) and line by line; `content-disposition` is looked for anywhere in them (Rack's
+      pattern is not anchored);
+    - `name` is taken double-quoted (escapes undone or not), single-quoted (PHP), unquoted, or
+      RFC 2231-encoded, and also from the header block decoded in each declared charset.
+
+    With `boundary=None` the boundary is taken from the body's first line (`--X`): a Content-Type
+    whose boundary a server reads differently from every reading above still has its parts read."""
 
     HEADER_CAP = 64 * 1024
-    _NAME = re.compile(r"""(?:^|;)\s*name(\*?)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)""", re.IGNORECASE)
+    SNIFF_CAP = 1024
+    _NAME = re.compile(r"""(?:^|[;,\s])name\s*(\*?)\d*\*?\s*=\s*("(?:[^"\\]|\\.)*"?|"[^"]*"?|'[^']*'?|[^;,\s]*)""",
+                       re.IGNORECASE)
+    _BLANK = re.compile(rb"(?:^|\n)\r?\n")
 
-    def __init__(self, boundary: bytes) -> None:
-        self._delimiter = b"--" + boundary
+    def __init__(self, boundary: bytes | None, charsets: Sequence[str] = (), known: Sequence[bytes] = ()) -> None:
+        self._delimiter = b"--" + boundary if boundary is not None else None
+        self._known = tuple(known)
+        self._charsets = tuple(charsets)
         self._buf = bytearray()
-        self._state = "preamble"  # preamble | after_delimiter | headers | value | skip | done
+        self._state = "preamble"  # sniff | preamble | after_delimiter | headers | value | skip | done
+        if boundary is None:
+            self._state = "sniff"
         self._names: list[str] = []
         self._value = bytearray()
         self.unreadable = False  # part headers beyond HEADER_CAP: the caller refuses
@@ -296,8 +483,29 @@ class _Multipart:
         while self._step(found):
             pass
 
+    def _sniff(self) -> bool:
+        buf = self._buf
+        newline = buf.find(b"\n")
+        if newline < 0:
+            if len(buf) > self.SNIFF_CAP:
+                self._state = "done"
+                buf.clear()
+            return False
+        line = bytes(buf[:newline]).rstrip(b"\r \t")
+        if line.endswith(b"--") and len(line) > 4:
+            line = line[:-2]
+        boundary = line[2:]
+        if not line.startswith(b"--") or not boundary or boundary in self._known:
+            self._state = "done"  # not multipart-looking, or a declared boundary's parser reads it
+            buf.clear()
+            return False
+        self._delimiter, self._state = b"--" + boundary, "preamble"
+        return True
+
     def _step(self, found: list[Override]) -> bool:
         """Consume what can be consumed from the buffer; False when more input is needed."""
+        if self._state == "sniff":
+            return self._sniff()
         buf, delimiter = self._buf, self._delimiter
         if self._state in ("preamble", "skip", "value"):
             at = buf.find(delimiter)
@@ -318,10 +526,10 @@ class _Multipart:
         if self._state == "after_delimiter":
             if len(buf) < 2:
                 return False
-            if buf[:2] == b"--":
-                self._state = "done"
-                buf.clear()
-                return False
+            if buf[:2] == b"--":  # a close-delimiter: PHP reads parts after it all the same
+                del buf[:2]
+                self._state = "skip"
+                return True
             newline = buf.find(b"\n")
             if newline < 0:
                 if len(buf) > self.HEADER_CAP:
@@ -331,22 +539,25 @@ class _Multipart:
             self._state = "headers"
             return True
         if self._state == "headers":
-            end, size = _blank_line(buf)
-            if end < 0:
+            m = self._BLANK.search(buf)
+            if m is None:
                 if len(buf) > self.HEADER_CAP:
                     self.unreadable, self._state = True, "done"
                 return False
-            self._names = _disposition_names(bytes(buf[:end]).decode("utf-8", "replace"), self._NAME)
-            del buf[: end + size]
-            self._state = "value" if any(query_key(n) in FIELD_KEYS for n in self._names) else "skip"
+            self._names = self._part_names(bytes(buf[: m.start()]))
+            del buf[: m.end()]
+            self._state = "value" if self._names else "skip"
             return True
         return False
 
+    def _part_names(self, block: bytes) -> list[str]:
+        names: list[str] = []
+        for text in _texts(block, self._charsets, percent=False):
+            names += [n for n in _disposition_names(text, self._NAME) if query_key(n) in FIELD_KEYS]
+        return list(dict.fromkeys(names))
+
     def _close_value(self, found: list[Override]) -> None:
-        raw = bytes(self._value)
-        for name in self._names:
-            if query_key(name) in FIELD_KEYS:
-                found += _judged_value("form", name, raw, decode=False)
+        found += _judged("form", self._names, bytes(self._value), self._charsets, percent=False)
         self._value.clear()
 
     @property
@@ -361,30 +572,47 @@ class _Multipart:
         self._state = "done"
 
 
-def _blank_line(buf: bytearray) -> tuple[int, int]:
-    """Where the part's header block ends (index, length of the blank line), or (-1, 0)."""
-    if buf.startswith(b"\r\n"):
-        return 0, 2
-    if buf.startswith(b"\n"):
-        return 0, 1
-    candidates = [(i, n) for i, n in ((buf.find(b"\r\n\r\n"), 4), (buf.find(b"\n\n"), 2)) if i >= 0]
-    return min(candidates) if candidates else (-1, 0)
+def _header_lines(headers: str) -> list[str]:
+    """A part's header lines read three ways: as PHP folds them, as RFC 5322 unfolds them, and
+    one physical line at a time."""
+    physical = [line.removesuffix("\r") for line in headers.split("\n")]
+    php: list[str] = []
+    rfc: list[str] = []
+    for line in physical:
+        starts_header = bool(line) and not line[0].isspace() and ":" in line
+        if starts_header or not php:
+            php.append(line)
+        else:
+            php[-1] += line  # PHP appends a continuation (or colon-less) line as it is
+        if starts_header or not rfc:
+            rfc.append(line)
+        else:
+            rfc[-1] += " " + line.strip()
+    return list(dict.fromkeys(php + rfc + physical))
 
 
 def _disposition_names(headers: str, pattern: re.Pattern) -> list[str]:
     names = []
-    for line in headers.replace("\r\n", "\n").split("\n"):
-        field, colon, value = line.partition(":")
-        if not colon or field.strip().lower() != "content-disposition":
+    for line in _header_lines(headers):
+        lower = line.lower()
+        at = lower.find("content-disposition")
+        if at < 0:
             continue
+        value = line[at + len("content-disposition"):]
+        value = value.split(":", 1)[1] if ":" in value else value
         for m in pattern.finditer(value):
             raw = m.group(2).strip()
-            if raw.startswith('"') and raw.endswith('"') and len(raw) >= 2:
-                raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            variants = [raw]
+            if raw[:1] in "\"'":
+                quote = raw[0]
+                inner = raw[1:].removesuffix(quote) if len(raw) > 1 else ""
+                variants = [inner, re.sub(r"\\(.)", r"\1", inner), inner.split(quote, 1)[0]]
+            else:  # Rack's token stops at any tspecial
+                variants.append(re.split(r"[()<>@,;:\\\"/\[\]?={}\s]", raw, maxsplit=1)[0])
             if m.group(1):  # name*=utf-8''%5Fmethod (RFC 2231 / 5987)
-                raw = raw.split("'", 2)[-1]
-            names.append(raw)
-    return names
+                variants = [v.split("'", 2)[-1] for v in variants]
+            names += variants
+    return list(dict.fromkeys(names))
 
 
 class _Json:
@@ -496,107 +724,240 @@ class _Json:
     pending = False  # a JSON string must be closed to count: the end of the body adds nothing
 
 
-_FORM_TYPES = ("application/x-www-form-urlencoded",)
-_BOUNDARY = re.compile(r"""(?:^|;)\s*boundary\s*=\s*("(?:[^"\\]|\\.)*"|[^;,\s]*)""", re.IGNORECASE)
-
-
 def body_parsers(content_types: Sequence[str]) -> list:
-    """The parsers for a request body with these Content-Type values (none: Rack parses a body
-    without one as a form). Each value is read as every server might read it."""
-    if not content_types:
-        return [_Form()]
+    """The parsers for one reading of a body with these Content-Type values."""
+    return _parsers(plan_body(content_types))
+
+
+def _parsers(plan: BodyPlan) -> list:
+    charsets = plan.field_charsets
     parsers: list = []
-    for value in content_types:
-        media, _, params = value.partition(";")
-        media = media.strip().lower()
-        if media in _FORM_TYPES or not media:
-            parsers.append(_Form())
-        elif media.startswith("multipart/"):
-            for m in _BOUNDARY.finditer(";" + params):
-                boundary = m.group(1)
-                if boundary.startswith('"') and boundary.endswith('"') and len(boundary) >= 2:
-                    boundary = boundary[1:-1]
-                if boundary:
-                    parsers.append(_Multipart(boundary.encode("utf-8", "surrogateescape")))
-        if "/json" in media or "+json" in media:
-            parsers.append(_Json())
+    if plan.form:
+        parsers.append(_Form(charsets))
+    if plan.multipart:
+        parsers += [_Multipart(b, charsets) for b in plan.boundaries]
+        parsers.append(_Multipart(None, charsets, plan.boundaries))
+    if plan.json:
+        parsers.append(_Json())
     return parsers
 
 
-class BodyScanner:
-    """Finds method overrides in a request body, fed chunk by chunk as it arrives (decoded first
-    when the body has a Content-Encoding the gateway can decode). Memory stays bounded: a parser
-    keeps at most one field name or value (NAME_CAP, VALUE_CAP) and one delimiter's worth of bytes."""
+_BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
 
-    def __init__(self, parsers: list, decoder=None):
+
+class _Reading:
+    """One reading of a byte stream as text: the bytes as they are (every ASCII-transparent
+    charset), or decoded from a charset and re-encoded as UTF-8 for the parsers. A leading BOM is
+    dropped (body-parser and Python's json do)."""
+
+    def __init__(self, codec: str | None, parsers: list):
+        self.codec = codec
         self.parsers = parsers
-        self.decoder = decoder
-        self._broken = False  # the body does not decode: no server reads fields from it either
+        self._decoder = codecs.getincrementaldecoder(codec)("replace") if codec else None
+        self._started = False
+        self.failed = False
+
+    def feed(self, data: bytes, found: list[Override], final: bool = False) -> None:
+        if self.failed:
+            return
+        if self._decoder is not None:
+            try:
+                data = self._decoder.decode(data, final).encode("utf-8", "replace")
+            except Exception:
+                self.failed = True
+                return
+        if not self._started and data:
+            self._started = True
+            if data.startswith(b"\xef\xbb\xbf"):
+                data = data[3:]
+        for parser in self.parsers:
+            parser.feed(data, found)
+
+    def finish(self, found: list[Override]) -> None:
+        if self._decoder is not None:
+            self.feed(b"", found, final=True)
+        for parser in self.parsers:
+            parser.finish(found)
+
+    @property
+    def pending(self) -> bool:
+        return any(p.pending for p in self.parsers)
+
+    @property
+    def unreadable(self) -> bool:
+        return any(getattr(p, "unreadable", False) for p in self.parsers)
+
+
+class _Stream:
+    """One byte stream of the body (as sent, or decoded from its Content-Encoding), read every
+    plausible way: as bytes, in each declared charset that is not ASCII-transparent, and as
+    UTF-16 and UTF-32 of both byte orders when a wide charset is declared or the body starts with
+    a UTF-16/32 BOM or a NUL in its first four bytes (how RFC 4627 and Python's json detect them)."""
+
+    HEAD = 4
+
+    def __init__(self, plan: BodyPlan):
+        self.plan = plan
+        self._head: bytearray | None = bytearray()
+        self.readings: list[_Reading] = []
+
+    def _start(self) -> None:
+        head = bytes(self._head or b"")[: self.HEAD]
+        self._head = None
+        codecs_: list[str | None] = [None, *self.plan.charsets]
+        if self.plan.wide or b"\0" in head or head.startswith(_BOMS[1:]):
+            codecs_ += _WIDE
+        self.readings = [_Reading(c, _parsers(self.plan)) for c in codecs_]
+
+    def feed(self, data: bytes, found: list[Override]) -> None:
+        if self._head is not None:
+            self._head += data
+            if len(self._head) < self.HEAD:
+                return
+            data = bytes(self._head)
+            self._start()
+        for reading in self.readings:
+            reading.feed(data, found)
+
+    def finish(self, found: list[Override]) -> None:
+        if self._head is not None:
+            data = bytes(self._head)
+            self._start()
+            for reading in self.readings:
+                reading.feed(data, found)
+        for reading in self.readings:
+            reading.finish(found)
+
+    @property
+    def pending(self) -> bool:
+        return self._head is not None or any(r.pending for r in self.readings)
+
+    @property
+    def problem(self) -> str | None:
+        if any(r.unreadable for r in self.readings):
+            return "a multipart part's header block is too long to tell whether it is a method override field"
+        failed = [r.codec for r in self.readings if r.failed]
+        return f"it does not decode as its charset {failed[0]}" if failed else None
+
+
+class BodyScanner:
+    """Finds method overrides in a request body, fed chunk by chunk as it arrives. The body is read
+    as sent and, when it has a Content-Encoding the gateway can decode, decoded too (frameworks
+    that ignore the coding read the first, those that decode it the second); each stream is read
+    every way `_Stream` and `plan_body` say. Memory stays bounded: a parser keeps at most one field
+    name or value (NAME_CAP, VALUE_CAP), one part's header block (HEADER_CAP) and one delimiter's
+    worth of bytes, and there are at most a few dozen parsers (READINGS_CAP, CODINGS_CAP)."""
+
+    def __init__(self, plan: BodyPlan, decoders: Sequence = (), problem: str | None = None):
+        self.plan = plan
+        self.decoders = list(decoders)  # outermost coding first (applied last by the sender)
+        self._raw = _Stream(plan)
+        self._decoded = _Stream(plan) if self.decoders else None
+        self._armed = problem or plan.problem  # reported once the body turns out not to be empty
+        self._problem: str | None = None
+        self._read = 0
 
     @classmethod
     def for_headers(cls, headers: Iterable[tuple[str, str]], decoder_for: Callable[[str], object] | None = None
                     ) -> "BodyScanner | None":
         """A scanner for a request with these headers, or None when no framework reads fields
-        from such a body (a Content-Encoding nobody decodes, a type nobody parses into fields)."""
+        from such a body (a Content-Type nobody parses into fields)."""
         types, encodings = [], []
         for name, value in headers:
-            lower = name.lower()
+            lower = name.strip().lower()
             if lower == "content-type":
                 types.append(value)
             elif lower == "content-encoding":
                 encodings += [c.strip().lower() for c in value.split(",") if c.strip()]
-        parsers = body_parsers(types)
-        if not parsers:
+        plan = plan_body(types)
+        if not plan.parses:
             return None
         encodings = [c for c in encodings if c != "identity"]
-        decoder = None
-        if encodings:
-            if len(encodings) > 1 or decoder_for is None:
-                return None  # body parsers refuse stacked or unknown codings (body-parser: 415)
-            decoder = decoder_for(encodings[0])
-            if decoder is None:
-                return None
-        return cls(parsers, decoder)
+        decoders, problem = [], None
+        if len(encodings) > CODINGS_CAP:
+            problem = "it has more Content-Encodings than the gateway decodes"
+        elif encodings and decoder_for is not None:
+            # Decode from the last coding applied; stop at one the gateway does not know (then no
+            # server decodes the body either, and the bytes as sent are what some server reads).
+            for coding in reversed(encodings):
+                decoder = decoder_for(coding)
+                if decoder is None:
+                    decoders = []
+                    break
+                decoders.append(decoder)
+        return cls(plan, decoders, problem)
 
     def feed(self, data: bytes) -> list[Override]:
         found: list[Override] = []
-        if self._broken or not data:
+        if self._problem is not None or not data:
             return found
-        if self.decoder is not None:
-            data = self._decode(lambda: self.decoder.decompress(data))
-        for parser in self.parsers:
-            parser.feed(data, found)
+        self._read += len(data)
+        self._problem = self._armed
+        self._raw.feed(data, found)
+        if self._decoded is not None:
+            self._decode(lambda: self._through(data), found)
         return found
 
     def finish(self) -> list[Override]:
         found: list[Override] = []
-        if not self._broken:
-            tail = self._decode(self.decoder.flush) if self.decoder is not None else b""
-            for parser in self.parsers:
-                if tail:
-                    parser.feed(tail, found)
-                parser.finish(found)
+        if self._problem is not None:
+            return found
+        self._raw.finish(found)
+        if self._decoded is not None:
+            if self._read:
+                self._decode(self._flushed, found)
+            if self._problem is None:
+                self._decoded.finish(found)
         return found
+
+    def _through(self, data: bytes) -> bytes:
+        for decoder in self.decoders:
+            data = decoder.decompress(data) if data else b""
+        return data
+
+    def _flushed(self) -> bytes:
+        data = b""
+        for decoder in self.decoders:
+            data = (decoder.decompress(data) if data else b"") + decoder.flush()
+            if not getattr(decoder, "finished", lambda: True)():
+                raise ValueError("truncated")
+        return data
+
+    def _decode(self, step: Callable[[], bytes], found: list[Override]) -> None:
+        from .decompress import DecodedTooLarge
+
+        try:
+            data = step()
+        except DecodedTooLarge as exc:
+            raise BodyTooLarge(str(exc)) from None
+        except Exception:
+            self._problem = "its Content-Encoding does not decode (or ends early)"
+            return
+        if any(getattr(d, "trailing", False) for d in self.decoders):
+            self._problem = "it has data after the end of its compressed stream"
+            return
+        if data:
+            self._decoded.feed(data, found)
 
     @property
     def pending(self) -> bool:
         """Could the end of the body, right after what was fed, still reveal an override (`finish`
         judges an override field whose value is not terminated yet, or flushes a decoder)? While it
         could, a streaming caller must hold back the last byte it has (addons/layers.py)."""
-        return not self._broken and (self.decoder is not None or any(p.pending for p in self.parsers))
+        if self.problem is not None:
+            return False
+        return bool(self.decoders) or self._raw.pending or (self._decoded is not None and self._decoded.pending)
+
+    @property
+    def problem(self) -> str | None:
+        """Why the body cannot be checked for method overrides (the caller refuses it), or None."""
+        if self._problem is not None:
+            return self._problem
+        for stream in (self._raw, self._decoded):
+            if stream is not None and (why := stream.problem):
+                return why
+        return None
 
     @property
     def unreadable(self) -> bool:
-        """A multipart part's header block was too long to read (the caller refuses the body)."""
-        return any(getattr(p, "unreadable", False) for p in self.parsers)
-
-    def _decode(self, step: Callable[[], bytes]) -> bytes:
-        from .decompress import DecodedTooLarge
-
-        try:
-            return step()
-        except DecodedTooLarge as exc:
-            raise BodyTooLarge(str(exc)) from None
-        except Exception:
-            self._broken = True
-            return b""
+        return self.problem is not None

@@ -270,12 +270,15 @@ def test_which_bodies_are_scanned():
     assert BodyScanner.for_headers([]) is not None  # Rack parses a body without a type as a form
     assert BodyScanner.for_headers([("Content-Type", "text/plain")]) is None
     assert BodyScanner.for_headers([("Content-Type", "application/octet-stream")]) is None
-    assert BodyScanner.for_headers([("Content-Type", "multipart/form-data")]) is None  # no boundary
-    assert BodyScanner.for_headers([("Content-Type", "application/json"), ("Content-Encoding", "gzip")]) is None
+    # No boundary: the body's first line still names one for a parser that guesses it.
+    assert BodyScanner.for_headers([("Content-Type", "multipart/form-data")]) is not None
+    # A coding nobody here decodes: the bytes as sent are still read (PHP ignores Content-Encoding).
+    assert BodyScanner.for_headers([("Content-Type", "application/json"), ("Content-Encoding", "gzip")]) is not None
+    assert BodyScanner.for_headers([("Content-Type", "application/x-git-upload-pack-request")]) is None
     from gateway.decompress import streaming_decoder
 
     assert BodyScanner.for_headers([("Content-Encoding", "gzip")], streaming_decoder) is not None
-    assert BodyScanner.for_headers([("Content-Encoding", "gzip, br")], streaming_decoder) is None
+    assert BodyScanner.for_headers([("Content-Encoding", "gzip, br")], streaming_decoder).decoders  # stacked: both
 
 
 def test_compressed_bodies_are_decoded_for_the_scan():
@@ -288,7 +291,9 @@ def test_compressed_bodies_are_decoded_for_the_scan():
     found = scanner.feed(body[:7]) + scanner.feed(body[7:]) + scanner.finish()
     assert [o.method for o in found] == ["DELETE"]
     broken = BodyScanner.for_headers([("Content-Encoding", "gzip")], streaming_decoder)
-    assert broken.feed(b"not gzip at all &_method=DELETE") + broken.finish() == []  # nobody decodes it either
+    # The bytes as sent name DELETE (PHP reads them so); and a body that does not decode is uncheckable.
+    assert [o.method for o in broken.feed(b"not gzip at all &_method=DELETE&")] == ["DELETE"]
+    assert broken.problem and not broken.pending
 
 
 def test_long_values_and_part_headers():
@@ -345,7 +350,7 @@ def test_a_failing_body_check_fails_closed():
 
     class Broken:
         pending = True
-        unreadable = False
+        problem = None
 
         def feed(self, data):
             raise RuntimeError("bug")
