@@ -457,6 +457,128 @@ def test_streamed_bodies_without_an_override_arrive_whole(gw, recorder):
     assert all(("Authorization", f"Bearer {SECRET}") in r["headers"] for r in complete)
 
 
+# --- review 14a: bodies and headers real frameworks read differently (all ran as DELETE) ----------
+
+
+def _gz(*members: bytes) -> bytes:
+    import gzip
+
+    return b"".join(gzip.compress(m) for m in members)
+
+
+_MP = b'--AAA\r\nContent-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n--AAA--\r\n'
+_PART = b'Content-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n'
+_J = '{"a": 1, "_method": "DELETE"}'
+
+
+@pytest.mark.parametrize("headers, body", [
+    # F1: Content-Types PHP and Rack cut differently from a strict parser
+    ([("Content-Type", "application/x-www-form-urlencoded,text/plain")], b"_method=DELETE"),
+    ([("Content-Type", "application/x-www-form-urlencoded x")], b"_method=DELETE"),
+    ([("Content-Type", "multipart/form-data; xboundary=AAA")], _MP),
+    ([("Content-Type", "multipart/form-data,boundary=AAA")], _MP),
+    ([("Content-Type", "multipart/form-data boundary=AAA")], _MP),
+    ([("Content-Type", "text/plain; x=/json")], _J.encode()),
+    # F2: multipart structures PHP or Rack accept
+    ([("Content-Type", "multipart/form-data; boundary=AAA")], b"--AAA--\r\n--AAA\r\n" + _PART + b"--AAA--\r\n"),
+    ([("Content-Type", "multipart/form-data; boundary=AAA")],
+     b'--AAA\r\nContent-Disposition: form-data; name="a"\r\n\r\nx\r\n--AAA--\r\n--AAA\r\n' + _PART + b"--AAA--\r\n"),
+    ([("Content-Type", "multipart/form-data; boundary=AAA")],
+     b'--AAA\r\nContent-Disposition: form-data;\r\n name="_method"\r\n\r\nDELETE\r\n--AAA--\r\n'),
+    ([("Content-Type", "multipart/form-data; boundary=AAA")],
+     b'--AAA\r\nContent-Disposition: form-data; na\r\nme="_method"\r\n\r\nDELETE\r\n--AAA--\r\n'),
+    ([("Content-Type", "multipart/form-data; boundary=AAA")],
+     b"--AAA\r\nContent-Disposition: form-data; name='_method'\r\n\r\nDELETE\r\n--AAA--\r\n"),
+    ([("Content-Type", "multipart/form-data; boundary=AAA")],
+     b'--AAA\r\nContent-Disposition: form-data; name="_method"\n\r\nDELETE\r\n--AAA--\r\n'),
+    # F3: JSON that body-parser decodes from a BOM, UTF-16 or UTF-32
+    ([("Content-Type", "application/json")], b"\xef\xbb\xbf" + _J.encode()),
+    ([("Content-Type", "application/json; charset=utf-16le")], _J.encode("utf-16-le")),
+    ([("Content-Type", "application/json; charset=utf-16")], _J.encode("utf-16")),
+    ([("Content-Type", "application/json; charset=utf-32")], _J.encode("utf-32")),
+    # ...and forms Django or Tomcat decode with their charset
+    ([("Content-Type", "application/x-www-form-urlencoded; charset=IBM037")], "a=1&_method=DELETE".encode("cp037")),
+    # F4: every gzip member (Node's gunzip decodes them all)
+    ([("Content-Type", "application/x-www-form-urlencoded"), ("Content-Encoding", "gzip")],
+     _gz(b"a=b&", b"_method=DELETE")),
+    ([("Content-Type", "application/json"), ("Content-Encoding", "gzip")], _gz(b'{"a":1,', b'"_method":"DELETE"}')),
+])
+def test_bodies_frameworks_read_as_delete_are_refused_before_any_upstream_connection(gw, upstreams, headers, body):
+    response, client = _send(gw, "api.test", "POST", "/items", headers, body)
+    assert_refused(response, 403, "method_not_allowed", rule="bound")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    line = _request_line(gw, client, "request_body")
+    assert (line["decision"], line["reason"], line["rule"]) == ("deny", "method_not_allowed", "bound")
+    assert any(entry.endswith(": DELETE") for entry in line["method_override"]), line
+
+
+@pytest.mark.parametrize("headers, body, why", [
+    ([("Content-Type", "application/x-www-form-urlencoded; charset=x-unknown")], b"a=1", "charset"),
+    ([("Content-Type", "application/x-www-form-urlencoded"), ("Content-Encoding", "gzip")],
+     _gz(b"a=b") + b"trailing", "after the end"),
+    ([("Content-Type", "application/json"), ("Content-Encoding", "gzip")], _gz(b'{"a": 1}')[:-5], "decode"),
+])
+def test_bodies_the_gateway_cannot_read_are_refused_as_uncheckable(gw, upstreams, headers, body, why):
+    response, client = _send(gw, "api.test", "POST", "/items", headers, body)
+    assert_refused(response, 403, "method_not_allowed")
+    assert "could not be checked for method overrides" in response.text and why in response.text
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    assert _request_line(gw, client, "request_body")["reason"] == "method_not_allowed"
+
+
+def test_cgi_style_override_header_spelling_is_refused(gw, upstreams):
+    """PHP's built-in server files `X.HTTP.Method.Override` as HTTP_X_HTTP_METHOD_OVERRIDE (F5)."""
+    response, client = _send(gw, "api.test", "POST", "/x", [("X.HTTP.Method.Override", "DELETE")])
+    assert_refused(response, 403, "method_not_allowed", rule="bound")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    assert _request_line(gw, client)["method_override"] == ["header X.HTTP.Method.Override: DELETE"]
+
+
+def test_ordinary_client_bodies_arrive_byte_for_byte(gw, upstreams):
+    """JSON APIs, requests/httpx uploads, a twine upload, an npm publish and a gzip'd git body are
+    neither refused nor altered."""
+    import gzip
+
+    import httpx
+    import requests
+
+    blob = bytes(range(256)) * 64
+    prepared = requests.Request("POST", "https://api.test/u", files={"file": ("a.whl", blob)},
+                                data={"method": "DELETE", ":action": "file_upload"}).prepare()
+    upload = httpx.Request("POST", "https://api.test/u", files={"f": ("b.bin", blob)}, data={"note": "_method=x"})
+    cases = [
+        [(k, v) for k, v in prepared.headers.items() if k.lower() not in ("content-length", "host")], prepared.body,
+        [(k, v) for k, v in upload.headers.items() if k.lower() not in ("content-length", "host")], upload.read(),
+        [("Content-Type", "application/json")],
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": '"_method": "DELETE"'}]}).encode(),
+        [("Content-Type", "application/json; charset=utf-8")],
+        json.dumps({"name": "pkg", "_attachments": {"pkg.tgz": {"data": "H4sI" + "A" * 2000}}}).encode(),
+        [("Content-Type", "application/x-git-upload-pack-request"), ("Content-Encoding", "gzip")],
+        gzip.compress(b"0032want 0123456789abcdef0123456789abcdef01234567\n00000009done\n"),
+        [("Content-Type", "application/x-www-form-urlencoded"), ("Content-Encoding", "gzip")],
+        _gz(b"grant_type=client_credentials&", b"scope=read"),
+    ]
+    sent = []
+    for headers, body in zip(cases[::2], cases[1::2]):
+        response, _ = _send(gw, "api.test", "POST", "/upload", headers, body)
+        assert response.status == 200, (headers, response.text)
+        sent.append(body)
+    assert [r.body for r in upstreams.tls["api.test"].requests] == sent
+
+
+def test_streamed_second_gzip_member_with_an_override_never_completes_upstream(gw, recorder):
+    import random
+
+    noise = random.Random(14).randbytes(12000).replace(b"&", b"").replace(b";", b"")  # does not compress
+    body = _gz(b"title=" + noise + b"&", b"_method=DELETE")
+    response, _ = _streamed(gw, "stream.test", [FORM, ("Content-Encoding", "gzip"),
+                                                ("Content-Length", str(len(body)))], body[:-20], body[-20:])
+    assert response is not None and response.status == 403, response
+    assert response.egress_reason == "method_not_allowed"
+    _settle(recorder)
+    assert recorder.requests and not any(r["complete"] for r in recorder.requests), recorder.requests
+
+
 # --- explain agrees ---------------------------------------------------------------------------------
 
 

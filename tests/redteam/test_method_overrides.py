@@ -51,6 +51,8 @@ def _refused(response, *reasons: str) -> None:
 HEADER_SPELLINGS = [
     "X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override", "x-http-method-override", "X_HTTP_METHOD_OVERRIDE",
     "X-Http-Method_Override", "x_method_override", "X-HTTP_Method",
+    # CGI-style servers (PHP's built-in server) turn every non-alphanumeric character into '_'
+    "X.HTTP.Method.Override", "X~HTTP~Method~Override", "X.Method.Override",
 ]
 VALUES = ["DELETE", "delete", "DeLeTe", "PUT", "PATCH", "GET, DELETE", "GET,DELETE", "HEAD , PUT", "DELETE;q=1",
           "DELETE/1.1", "PROPFIND", "MOVE", "PURGE"]
@@ -164,6 +166,77 @@ MULTIPART = [
 ])
 def test_override_in_a_post_body(rt, headers, body):
     _refused(_send(rt, "echo.test", "POST", "/v1/anything", headers, body))
+    nothing_reached(rt.everything())
+
+
+def _gzip_members(*members: bytes) -> bytes:
+    return b"".join(gzip.compress(m) for m in members)
+
+
+_PART = b'Content-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n'
+_MP = b"--A\r\n" + _PART + b"--A--\r\n"
+_J = '{"x": 1, "_method": "DELETE"}'
+
+
+# Review 14a: what PHP + Symfony, Rack and Express + body-parser read that a strict parser does not.
+@pytest.mark.parametrize("headers, body", [
+    # Content-Types cut at ',', whitespace or ';' by one server or another; boundary found anywhere
+    ([("Content-Type", "application/x-www-form-urlencoded,text/plain")], b"_method=DELETE"),
+    ([("Content-Type", "application/x-www-form-urlencoded x")], b"_method=DELETE"),
+    ([("Content-Type", "text/html, application/x-www-form-urlencoded")], b"_method=DELETE"),
+    ([("Content-Type", "multipart/form-data; xboundary=A")], _MP),
+    ([("Content-Type", "multipart/form-data,boundary=A")], _MP),
+    ([("Content-Type", "multipart/form-data boundary=A")], _MP),
+    ([("Content-Type", "multipart/form-data; boundary=Q; boundary=A")], _MP),
+    ([("Content-Type", "multipart/form-data")], _MP),  # no boundary: guessed from the first line
+    ([("Content-Type", "multipart/form-data; charset=boundary; b=A")], _MP),
+    ([("Content-Type", "text/plain; q=/json")], _J.encode()),  # Laravel's isJson
+    # multipart structure
+    ([("Content-Type", "multipart/form-data; boundary=A")], b"--A--\r\n--A\r\n" + _PART + b"--A--\r\n"),
+    ([("Content-Type", "multipart/form-data; boundary=A")],
+     b'--A\r\nContent-Disposition: form-data; name="z"\r\n\r\n1\r\n--A--\r\n--A\r\n' + _PART),
+    ([("Content-Type", "multipart/form-data; boundary=A")],
+     b'--A\r\nContent-Disposition: form-data;\r\n\tname="_method"\r\n\r\nDELETE\r\n--A--\r\n'),
+    ([("Content-Type", "multipart/form-data; boundary=A")],
+     b'--A\r\nContent-Disposition: form-data; n\r\name="_method"\r\n\r\nDELETE\r\n--A--\r\n'),
+    ([("Content-Type", "multipart/form-data; boundary=A")],
+     b"--A\r\nContent-Disposition: form-data; name='_method'\r\n\r\nPUT\r\n--A--\r\n"),
+    ([("Content-Type", "multipart/form-data; boundary=A")],
+     b'--A\r\nContent-Disposition: form-data; name="_method"\n\r\nDELETE\r\n--A--\r\n'),
+    ([("Content-Type", "multipart/form-data; boundary=A")],
+     b'--A\r\nX-Content-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n--A--\r\n'),
+    # charsets: BOM, UTF-16/32 declared or detected, EBCDIC, UTF-7, Tomcat's per-field decoding
+    ([("Content-Type", "application/json")], b"\xef\xbb\xbf" + _J.encode()),
+    ([("Content-Type", "application/json; charset=utf-16le")], _J.encode("utf-16-le")),
+    ([("Content-Type", "application/json; charset=utf-16")], _J.encode("utf-16-be")),
+    ([("Content-Type", "application/json; charset=utf-32")], _J.encode("utf-32")),
+    ([("Content-Type", "application/json")], _J.encode("utf-16")),
+    ([("Content-Type", "application/json; charset=utf-7")], _J.replace("_", "+AF8-").encode()),
+    ([("Content-Type", "application/x-www-form-urlencoded; charset=IBM037")], "_method=DELETE".encode("cp037")),
+    ([("Content-Type", "application/x-www-form-urlencoded; charset=utf-16le")], "_method=DELETE".encode("utf-16-le")),
+    ([("Content-Type", "application/x-www-form-urlencoded; charset=utf-16le")],
+     "_method".encode("utf-16-le") + b"=" + "DELETE".encode("utf-16-le")),
+    ([FORM], b"\xef\xbb\xbf_method=DELETE"),
+    ([("Content-Type", "application/x-www-form-urlencoded; charset=x-mystery")], b"_method=GET"),  # uncheckable
+    # compression: every member and stream, stacked codings, bytes as sent when the coding is a lie
+    ([FORM, ("Content-Encoding", "gzip")], _gzip_members(b"a=b&", b"_method=DELETE")),
+    ([("Content-Type", "application/json"), ("Content-Encoding", "gzip")],
+     _gzip_members(b'{"a":1,', b'"_method":"DELETE"}')),
+    ([FORM, ("Content-Encoding", "deflate")], zlib.compress(b"a=b&") + zlib.compress(b"_method=DELETE")),
+    ([FORM, ("Content-Encoding", "gzip")], gzip.compress(b"a=b") + b"&_method=DELETE"),  # trailing data
+    ([FORM, ("Content-Encoding", "gzip")], b"_method=DELETE"),  # PHP does not decode it
+    ([FORM, ("Content-Encoding", "x-unknown")], b"_method=DELETE"),
+    ([FORM, ("Content-Encoding", "gzip, deflate")], zlib.compress(gzip.compress(b"_method=DELETE"))),
+    # Salesforce's REST API override
+    ([FORM], b"_HttpMethod=PATCH"),
+])
+def test_override_in_a_body_a_real_framework_reads(rt, headers, body):
+    _refused(_send(rt, "echo.test", "POST", "/v1/anything", headers, body))
+    nothing_reached(rt.everything())
+
+
+def test_salesforce_override_in_the_query(rt):
+    _refused(_send(rt, "echo.test", "POST", "/v1/sobjects/Account/1?_HttpMethod=DELETE"))
     nothing_reached(rt.everything())
 
 
