@@ -19,8 +19,9 @@ if its wire method **and every method any override names** are allowed by the ru
 never stripped and let through: a server may read the same field from the body, where the gateway
 cannot strip it without rewriting the body.
 
-Spellings, as upstreams read them: header names case-insensitively with `_` as `-` (CGI, WSGI and
-PHP turn `X_HTTP_Method_Override` into `HTTP_X_HTTP_METHOD_OVERRIDE`); query and form names like
+Spellings, as upstreams read them: header names case-insensitively with every non-alphanumeric
+character as `-` (CGI, WSGI and PHP turn `X_HTTP_Method_Override` and `X.HTTP.Method.Override`
+into `HTTP_X_HTTP_METHOD_OVERRIDE`); query and form names like
 gateway/foreign.py (percent-decoded, case-folded, `.`, `-` and space as `_`, `[...]` array suffixes
 dropped). Values are percent-decoded (query and form), trimmed and upper-cased (frameworks upper-case
 overrides), split at commas (Express takes the first element of `GET, DELETE`, others the whole):
@@ -31,7 +32,7 @@ its value is a registered method name (`?method=flickr.photos.search` is an API'
 
 Pure: `overrides` finds them in headers and the request target; `refused` says which one the rule
 does not allow; `BodyScanner` (below) finds them in urlencoded, multipart and JSON bodies, fed
-chunk by chunk.
+chunk by chunk, read as a superset of every framework's reading (or says why it cannot: `problem`).
 """
 
 from __future__ import annotations
