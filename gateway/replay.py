@@ -270,7 +270,7 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
         decision = _dns(engine, record, host, scope)
     elif record.event == "request":
         facts = RequestFacts(host, record.port, record.scheme.lower(), record.method, record.path, record.headers,
-                             record.query_overrides)
+                             recorded=record.query_overrides)
         decision = engine.check_request(facts, scope)
         if decision.allowed:
             decision = _check_addresses(engine, record, host, decision, record.port)
