@@ -44,7 +44,8 @@ class BodyOverrideCheck:
     """Fed the request body (`feed`, then `finish` at its end); returns the refusal to send, once."""
 
     def __init__(self, scanner: BodyScanner, judge: Callable[[list[Override]], Decision | None],
-                 record: Callable[[Decision, list[Override]], None], bound: bool):
+                 record: Callable[[Decision, list[Override]], None], bound: bool, rule: str | None = None):
+        self.rule = rule  # the rule that allowed the head: refusals name it
         self.scanner = scanner
         self.judge = judge
         self.record = record
@@ -71,7 +72,7 @@ class BodyOverrideCheck:
             logging.getLogger("egress").exception("egress gateway: the request body check failed")
             self.done = True
             refusal = Decision.deny("internal_error", "the gateway failed while checking the request body for "
-                                                      "method overrides; its end was not sent")
+                                                      "method overrides; its end was not sent", self.rule)
             try:
                 self.record(refusal, [])
             except Exception:
@@ -84,11 +85,11 @@ class BodyOverrideCheck:
         except BodyTooLarge as exc:
             return self._refuse(Decision.deny(
                 "request_too_large", f"the compressed request body decodes to too much to be checked for method "
-                                     f"overrides ({exc}); its end was not sent"), [])
+                                     f"overrides ({exc}); its end was not sent", self.rule), [])
         if (why := self.scanner.problem) is not None:  # a body the gateway cannot read every way a server may
             return self._refuse(Decision.deny(
                 "method_not_allowed", f"the request body could not be checked for method overrides: {why}; "
-                                      f"its end was not sent"), found)
+                                      f"its end was not sent", self.rule), found)
         if not found:
             return None
         decision = self.judge(found)

@@ -157,7 +157,7 @@ class RequestGuard:
             fields["method_override"] = [o.describe() for o in found] or None
             self.state.record(event="request_body", **fields)
 
-        check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound)
+        check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound, decision.rule)
         return check
 
     def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope, engine: Engine) -> tuple[Decision, Pin | None]:
