@@ -28,6 +28,7 @@ from mitmproxy.proxy.layers.http._events import (
     RequestData,
     RequestEndOfMessage,
     RequestProtocolError,
+    RequestTrailers,
     ResponseData,
     ResponseEndOfMessage,
     ResponseProtocolError,
@@ -296,8 +297,13 @@ class GatewayHttpStream(HttpStream):
 
     def state_consume_request_body(self, event) -> layer.CommandGenerator[None]:
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
-        if check is not None and isinstance(event, (RequestData, RequestEndOfMessage)):
-            refusal = check.feed(event.data) if isinstance(event, RequestData) else check.finish()
+        if check is not None and isinstance(event, (RequestData, RequestTrailers, RequestEndOfMessage)):
+            if isinstance(event, RequestData):
+                refusal = check.feed(event.data)
+            elif isinstance(event, RequestTrailers):
+                refusal = check.trailers()  # trailers alone make an HTTP/1 body (chunked)
+            else:
+                refusal = check.finish()
             if refusal is not None:
                 yield from self._refuse_body(refusal, upstream=False)
                 return

@@ -58,6 +58,10 @@ class BodyOverrideCheck:
     def finish(self) -> Decision | None:
         return self._step(self.scanner.finish)
 
+    def trailers(self) -> Decision | None:
+        """Trailer fields carry no `_method` a framework reads."""
+        return None
+
     @property
     def pending(self) -> bool:
         """Whether the end of the body could still bring a refusal (see BodyScanner.pending)."""
@@ -137,6 +141,12 @@ class EmptyBodyCheck:
         if self.seen and not self.refusal.allowed:
             return None
         return self.then.finish() if self.then is not None else None
+
+    def trailers(self) -> Decision | None:
+        """Trailers with no DATA are a body too: translated to HTTP/1.1 they need chunked framing,
+        and the trailer block after the last chunk is bytes an origin that ignores the body reads as
+        the next request."""
+        return self.feed(b"trailers")
 
     @property
     def pending(self) -> bool:

@@ -160,13 +160,15 @@ def test_an_interim_flood_is_bounded(lenient):
     assert status_of(response) == 502
 
 
-def _h2_stream(gateway, method: str, chunks: list[bytes], extra=()) -> dict:
+def _h2_stream(gateway, method: str, chunks: list[bytes], extra=(), trailers=()) -> dict:
     client = H2Client(tls_tunnel(gateway, "lenient.test:443", alpn=["h2"]))
     sid = client.h2.get_next_available_stream_id()
     client.h2.send_headers(sid, [(":method", method), (":scheme", "https"), (":authority", "lenient.test"),
-                                 (":path", "/page"), *extra], end_stream=not chunks)
+                                 (":path", "/page"), *extra], end_stream=not chunks and not trailers)
     for i, chunk in enumerate(chunks):
-        client.h2.send_data(sid, chunk, end_stream=i == len(chunks) - 1)
+        client.h2.send_data(sid, chunk, end_stream=i == len(chunks) - 1 and not trailers)
+    if trailers:
+        client.h2.send_headers(sid, list(trailers), end_stream=True)
     client._flush()
     client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
     try:
@@ -191,3 +193,14 @@ def test_http2_head_that_declares_a_length_it_never_sends(lenient):
     response = _h2_stream(gateway, "GET", [], extra=[("content-length", str(len(HIDDEN)))])
     assert response["status"] == 400 or response["reset"], response
     assert origin.connections == 0
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS", "DELETE"])
+@pytest.mark.parametrize("chunks", [[], [b""]], ids=["no-data", "empty-data"])
+def test_http2_trailers_alone_are_a_body(lenient, method, chunks):
+    """Review finding: HEADERS, no DATA, then trailers. Translated to HTTP/1.1 that is a chunked body
+    whose trailer block an origin ignoring the body reads as the next request."""
+    gateway, origin, _ = lenient
+    response = _h2_stream(gateway, method, chunks, trailers=[("x-smuggle", "GET /smuggled HTTP/1.1")])
+    assert response["status"] == 400 or response["reset"], response
+    assert origin.executed == [] and origin.connections == 0
