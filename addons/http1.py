@@ -229,7 +229,17 @@ class GatewayHttp1Client(Http1Client):
             return
         if self.request_done and self.response_done:
             self._exchange = None
+        elif self.response_done and exchange is not None and exchange.early_response:
+            # The answer came before the request body was sent: the connection ends once the body
+            # is through, and whatever the origin sends meanwhile answers no request (mitmproxy's
+            # finished reader would report the end of the response again and crash the stream).
+            self.state = self._discard_until_request_done
         yield from super().mark_done()
+
+    def _discard_until_request_done(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.DataReceived):
+            self.buf.maybe_extract_at_most(len(self.buf))
+        yield from ()
 
     def read_body(self, event) -> layer.CommandGenerator[None]:
         if not isinstance(self.body_reader, TrailerCatcher):

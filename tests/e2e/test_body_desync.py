@@ -179,6 +179,27 @@ def test_an_early_response_ends_the_upstream_connection(gw, origin):
     assert [e.connection for e in origin.executed if e.path == "/after"] == [2]
 
 
+def test_bytes_after_an_early_response_to_a_streamed_body_answer_nothing(gw, origin):
+    """Review finding: the origin answers 401 while the chunked body still streams, then reads the
+    rest of the body as requests and answers those (400s). Those answers belong to no request:
+    they are dropped (mitmproxy's stream crashed on them), the body finishes, the connection ends."""
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    with tls_tunnel(gw, "lenient.test:443") as tls:
+        tls.send(build_request("POST", "/early", [("Host", "lenient.test"), ("Transfer-Encoding", "chunked")])
+                 + chunk(SMUGGLED))
+        first = tls.read_response()
+        assert (first.status, first.text) == (401, "nope")
+        answered = origin.answered
+        tls.send(chunk(SMUGGLED))  # the origin answers this as a request of its own
+        assert origin.wait_answered(answered + 1) > answered
+        tls.send(chunk(b"x") + b"0\r\n\r\n")
+        after = tls.request("GET", "/after", [("Host", "lenient.test")])
+    assert after.text == "GET lenient.test /after", after
+    assert "crashed" not in gw.log() and "Traceback" not in gw.log()
+
+
 # --- interim responses -------------------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ class Executed:
 class LenientOrigin:
     def __init__(self, address: str, port: int, cert=None, key=None):
         self.executed: list[Executed] = []
+        self.answered = 0  # responses sent, 400s to garbage included
         self.connections = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -62,6 +63,17 @@ class LenientOrigin:
         with self._changed:
             self._changed.wait_for(lambda: len(self.executed) >= count, timeout)
             return list(self.executed)
+
+    def wait_answered(self, count: int, timeout: float = 10.0) -> int:
+        with self._changed:
+            self._changed.wait_for(lambda: self.answered >= count, timeout)
+            return self.answered
+
+    def _answer(self, conn, data: bytes) -> None:
+        conn.sendall(data)
+        with self._changed:
+            self.answered += 1
+            self._changed.notify_all()
 
     def stop(self) -> None:
         self._sock.close()
@@ -108,7 +120,7 @@ class LenientOrigin:
                 lines = head.decode("latin-1").split("\r\n")
                 parts = lines[0].split(" ")
                 if len(parts) != 3:
-                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    self._answer(conn, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
                     continue
                 method, path, _ = parts
                 fields = {}
@@ -124,7 +136,7 @@ class LenientOrigin:
                     conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     return
                 if path == "/early":
-                    conn.sendall(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
+                    self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
                     ignored = True
                     continue  # the body, unread, is "the next request"
                 if method in IGNORED_BODY_METHODS or path.startswith("/static/"):
@@ -141,7 +153,8 @@ class LenientOrigin:
                     for _ in range(int(path.rsplit("/", 1)[1])):
                         conn.sendall(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n")
                 body = f"{method} {fields.get('host')} {path}".encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body if method != "HEAD" else b""))
+                self._answer(conn, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body if method != "HEAD" else b""))
         except (OSError, ssl.SSLError, ValueError):
             pass
         finally:
