@@ -296,6 +296,11 @@ class GatewayHttpStream(HttpStream):
         return (yield from super().state_wait_for_request_headers(event))
 
     def state_consume_request_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, RequestData) and self.flow is not None and self.flow.response is not None:
+            # Refused at its head: the body is read to keep the connection's framing and thrown
+            # away, not buffered (mitmproxy would switch a large one to streaming, which cannot
+            # coexist with the gateway's answer, and crash the stream).
+            return
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
         if check is not None and isinstance(event, (RequestData, RequestTrailers, RequestEndOfMessage)):
             if isinstance(event, RequestData):

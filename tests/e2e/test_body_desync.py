@@ -124,6 +124,18 @@ def test_every_declared_framing_counts_as_a_body(gw, origin, framing):
     assert origin.connections == 0 and origin.executed == []
 
 
+def test_a_large_refused_body_is_read_and_thrown_away(gw, origin):
+    """A body over stream_large_bodies (1m) on a refused head: read to its end, not buffered, the
+    refusal answered, the connection usable after it (mitmproxy's stream used to crash on it)."""
+    body = b"x" * (3 * 1024 * 1024)
+    with tls_tunnel(gw, "lenient.test:443") as tls:
+        response = tls.request("GET", "/page", [("Host", "lenient.test")], body)
+        assert response.status == 400 and response.egress_reason == "unexpected_body"
+        after = tls.request("GET", "/after", [("Host", "lenient.test")])
+    assert after.text == "GET lenient.test /after"
+    assert "crashed" not in gw.log() and "Traceback" not in gw.log()
+
+
 def test_explicit_plain_http_is_refused_the_same_way(gw, plain_origin):
     with connect_proxy(gw) as conn:
         response = conn.request("GET", "http://lenient.test/page", [("Host", "lenient.test")], SMUGGLED)
