@@ -58,6 +58,8 @@ REASONS: dict[str, tuple[int, str]] = {
                                 "in an auth header or query parameter; nothing was sent"),
     "secret_unavailable": (502, "a secret this request needs cannot be read; nothing was sent"),
     "undecodable_response": (502, "a compressed response could not be decoded to redact credentials"),
+    "revoked": (403, "a policy reload no longer allows this open connection, which was closed (audit and metrics "
+                     "only: no status is sent)"),
     "too_many_connections": (503, "the sandbox has too many connections open"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
@@ -114,7 +116,8 @@ def verdict_fields(decision: Decision, status_sent: bool = True) -> dict[str, ob
     Every audit line that records a decision takes these keys from here and nowhere else, so what a
     line says is what the gateway did: a report-mode let-through is never written as `allow` (it once
     was, where transparent TLS and raw TCP lines spelled the verdict by hand). Event-only reasons
-    that are not refusal codes (`redacted`, `policy_reloaded`, `policy_invalid`) have no status, and
+    that are not refusal codes (`redacted`, `policy_reloaded`, `policy_invalid`, a revocation's `cause`
+    `passthrough_withdrawn`) have no status, and
     neither has a refusal no HTTP status could carry (`status_sent=False`: a connection closed at
     accept, a response cut off after its head was sent)."""
     status = None if decision.allowed or not status_sent else REASONS.get(decision.reason, (None,))[0]

@@ -80,6 +80,9 @@ class Engine:
         self.secrets = SecretStore(policy.secrets)
         # Told how long each policy check took (kind, seconds), e.g. for a metrics histogram.
         self.timings: Callable[[str, float], None] | None = None
+        # Which install this engine was (GatewayState.install numbers them from 1; 0: never installed).
+        # A connection records the generation that judged it, so a reload can tell what it must re-judge.
+        self.generation = 0
 
     def _timed(self, kind: str, check: Callable[..., Decision], *args) -> Decision:
         if self.timings is None:
@@ -206,6 +209,37 @@ class Engine:
         notes += [f"rule {r.id}: port {port} not in {_ports_text(r)}" for r in candidates]
         return Decision.deny("port_not_allowed", f"no protocol: tcp rule allows port {port}", candidates[0].id, notes)
 
+    def tcp_decision(self, address: IPAddress, port: int, names: Iterable[str] = (),
+                     scope: Scope = EVERY_RULE) -> Decision:
+        """A raw TCP connection as the gateway relays it: `check_tcp`, then the deny list on the very
+        address it dials (the layer guard asks for a new connection, revocation for an open one)."""
+        decision = self.check_tcp(address, port, names, scope)
+        if decision.allowed:
+            verdict = self.guard.check(address, port)
+            if not verdict.allowed:
+                decision = Decision.deny(verdict.reason, verdict.describe(), decision.rule)
+        return decision
+
+    def passthrough_rule(self, decision: Decision) -> Rule | None:
+        """The passthrough (inspect: false) rule behind an allowed destination, if that is what allowed
+        it. A report-mode `would_deny` is never relayed unread: its requests must stay visible to be
+        reported."""
+        if not decision.allowed or decision.would_deny or not decision.rule:
+            return None
+        rule = self.policy.rules_by_id.get(decision.rule)
+        return rule if rule is not None and not rule.inspect else None
+
+    def original_destination_refusal(self, original: IPAddress, host: Host, addresses: Iterable[IPAddress],
+                                     rule: str | None) -> Decision | None:
+        """Transparent mode with `strict_original_destination`: the address the sandbox dialled must be
+        one of the addresses the gateway pinned for the name (421 otherwise)."""
+        addresses = tuple(addresses)
+        if not self.policy.strict_original_destination or original in addresses:
+            return None
+        return Decision.deny("original_destination_mismatch",
+                             f"the sandbox dialled {original} but {host} resolves to "
+                             f"{', '.join(a.compressed for a in addresses)}", rule)
+
     async def answer_dns(self, raw_name: str, query_type: str, scope: Scope = EVERY_RULE) -> DnsAnswer:
         """Answer A/AAAA only for names some rule this client may use covers, with checked addresses.
 
@@ -258,15 +292,21 @@ class Engine:
             addresses = await self.resolver.resolve(host)
         except ResolveError as exc:
             return Decision.deny("resolve_failed", str(exc)), None
+        refusal = self.address_refusal(host, addresses, port)
+        if refusal is not None:
+            return refusal, None
+        return Decision.allow("", "addresses checked"), Pin(host, port, addresses[0], tuple(addresses))
+
+    def address_refusal(self, host: Host, addresses: Iterable[IPAddress], port: int) -> Decision | None:
+        """Every address of a destination against the deny list (and the gateway's own sockets): the
+        refusal for the first one refused, or None. `pin` asks for a new destination, revocation for
+        the addresses an open connection was pinned to."""
         verdicts = self.check_addresses(addresses, port)
         refused = [v for v in verdicts if not v.allowed]
-        if refused:
-            first = refused[0]
-            return (
-                Decision.deny(first.reason, f"{host} resolves to {first.describe()}", notes=[v.describe() for v in verdicts]),
-                None,
-            )
-        return Decision.allow("", "addresses checked"), Pin(host, port, addresses[0], tuple(addresses))
+        if not refused:
+            return None
+        first = refused[0]
+        return Decision.deny(first.reason, f"{host} resolves to {first.describe()}", notes=[v.describe() for v in verdicts])
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client import disable_created_metrics
 
 from .decision import REASONS
+from .revocation import KINDS as REVOKED_KINDS
 
 NONE = "none"  # no value (no rule matched, no sandbox section, ...)
 OTHER = "other"  # a value outside the bounded set
@@ -127,6 +128,10 @@ class GatewayMetrics:
             "egress_upstream_failures", "Allowed requests that failed afterwards (upstream connection or TLS "
             "failure, oversized or unsolicited responses), by reason code.", ["reason"], registry=r,
         )
+        self.revoked = Counter(
+            "egress_revoked_connections", "Open connections closed because a policy change no longer allows them, "
+            "by kind (tunnel, http, passthrough, tcp, websocket).", ["kind"], registry=r,
+        )
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,
         )
@@ -141,6 +146,8 @@ class GatewayMetrics:
             self.active_connections.labels(mode)
         for decision in ("allow", "deny"):
             self.dns_queries.labels(decision)
+        for kind in REVOKED_KINDS:
+            self.revoked.labels(kind)
 
     # --- bounded label values --------------------------------------------------------------------
 
@@ -216,6 +223,9 @@ class GatewayMetrics:
                 self.mode_label(entry.get("mode")), self.decision_label(entry.get("decision")),
                 self.reason_label(entry.get("reason")),
             ).inc()
+            if event == "connection" and entry.get("reason") == "revoked" and entry.get("decision") == "deny":
+                kind = entry.get("kind")
+                self.revoked.labels(kind if kind in REVOKED_KINDS else OTHER).inc()
         elif event in FAILURE_EVENTS:
             self.upstream_failures.labels(self.reason_label(entry.get("reason"))).inc()
         elif event == DNS_EVENT:
