@@ -10,6 +10,7 @@ from mitmproxy import http
 
 from gateway.decision import Decision, verdict_fields
 from gateway.hostnames import HostError, parse_authority
+from gateway.revocation import Established
 
 from .audit_fields import decision_fields, flow_fields
 from .failclosed import fail_closed
@@ -56,3 +57,8 @@ class ConnectGuard:
         flow.server_conn.sni = pin.sni or str(pin.address)
         conn.tunnel = pin
         conn.passthrough_rule = passthrough.rule_for(engine, decision)
+        kind = "passthrough" if conn.passthrough_rule is not None else "tunnel"
+        self.state.establish(flow.client_conn.id, conn,
+                             Established(kind, pin, decision.rule, conn.address, engine.generation))
+        if conn.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
+            refuse(flow, conn.poisoned)

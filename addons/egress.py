@@ -24,6 +24,7 @@ from addons.metrics import Observability  # noqa: E402
 from addons.output_guard import OutputGuard  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
+from addons.revocation import Revoker  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
 from addons.streaming import BodyStreaming, Http2Preference  # noqa: E402
 from addons.tls_guard import TlsGuard  # noqa: E402
@@ -49,6 +50,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         redactor,
         BodyStreaming(),  # after the guard and the redactor: streams what they allowed and did not plan
         UpstreamGuard(state),
+        Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
         DnsGuard(state),
         Observability(state),  # last: configures the audit log EgressCore opened, sees every decision
     ]

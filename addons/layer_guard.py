@@ -26,6 +26,9 @@ from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from gateway.decision import Decision, verdict_fields
+from gateway.engine import Pin
+from gateway.hostnames import ip_host
+from gateway.revocation import Established
 
 from . import passthrough
 from .audit_fields import connection_fields
@@ -220,11 +223,7 @@ class LayerGuard:
         host, port = conn.original_destination
         address = ipaddress.ip_address(host)
         names = self.state.dns_memory.names_for(conn.address, address) if conn.address else set()
-        decision = engine.check_tcp(address, port, names, scope)
-        if decision.allowed:
-            verdict = engine.guard.check(address, port)
-            if not verdict.allowed:
-                decision = Decision.deny(verdict.reason, verdict.describe(), decision.rule)
+        decision = engine.tcp_decision(address, port, names, scope)
         # allow, deny, or (report mode) would_deny: from the decision, never by hand.
         self.state.record(
             event="connection", **connection_fields(conn, scope.sandbox), **verdict_fields(decision),
@@ -233,6 +232,12 @@ class LayerGuard:
         )
         if not decision.allowed:
             nextlayer.layer = RefusalLayer(nextlayer.context, decision, speak_http=False)
+            return
+        pin = Pin(ip_host(address), port, address, (address,))
+        self.state.establish(nextlayer.context.client.id, conn, Established(
+            "tcp", pin, decision.rule, conn.address, engine.generation, names=tuple(sorted(names))))
+        if conn.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
+            nextlayer.layer = RefusalLayer(nextlayer.context, conn.poisoned, speak_http=False)
             return
         conn.admitted[(address.compressed, port)] = None
         nextlayer.layer = TCPLayer(nextlayer.context)

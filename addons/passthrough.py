@@ -23,12 +23,9 @@ from .state import ConnectionState, GatewayState
 
 
 def rule_for(engine: Engine, decision: Decision) -> Rule | None:
-    """The passthrough rule behind an allowed destination, if that is what allowed it. A report-mode
-    `would_deny` is never relayed unread: its requests must stay visible to be reported."""
-    if not decision.allowed or decision.would_deny or not decision.rule:
-        return None
-    rule = engine.policy.rules_by_id.get(decision.rule)
-    return rule if rule is not None and not rule.inspect else None
+    """The passthrough rule behind an allowed destination (`Engine.passthrough_rule`: revocation asks
+    the same question of an open tunnel)."""
+    return engine.passthrough_rule(decision)
 
 
 def decide(pin: Pin, sni: str | None, extensions: list[tuple[int, bytes]]) -> Decision | None:

@@ -4,7 +4,8 @@ The file is stat()ed every `egress_policy_poll` seconds; `os.stat` follows symli
 Kubernetes ConfigMap update (the `..data` symlink swapped to a new directory) is a change like
 any other. A valid new version is compiled into a new engine and swapped in with one assignment
 (each request is judged by the old or the new policy, never a mix; requests on kept-alive
-connections are judged by the policy current when they arrive). An invalid one is rejected with
+connections are judged by the policy current when they arrive), and every open connection is judged
+again by it: what it no longer allows is closed (addons/revocation.py). An invalid one is rejected with
 the same message `egress-gateway check` prints, logged, recorded (`event: policy_reload`,
 `result: error`), and the old policy stays.
 """
@@ -95,10 +96,13 @@ class PolicyReloader:
             except PolicyError as exc:
                 self._rejected(str(exc))
                 return False
-            self.state.install(engine)
             logger.info("egress gateway: policy %s reloaded (sha256 %s, %d rules)", path, policy.sha256, len(policy.rules))
             reloaded = Decision(True, "policy_reloaded", f"policy {path} reloaded ({len(policy.rules)} rules)")
+            # The line first, then the swap: installing judges every open connection again
+            # (addons/revocation.py), and their `revoked` lines follow the reload that caused them.
+            # Nothing runs in between (no await), so no request is judged in the gap.
             self.state.record(event="policy_reload", **verdict_fields(reloaded), result="ok", sha256=policy.sha256)
+            self.state.install(engine)
             return True
 
     def _rejected(self, why: str) -> None:

@@ -26,6 +26,7 @@ from gateway.hopbyhop import forwardable
 from gateway.hostnames import HostError, parse_authority
 from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
+from gateway.revocation import Established
 
 from .audit_fields import decision_fields, flow_fields
 from .credentials import CredentialInjector
@@ -33,6 +34,7 @@ from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
 from .method_body import BODY_CHECK, BodyOverrideCheck, EmptyBodyCheck
 from .respond import refuse
+from .revocation import FACTS, GENERATION
 from .state import ConnectionState, GatewayState
 
 
@@ -109,6 +111,7 @@ class RequestGuard:
         conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin
+        flow.metadata[GENERATION] = engine.generation  # with FACTS: what a WebSocket is judged again by
         # Also on a report-mode (would_deny) head: a body naming TRACE is refused in report mode too,
         # and any other override in it is recorded.
         overrides_check = self._check_body(flow, decision, pin, engine, sent, bool(injected))
@@ -175,6 +178,7 @@ class RequestGuard:
         if problem := check_restated(restated, scheme, pin.host, pin.port):
             return problem, pin
         facts = _facts(pin.host, pin.port, scheme, request)
+        flow.metadata[FACTS] = facts
         return engine.check_request(facts, scope), pin
 
     async def _transparent_first(
@@ -208,14 +212,18 @@ class RequestGuard:
         if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
             return problem, None, named
         facts = _facts(host, port, "http", request)
+        flow.metadata[FACTS] = facts
         decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
         if pin is None:
             return decision, None, named
         original = ipaddress.ip_address(original_ip)
-        if engine.policy.strict_original_destination and original not in pin.addresses:
-            message = f"the sandbox dialled {original} but {host} resolves elsewhere"
-            return Decision.deny("original_destination_mismatch", message, decision.rule), None, named
+        if mismatch := engine.original_destination_refusal(original, host, pin.addresses, decision.rule):
+            return mismatch, None, named
         conn.tunnel = pin
+        self.state.establish(flow.client_conn.id, conn,
+                             Established("http", pin, decision.rule, conn.address, engine.generation, original))
+        if conn.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
+            return conn.poisoned, None, named
         request.data.host = pin.address.compressed
         request.data.port = pin.port
         return decision, pin, named
@@ -246,6 +254,7 @@ class RequestGuard:
             reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
             return Decision.deny(reason, problem.message), None, named
         facts = _facts(host, port, "http", request)
+        flow.metadata[FACTS] = facts
         decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
         if pin is None:
             return decision, None, named

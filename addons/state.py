@@ -20,6 +20,7 @@ from gateway.engine import Engine, Pin
 from gateway.hostnames import IPAddress
 from gateway.policy import Rule, Scope
 from gateway.redact import Redactor, SecretMemory
+from gateway.revocation import Established
 
 from .signals import SignalHub
 
@@ -39,6 +40,9 @@ class ConnectionState:
     # (address, port) -> TLS server name the gateway may dial for this client, added only
     # when a request passed every check.
     admitted: dict[tuple[str, int], str | None] = field(default_factory=dict)
+    # What became long-lived on this connection (a pinned tunnel, a passthrough or raw TCP relay, a
+    # WebSocket), as admitted: judged again on every policy change (addons/revocation.py).
+    established: list[Established] = field(default_factory=list)
 
 
 class GatewayState:
@@ -57,6 +61,10 @@ class GatewayState:
         self.timing_listeners: list[Callable[[str, float], None]] = []
         # Told of every engine installed (start-up and each reload), after it is in place.
         self.install_listeners: list[Callable[[Engine], None]] = []
+        # Told (client id, connection) when a connection became long-lived under an engine that is no
+        # longer the current one (decided while a reload happened): it must be judged again now.
+        self.stale_listeners: list[Callable[[str, ConnectionState], None]] = []
+        self._generation = 0
         # Sockets of the gateway's own besides the proxy listeners (the metrics port): every engine
         # installed refuses them as destinations.
         self.extra_listeners: list[tuple[IPAddress, int]] = []
@@ -85,12 +93,28 @@ class GatewayState:
         if self.extra_listeners:
             engine.guard = engine.guard.with_self((), self.extra_listeners)
         engine.timings = self._timing if self.timing_listeners else None
+        if not engine.generation:  # the same engine installed again (configure) keeps its number
+            self._generation += 1
+            engine.generation = self._generation
         self.engine = engine
         for listener in self.install_listeners:
             try:
                 listener(engine)
             except Exception:
                 logging.getLogger("egress").exception("egress gateway: install listener failed")
+
+    def establish(self, client_id: str, conn: ConnectionState, established: Established) -> None:
+        """A guard made something long-lived on this connection, judged by the engine of generation
+        `established.generation`. If a reload installed another engine while that decision was under
+        way (a CONNECT waiting for DNS, an upgrade waiting for its 101), it is judged again at once:
+        no connection slips past a reload by being decided during it."""
+        conn.established.append(established)
+        if self.engine is not None and established.generation != self.engine.generation:
+            for listener in self.stale_listeners:
+                try:
+                    listener(client_id, conn)
+                except Exception:
+                    logging.getLogger("egress").exception("egress gateway: stale listener failed")
 
     def _timing(self, kind: str, seconds: float) -> None:
         for listener in self.timing_listeners:

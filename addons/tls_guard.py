@@ -16,6 +16,7 @@ from mitmproxy import tls
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
 from gateway.hostnames import HostError, canonical_host, ip_host
+from gateway.revocation import Established
 
 from . import passthrough
 from .audit_fields import connection_fields
@@ -97,14 +98,9 @@ class TlsGuard:
             decision = Decision.deny("bad_host", f"bad TLS SNI: {exc}")
         else:
             decision, pin = await engine.admit(engine.check_destination(host, port, scope), host, port)
-            if pin is not None and sni and engine.policy.strict_original_destination and original not in pin.addresses:
-                decision = Decision.deny(
-                    "original_destination_mismatch",
-                    f"the sandbox dialled {original} but {host} resolves to "
-                    f"{', '.join(a.compressed for a in pin.addresses)}",
-                    decision.rule,
-                )
-                pin = None
+            if pin is not None and sni and (
+                    mismatch := engine.original_destination_refusal(original, host, pin.addresses, decision.rule)):
+                decision, pin = mismatch, None
         relay = passthrough.rule_for(engine, decision) if pin is not None else None
         if relay is None:  # a passthrough connection gets one line, from _passthrough
             has_ech = any(ext_type == ECH_EXTENSION for ext_type, _ in hello.extensions)
@@ -123,6 +119,12 @@ class TlsGuard:
         data.context.server.address = (pin.address.compressed, pin.port)
         data.context.server.sni = pin.sni or pin.address.compressed
         conn.passthrough_rule = relay
+        self.state.establish(data.context.client.id, conn, Established(
+            "passthrough" if relay is not None else "tunnel", pin, decision.rule, conn.address, engine.generation,
+            original if sni else None))
+        if conn.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
+            data.context.server.error = "egress gateway: revoked"
+            return
         if relay is not None:
             self._passthrough(data, conn, pin)
 

@@ -1,0 +1,155 @@
+"""addons/revocation.Revoker without a proxy: the registry (GatewayState.connections), what a sweep
+judges and closes, fail-closed, connections decided during a reload, and the audit line's shape.
+The closer is a recording stand-in; the end-to-end tests close real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+import pytest
+
+from addons import revocation as revocation_addon
+from addons.revocation import Revoker
+from addons.state import GatewayState
+from gateway.engine import Engine
+from gateway.hostnames import canonical_host
+from gateway.policy import compile_policy
+from gateway.revocation import Established
+
+POLICY = """\
+version: 1
+resolver:
+  static_hosts:
+    a.test: [93.184.216.34]
+    b.test: [93.184.216.35]
+rules:
+{rules}
+"""
+A = "  - id: a\n    hosts: [a.test]\n"
+B = "  - id: b\n    hosts: [b.test]\n"
+
+
+def engine(rules: str) -> Engine:
+    return Engine.build(compile_policy(POLICY.format(rules=rules), "t.yaml"))
+
+
+class World:
+    def __init__(self, rules: str = A + B):
+        self.state = GatewayState()
+        self.lines: list[dict] = []
+        self.state.decision_listeners.append(self.lines.append)
+        self.closed: list[str] = []
+        self.revoker = Revoker(self.state, closer=lambda cid: self.closed.append(cid) or True)
+        self.state.install(engine(rules))
+
+    def open(self, client_id: str, host: str, kind: str = "tunnel", rule: str = "a"):
+        conn = self.state.connection(client_id, ("10.0.0.9", 40000 + len(self.state.connections)))
+        current = self.state.engine
+        _, pin = asyncio.run(current.pin(canonical_host(host), 443))
+        conn.tunnel = pin
+        conn.admitted[(pin.address.compressed, 443)] = host
+        self.state.establish(client_id, conn, Established(kind, pin, rule, conn.address, current.generation))
+        return conn
+
+    def revoked(self) -> list[dict]:
+        return [e for e in self.lines if e.get("reason") == "revoked"]
+
+
+def test_a_sweep_closes_only_what_the_new_engine_refuses():
+    world = World()
+    a = world.open("c-a", "a.test", rule="a")
+    b = world.open("c-b", "b.test", rule="b")
+    world.state.install(engine(B))
+    assert world.closed == ["c-a"]
+    [line] = world.revoked()
+    assert (line["event"], line["decision"], line["reason"], line["status"], line["rule"], line["cause"],
+            line["kind"], line["host"], line["port"], line["client"]) == (
+        "connection", "deny", "revoked", None, "a", "no_rule", "tunnel", "a.test", 443, a.client)
+    assert a.poisoned is not None and a.poisoned.reason == "revoked" and a.admitted == {} and a.established == []
+    assert b.poisoned is None and b.established[0].generation == world.state.engine.generation
+
+
+def test_a_reload_that_still_allows_everything_closes_nothing_and_says_nothing():
+    world = World()
+    world.open("c-a", "a.test")
+    world.state.install(engine(A + B + "  - id: c\n    hosts: [c.test]\n"))
+    world.state.install(world.state.engine)  # the same engine again (an option changed): no sweep
+    assert world.closed == [] and world.revoked() == []
+
+
+def test_the_registry_is_the_open_connections_and_forgets_a_closed_one():
+    world = World()
+    world.open("c-a", "a.test")
+    world.state.forget("c-a")  # client_disconnected
+    world.state.install(engine(B))
+    assert world.closed == [] and world.state.connections == {}
+
+
+def test_fail_closed_when_judging_raises(monkeypatch):
+    world = World()
+    world.open("c-a", "a.test")
+
+    def broken(engine, established):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(revocation_addon, "rejudge", broken)
+    world.state.install(engine(A + B))  # still allowed, but the judgement failed
+    assert world.closed == ["c-a"]
+    [line] = world.revoked()
+    assert (line["decision"], line["cause"], line["rule"]) == ("deny", "internal_error", "a")
+
+
+def test_a_connection_decided_under_a_replaced_engine_is_judged_at_once():
+    """A CONNECT that awaited DNS while a reload happened: established with the old generation."""
+    world = World()
+    old = world.state.engine
+    world.state.install(engine(B))
+    conn = world.state.connection("late", ("10.0.0.9", 50000))
+    _, pin = asyncio.run(old.pin(canonical_host("a.test"), 443))
+    world.state.establish("late", conn, Established("tunnel", pin, "a", conn.address, old.generation))
+    assert world.closed == ["late"] and conn.poisoned is not None
+    # decided under the current engine: not judged twice
+    ok = world.state.connection("fresh", ("10.0.0.9", 50001))
+    _, pin_b = asyncio.run(world.state.engine.pin(canonical_host("b.test"), 443))
+    world.state.establish("fresh", ok, Established("tunnel", pin_b, "b", ok.address, world.state.engine.generation))
+    assert world.closed == ["late"]
+
+
+def test_report_mode_keeps_it_open_with_one_would_deny_line_per_connection():
+    world = World()
+    conn = world.open("c-a", "a.test")
+    facts_pin = conn.tunnel
+    from gateway.engine import RequestFacts
+
+    facts = RequestFacts(facts_pin.host, 443, "https", "GET", "/ws")
+    world.state.establish("c-a", conn, Established("websocket", facts_pin, "a", conn.address,
+                                                   world.state.engine.generation, request=facts))
+    world.state.install(engine(B).__class__.build(compile_policy(
+        POLICY.format(rules=B).replace("rules:", "mode: report\nrules:"), "t.yaml")))
+    assert world.closed == []
+    [line] = world.revoked()
+    assert (line["decision"], line["kind"], line["cause"], line["path"], line["method"]) == (
+        "would_deny", "websocket", "no_rule", "/ws", "GET")
+
+
+def test_a_poisoned_connection_is_not_judged_again():
+    world = World()
+    conn = world.open("c-a", "a.test")
+    from gateway.decision import Decision
+
+    conn.poisoned = Decision.deny("sni_mismatch", "x")
+    world.state.install(engine(B))
+    assert world.closed == [] and conn.established == []
+
+
+def test_close_client_without_a_proxy_says_so():
+    assert revocation_addon.close_client("nobody") is False
+
+
+@pytest.mark.parametrize("kind", ["tunnel", "passthrough", "http"])
+def test_every_kind_names_itself_in_the_line(kind):
+    world = World()
+    world.open("c", "a.test", kind=kind)
+    world.state.install(engine(B))
+    assert world.revoked()[0]["kind"] == kind
