@@ -29,6 +29,7 @@ CATEGORIES: dict[str, str] = {
     "credentials": "credential exfiltration (echo, TRACE, redirects, spelling, placeholders, query)",
     "paths": "path and method policy evasion (traversal, encodings, params, overrides)",
     "self": "self-protection (proxy loops, own addresses and ports, 0.0.0.0, metrics port)",
+    "revocation": "open connections after a policy change (WebSockets, passthrough, HTTP/2, reload races, sandboxes)",
 }
 
 

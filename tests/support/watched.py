@@ -29,6 +29,7 @@ class _Watch:
         self.opened = 0
         self.closed = 0
         self.paths: list[str] = []
+        self.received: list[bytes | str] = []  # WebSocket messages, echo bytes: what reached this origin
 
     def _open(self, path: str | None = None) -> None:
         with self.cond:
@@ -51,6 +52,15 @@ class _Watch:
         with self.cond:
             return self.cond.wait_for(lambda: self.closed >= n, timeout)
 
+    def wait_idle(self, timeout: float = WAIT) -> bool:
+        """True once every connection opened here has closed."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.opened == self.closed, timeout)
+
+    def _received(self, data) -> None:
+        with self.cond:
+            self.received.append(data)
+
     @property
     def open_now(self) -> int:
         with self.cond:
@@ -60,6 +70,7 @@ class _Watch:
         with self.cond:
             self.opened = self.closed = 0
             self.paths.clear()
+            self.received.clear()
 
 
 class WatchedServer(_Watch):
@@ -94,7 +105,7 @@ class WatchedServer(_Watch):
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             if self.mode == "echo":
-                self._echo(conn)
+                self._echo(conn, self._received)
             else:
                 self._http(conn)
         except (OSError, ssl.SSLError):
@@ -105,8 +116,9 @@ class WatchedServer(_Watch):
             self._close()
 
     @staticmethod
-    def _echo(conn: socket.socket) -> None:
+    def _echo(conn: socket.socket, record) -> None:
         while data := conn.recv(65536):
+            record(data)
             conn.sendall(data)
 
     @staticmethod
@@ -146,6 +158,7 @@ class WebSocketOrigin(_Watch):
             self._open(ws.request.path)
             try:
                 for message in ws:
+                    self._received(message)
                     ws.send(f"echo: {message}")
             except ConnectionClosed:
                 pass

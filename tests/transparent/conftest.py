@@ -8,6 +8,8 @@ four sandboxes built by docker/sandbox-net.sh, and three gateways in the gateway
     alpha    multi    `sandboxes:` alpha -> allowed.test only
     beta     multi    `sandboxes:` beta  -> other.test only
     report   report   `mode: report`: allowed.test (GET), raw TCP :22 to tcp.test's IP; the rest would_deny
+    revoke   revoke   allowed.test, other.test, raw TCP :22 to tcp.test's IP; rewritten and reloaded by
+                      test_revocation.py (open connections after a policy change)
 
 Safety: everything that is sent to a non-loopback address is sent from inside a namespace created
 here (the test process switches only a thread's namespace, programs run under `ip netns exec`);
@@ -113,6 +115,25 @@ rules:
     ports: [22]
 """
 
+# Rewritten and reloaded by test_revocation.py (which puts it back after each test).
+REVOKE_POLICY = f"""\
+version: 1
+resolver:
+  static_hosts:
+{_static_hosts()}
+rules:
+  - id: web
+    hosts: [allowed.test]
+    schemes: [https, http]
+  - id: other-web
+    hosts: [other.test]
+    schemes: [https, http]
+  - id: ssh-by-ip
+    protocol: tcp
+    hosts: ["{TCP_HOST}"]
+    ports: [22]
+"""
+
 # key -> (sandbox index, proxy port, dns port, redirected TCP ports, gateway key)
 SANDBOXES = {
     "main": (1, 18081, 15353, "80 443 22", "main"),
@@ -120,9 +141,10 @@ SANDBOXES = {
     "alpha": (3, 18083, 15355, "80 443", "multi"),
     "beta": (4, 18083, 15355, "80 443", "multi"),
     "report": (5, 18084, 15356, "80 443 22", "report"),
+    "revoke": (6, 18085, 15357, "80 443 22", "revoke"),
 }
 GATEWAYS = {"main": (MAIN_POLICY, 18181), "strict": (STRICT_POLICY, 18182), "multi": (MULTI_POLICY, 18183),
-            "report": (REPORT_POLICY, 18184)}
+            "report": (REPORT_POLICY, 18184), "revoke": (REVOKE_POLICY, 18185)}
 
 
 class NamespacedGateway(GatewayProcess):
@@ -271,6 +293,11 @@ def report(world) -> Site:
 
 
 @pytest.fixture(scope="session")
+def revoke(world) -> Site:
+    return world.sites["revoke"]
+
+
+@pytest.fixture(scope="session")
 def alpha(world) -> Site:
     return world.sites["alpha"]
 
@@ -283,7 +310,7 @@ def beta(world) -> Site:
 @pytest.fixture(autouse=True)
 def _fresh_recorders(request):
     if "world" in request.fixturenames or any(
-            name in request.fixturenames for name in ("topology", "main", "strict", "alpha", "beta", "report")):
+            name in request.fixturenames for name in ("topology", "main", "strict", "alpha", "beta", "report", "revoke")):
         request.getfixturevalue("world").topology.reset()
     yield
 

@@ -124,8 +124,10 @@ class TcpRecorder:
         self.label = label
         self.echo = echo
         self.connections = 0
+        self.closed = 0  # connections whose gateway side went away (EOF or reset)
         self.received = b""
         self._lock = threading.Lock()
+        self._closing = threading.Condition(self._lock)
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -144,7 +146,20 @@ class TcpRecorder:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(10)
+        try:
+            self._relay(conn)
+        finally:
+            with self._closing:
+                self.closed += 1
+                self._closing.notify_all()
+
+    def wait_closed(self, n: int = 1, timeout: float = 10.0) -> bool:
+        """True once `n` connections have ended here (the gateway closed its side)."""
+        with self._closing:
+            return self._closing.wait_for(lambda: self.closed >= n, timeout)
+
+    def _relay(self, conn: socket.socket) -> None:
+        conn.settimeout(60 if self.echo else 10)
         with conn:
             while True:
                 try:
@@ -168,6 +183,7 @@ class TcpRecorder:
     def reset(self) -> None:
         with self._lock:
             self.connections = 0
+            self.closed = 0
             self.received = b""
 
     def stop(self) -> None:
