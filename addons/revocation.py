@@ -148,6 +148,8 @@ class Revoker:
         conn.passthrough_rule = None
         conn.established.clear()
         self._record(conn, established, decision, engine, kind, request)  # the line first, then the effect
+        logger.info("egress gateway: revoked open %s %s -> %s (rule %s): %s", kind, conn.client,
+                    established.pin.host.authority(established.pin.port), established.rule, decision.reason)
         if not self.closer(client_id):
             logger.info("egress gateway: revoked connection %s was already closing", conn.client)
 
