@@ -67,8 +67,23 @@ class Origins:
             server.stop()
 
 
+_SHARED: dict[str, object] = {}  # one set of origins per process, however many modules import the fixture
+
+
 @pytest.fixture(scope="session")
 def origins(upstreams, pki):
+    """Session-scoped, and imported by several test modules: pytest then holds one fixture per module,
+    so the servers (fixed ports) are made once and shared, and stopped when the last user is done."""
+    if "origins" not in _SHARED:
+        _SHARED["origins"], _SHARED["users"] = _make_origins(upstreams, pki), 0
+    _SHARED["users"] += 1
+    yield _SHARED["origins"]
+    _SHARED["users"] -= 1
+    if not _SHARED["users"]:
+        _SHARED.pop("origins").stop()
+
+
+def _make_origins(upstreams, pki) -> Origins:
     block = upstreams.block
     addresses = {"ws.test": f"{block}.181", "relay.test": f"{block}.182", "kept.test": f"{block}.183",
                  "gone.test": f"{block}.184"}
@@ -82,8 +97,7 @@ def origins(upstreams, pki):
         WatchedServer(addresses["gone.test"], 443, *certs["gone.test"], mode="http"),
         addresses,
     )
-    yield servers
-    servers.stop()
+    return servers
 
 
 @dataclass
