@@ -40,6 +40,17 @@ from gateway.methods import BodyScanner, BodyTooLarge, Override
 BODY_CHECK = "egress_body_check"  # flow.metadata key
 
 
+def enforced_if_bound(decision: Decision, bound: bool) -> Decision:
+    """A report-mode refusal of a body found after the head was allowed: on a rule that injects a
+    credential the credential is already in the request, and report mode never lets a credential go
+    with a request the allowlist refuses."""
+    if not (decision.would_deny and bound):
+        return decision
+    return Decision(False, decision.reason, decision.message.removeprefix("report mode: ")
+                    + " (report mode does not apply: the request carries the rule's credential)",
+                    decision.rule, decision.notes)
+
+
 class BodyOverrideCheck:
     """Fed the request body (`feed`, then `finish` at its end); returns the refusal to send, once."""
 
@@ -99,11 +110,7 @@ class BodyOverrideCheck:
         decision = self.judge(found)
         if decision is None:
             return None
-        if decision.would_deny and self.bound:
-            decision = Decision(False, decision.reason, decision.message.removeprefix("report mode: ")
-                                + " (report mode does not apply: the request carries the rule's credential)",
-                                decision.rule, decision.notes)
-        return self._refuse(decision, found)
+        return self._refuse(enforced_if_bound(decision, self.bound), found)
 
     def _refuse(self, decision: Decision, found: list[Override]) -> Decision | None:
         self.done = True

@@ -32,7 +32,7 @@ from .audit_fields import decision_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
-from .method_body import BODY_CHECK, BodyOverrideCheck, EmptyBodyCheck
+from .method_body import BODY_CHECK, BodyOverrideCheck, EmptyBodyCheck, enforced_if_bound
 from .respond import refuse
 from .revocation import FACTS, GENERATION
 from .state import ConnectionState, GatewayState
@@ -126,12 +126,9 @@ class RequestGuard:
         framing = bodies.request_framing(_header_pairs(flow.request), end_stream(flow.request))
         if rule is None or not bodies.must_stay_empty(flow.request.method, framing, rule.allow_body):
             return
-        refusal = engine.report(Decision.deny("unexpected_body", bodies.body_refusal_text(flow.request.method, rule.id)
-                                              + "; nothing of it was sent", rule.id))
-        if refusal.would_deny and bound:  # report mode never lets a credential go with a refused request
-            refusal = Decision(False, refusal.reason, refusal.message.removeprefix("report mode: ")
-                               + " (report mode does not apply: the request carries the rule's credential)",
-                               refusal.rule, refusal.notes)
+        refusal = enforced_if_bound(engine.report(Decision.deny(
+            "unexpected_body", bodies.body_refusal_text(flow.request.method, rule.id) + "; nothing of it was sent",
+            rule.id)), bound)
 
         def record(refused: Decision, _found) -> None:
             self.state.record(event="request_body", **({k: v for k, v in sent.items() if k != "method_override"}
