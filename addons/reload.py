@@ -100,9 +100,14 @@ class PolicyReloader:
             reloaded = Decision(True, "policy_reloaded", f"policy {path} reloaded ({len(policy.rules)} rules)")
             # The line first, then the swap: installing judges every open connection again
             # (addons/revocation.py), and their `revoked` lines follow the reload that caused them.
-            # Nothing runs in between (no await), so no request is judged in the gap.
-            self.state.record(event="policy_reload", **verdict_fields(reloaded), result="ok", sha256=policy.sha256)
-            self.state.install(engine)
+            # Nothing runs in between (no await), so no request is judged in the gap. The swap
+            # happens even when the line cannot be written (a full disk): the poller has taken the
+            # file's new identity, so a lost install would be lost for good.
+            try:
+                self.state.record(event="policy_reload", **verdict_fields(reloaded), result="ok",
+                                  sha256=policy.sha256)
+            finally:
+                self.state.install(engine)
             return True
 
     def _rejected(self, why: str) -> None:

@@ -106,7 +106,17 @@ class Revoker:
         self._swept = engine.generation
         for client_id, conn in list(self.state.connections.items()):
             if conn.established:
-                self.judge(client_id, conn)
+                try:
+                    self.judge(client_id, conn)
+                except Exception:  # one connection's failure must not spare the ones after it
+                    logger.exception("egress gateway: judging open connection %s failed; it is closed", conn.client)
+                    if conn.poisoned is not None and not conn.established:
+                        continue  # revoked and closed already: only its line failed
+                    conn.poisoned = Decision.deny("internal_error", "the gateway failed while judging this "
+                                                                    "connection after a policy change")
+                    conn.admitted.clear()
+                    conn.established.clear()
+                    self.closer(client_id)
 
     def judge(self, client_id: str, conn: ConnectionState) -> bool:
         """Judge one connection by the current engine; close it if anything on it is no longer
@@ -147,11 +157,13 @@ class Revoker:
         conn.admitted.clear()
         conn.passthrough_rule = None
         conn.established.clear()
-        self._record(conn, established, decision, engine, kind, request)  # the line first, then the effect
-        logger.info("egress gateway: revoked open %s %s -> %s (rule %s): %s", kind, conn.client,
-                    established.pin.host.authority(established.pin.port), established.rule, decision.reason)
-        if not self.closer(client_id):
-            logger.info("egress gateway: revoked connection %s was already closing", conn.client)
+        try:
+            self._record(conn, established, decision, engine, kind, request)  # the line first, then the effect
+            logger.info("egress gateway: revoked open %s %s -> %s (rule %s): %s", kind, conn.client,
+                        established.pin.host.authority(established.pin.port), established.rule, decision.reason)
+        finally:  # an audit line that cannot be written (a full disk) never keeps the connection open
+            if not self.closer(client_id):
+                logger.info("egress gateway: revoked connection %s was already closing", conn.client)
 
     def _record(self, conn: ConnectionState, established: Established, decision: Decision, engine: Engine,
                 kind: str | None = None, request=None) -> None:

@@ -153,3 +153,51 @@ def test_every_kind_names_itself_in_the_line(kind):
     world.open("c", "a.test", kind=kind)
     world.state.install(engine(B))
     assert world.revoked()[0]["kind"] == kind
+
+
+def test_an_audit_line_that_cannot_be_written_still_closes_and_the_sweep_goes_on(monkeypatch):
+    """Review finding: the revocation's line raised (a full disk) and the connection stayed open, and
+    so did every connection after it in the sweep."""
+    world = World()
+    world.open("c1", "a.test")
+    world.open("c2", "a.test")
+
+    write = world.state.audit.record
+
+    def full_disk(**fields):
+        if fields.get("event") == "connection":
+            raise OSError(28, "No space left on device")
+        return write(**fields)
+
+    monkeypatch.setattr(world.state.audit, "record", full_disk)
+    world.state.install(engine(B))
+    assert sorted(world.closed) == ["c1", "c2"]
+
+
+def test_a_reload_whose_line_cannot_be_written_is_still_installed(tmp_path, monkeypatch):
+    """Review finding: the reload line was written before the install, and a failing write lost the
+    reload for good (the poller had taken the file's new identity)."""
+    from addons.reload import PolicyReloader
+
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY.format(rules=A + B))
+    world = World()
+
+    class Options:
+        egress_policy = str(policy)
+
+    monkeypatch.setattr("addons.reload.ctx", type("Ctx", (), {"options": Options()}))
+    reloader = PolicyReloader(world.state, Engine.build)
+    policy.write_text(POLICY.format(rules=B))
+
+    write = world.state.audit.record
+
+    def full_disk(**fields):
+        if fields.get("event") == "policy_reload":
+            raise OSError(28, "No space left on device")
+        return write(**fields)
+
+    monkeypatch.setattr(world.state.audit, "record", full_disk)
+    with pytest.raises(OSError):
+        asyncio.run(reloader.reload_now())
+    assert [r.id for r in world.state.engine.policy.rules] == ["b"]
