@@ -140,6 +140,10 @@ class EchoUpstream:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        # Notified whenever what the recorder has seen changes (a connection accepted, a request
+        # recorded, a connection's handler finished): tests wait on these events, never on sleeps.
+        self._changed = threading.Condition(self._lock)
+        self._in_flight: set[object] = set()  # connections accepted since reset() whose handler runs
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -153,8 +157,9 @@ class EchoUpstream:
                 body = self.rfile.read(length) if length else b""
                 seen = Seen(self.command, self.path, list(self.headers.items()), body,
                             getattr(self.connection, "egress_sni", None))
-                with upstream._lock:
+                with upstream._changed:
                     upstream.requests.append(seen)
+                    upstream._changed.notify_all()
                 route = urlsplit(self.path).path
                 for prefix, handler in (("/v1/anything", self.anything), ("/v1/error", self.error),
                                         ("/v1/headers", self.leak_headers), ("/v1/stream", self.stream),
@@ -457,8 +462,11 @@ class EchoUpstream:
 
             def get_request(self):
                 sock, addr = super().get_request()
-                with upstream._lock:
+                token = object()
+                with upstream._changed:
                     upstream.connections += 1
+                    upstream._in_flight.add(token)
+                    upstream._changed.notify_all()
                 sock.settimeout(5)
                 holder = {}
 
@@ -466,10 +474,21 @@ class EchoUpstream:
                     holder["sni"] = server_name
 
                 upstream._tls.sni_callback = remember_sni
-                sock = upstream._tls.wrap_socket(sock, server_side=True)
+                try:
+                    sock = upstream._tls.wrap_socket(sock, server_side=True)
+                except BaseException:
+                    upstream._finished(token)
+                    raise
                 sock.egress_sni = holder.get("sni")
+                sock.egress_token = token
                 sock.settimeout(None)
                 return sock, addr
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:  # the handler is done with this connection (it closed, or the peer did)
+                    upstream._finished(getattr(request, "egress_token", None))
 
             def handle_error(self, request, client_address):  # TLS resets etc.: quiet
                 pass
@@ -487,9 +506,28 @@ class EchoUpstream:
         self._server.server_close()
 
     def reset(self) -> None:
-        with self._lock:
+        with self._changed:
             self.requests.clear()
             self.connections = 0
+            self._in_flight.clear()  # connections of earlier tests no longer count for settled
+            self._changed.notify_all()
+
+    def _finished(self, token: object) -> None:
+        with self._changed:
+            self._in_flight.discard(token)
+            self._changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        """Wait until predicate() (called with the recorder's lock held, re-checked whenever what
+        the recorder has seen changes) is true; False if it still is not after `timeout` s."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    @property
+    def settled(self) -> bool:
+        """Every connection accepted since reset() has been handled to its end: whatever
+        reached this origin is recorded."""
+        return not self._in_flight
 
     @property
     def touched(self) -> bool:

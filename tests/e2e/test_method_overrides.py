@@ -17,7 +17,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -63,12 +62,17 @@ RULES = """
 
 class BodyRecorder:
     """A TLS HTTP/1.1 origin that reads every request body to its end (Content-Length or chunked)
-    and records whether it arrived complete; answers 200 to complete requests only."""
+    and records whether it arrived complete; answers 200 to complete requests only.
+
+    Every change to a record (its body's bytes arrive, it completes, its handler finishes) notifies
+    a condition, so tests wait for those events with `wait_for` instead of sleeping."""
 
     def __init__(self, host: str, cert, key):
         self.connections = 0
         self.requests: list[dict] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._in_flight = 0  # accepted connections whose handler has not finished
         self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._tls.load_cert_chain(str(cert), str(key))
         self._sock = socket.socket()
@@ -78,9 +82,26 @@ class BodyRecorder:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def reset(self) -> None:
-        with self._lock:
+        with self._changed:
             self.connections = 0
             self.requests.clear()
+            self._changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        """Wait until predicate() (called with the lock held, re-checked whenever a record changes)
+        is true; False if it still is not after `timeout` s."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    @property
+    def settled(self) -> bool:
+        """Every connection's handler has finished: each record is final (complete or not)."""
+        return self._in_flight == 0 and all(r["finished"] for r in self.requests)
+
+    def _update(self, record: dict, **fields) -> None:
+        with self._changed:
+            record.update(fields)
+            self._changed.notify_all()
 
     def _serve(self) -> None:
         while True:
@@ -88,11 +109,23 @@ class BodyRecorder:
                 client, _ = self._sock.accept()
             except OSError:
                 return
-            with self._lock:
+            with self._changed:
                 self.connections += 1
+                self._in_flight += 1
+                self._changed.notify_all()
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
     def _handle(self, raw: socket.socket) -> None:
+        record: dict = {}
+        try:
+            self._exchange(raw, record)
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                record["finished"] = True
+                self._changed.notify_all()
+
+    def _exchange(self, raw: socket.socket, record: dict) -> None:
         raw.settimeout(5)
         try:
             conn = self._tls.wrap_socket(raw, server_side=True)
@@ -100,7 +133,6 @@ class BodyRecorder:
             raw.close()
             return
         buf = b""
-        record: dict = {}
         try:
             while b"\r\n\r\n" not in buf:
                 chunk = conn.recv(65536)
@@ -112,9 +144,10 @@ class BodyRecorder:
             method, path, _ = lines[0].split(" ", 2)
             headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]
             fields = {k.lower(): v for k, v in headers}
-            record = {"method": method, "path": path, "headers": headers, "body": b"", "complete": False}
-            with self._lock:
+            record.update(method=method, path=path, headers=headers, body=b"", complete=False, finished=False)
+            with self._changed:
                 self.requests.append(record)
+                self._changed.notify_all()
 
             def more() -> bytes:
                 data = conn.recv(65536)
@@ -133,16 +166,16 @@ class BodyRecorder:
                         buf += more()
                     body += buf[:size]
                     buf = buf[size + 2:]
-                    record["body"] = body
+                    self._update(record, body=body)
                     if size == 0:
                         break
             else:
                 length = int(fields.get("content-length", "0"))
                 while len(buf) < length:
                     buf += more()
-                    record["body"] = buf[:length]
-                record["body"] = buf[:length]
-            record["complete"] = True
+                    self._update(record, body=buf[:length])
+                self._update(record, body=buf[:length])
+            self._update(record, complete=True)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
         except (OSError, ConnectionError, ValueError, ssl.SSLError):
             pass
@@ -357,13 +390,18 @@ def test_report_mode_body_override_on_an_unbound_rule_is_would_deny(gw, upstream
 # --- streamed bodies: the origin never gets a complete request ------------------------------------
 
 
-def _streamed(gateway, host: str, headers: list[tuple[str, str]], first: bytes, rest: bytes):
-    """Send a request head and the first part of its body, wait until that part is upstream, then
-    the rest (which names the override), and read the answer."""
-    with tls_tunnel(gateway, f"{host}:443") as tls:
-        head = f"POST /upload HTTP/1.1\r\nHost: {host}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+def _streamed(gateway, recorder, headers: list[tuple[str, str]], first: bytes, rest: bytes,
+              upstream: bytes | None = None):
+    """Send a request head and the first part of its body, wait until that part is upstream (the
+    recorder has a request whose body begins with `upstream`: the bytes of `first`, unframed),
+    then the rest (which names the override), and read the answer."""
+    if upstream is None:
+        upstream = _unchunked(first) if (CHUNKED in headers) else first
+    with tls_tunnel(gateway, "stream.test:443") as tls:
+        head = "POST /upload HTTP/1.1\r\nHost: stream.test\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
         tls.send(head.encode() + b"\r\n" + first)
-        time.sleep(0.4)
+        assert recorder.wait_for(lambda: any(r["body"].startswith(upstream) for r in recorder.requests)), (
+            "the first part of the body never reached the origin", recorder.requests)
         tls.send(rest)
         try:
             response = tls.read_response()
@@ -376,16 +414,30 @@ def _chunks(*pieces: bytes, end: bool = True) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + (b"0\r\n\r\n" if end else b"")
 
 
+def _unchunked(framed: bytes) -> bytes:
+    """The data of complete chunks (as _chunks frames them)."""
+    data = b""
+    while b"\r\n" in framed:
+        size_line, framed = framed.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        data, framed = data + framed[:size], framed[size + 2:]
+        if size == 0:
+            break
+    return data
+
+
 FORM = ("Content-Type", "application/x-www-form-urlencoded")
 CHUNKED = ("Transfer-Encoding", "chunked")
 
 
 def _settle(recorder) -> None:
-    time.sleep(0.3)  # the recorder's handler notices the upstream reset
+    """Wait until the recorder's handlers have noticed the upstream reset and finished: its
+    records are final."""
+    assert recorder.wait_for(lambda: recorder.settled), ("the origin is still reading", recorder.requests)
 
 
 def test_streamed_chunked_form_with_a_late_override_never_completes_upstream(gw, recorder):
-    response, client = _streamed(gw, "stream.test", [FORM, CHUNKED], _chunks(b"title=" + b"x" * 5000, end=False),
+    response, client = _streamed(gw, recorder, [FORM, CHUNKED], _chunks(b"title=" + b"x" * 5000, end=False),
                                  _chunks(b"&_method=DEL", b"ETE", b"&more=1"))
     assert response is not None and response.status == 403, response
     assert response.egress_reason == "method_not_allowed"
@@ -400,7 +452,7 @@ def test_streamed_override_as_the_last_field_is_caught_at_the_end(gw, recorder):
     """`_method=DELETE` is only complete when the body ends; the body's last byte was held back,
     so the origin (reading by Content-Length) still waits for it when the stream is reset."""
     body = b"title=" + b"y" * 6000 + b"&_method=DELETE"
-    response, _ = _streamed(gw, "stream.test", [FORM, ("Content-Length", str(len(body)))], body[:5000],
+    response, _ = _streamed(gw, recorder, [FORM, ("Content-Length", str(len(body)))], body[:5000],
                             body[5000:])
     assert response is not None and response.status == 403, response
     assert response.egress_reason == "method_not_allowed"
@@ -415,7 +467,7 @@ def test_streamed_override_as_the_last_field_is_caught_at_the_end(gw, recorder):
     ("application/json", b'{"pad": "' + b"p" * 6000 + b'", "_method": "DELETE"}'),
 ])
 def test_streamed_multipart_and_json_overrides(gw, recorder, content_type, body):
-    response, _ = _streamed(gw, "stream.test", [("Content-Type", content_type), ("Content-Length", str(len(body)))],
+    response, _ = _streamed(gw, recorder, [("Content-Type", content_type), ("Content-Length", str(len(body)))],
                             body[:5000], body[5000:])
     assert response is not None and response.status == 403, response
     assert response.egress_reason == "method_not_allowed", response.text
@@ -430,12 +482,17 @@ def test_streamed_chunks_go_on_at_once_unless_they_end_inside_an_override(gw, re
     with tls_tunnel(gw, "stream.test:443") as tls:
         tls.send(b"POST /upload HTTP/1.1\r\nHost: stream.test\r\nContent-Type: application/x-www-form-urlencoded\r\n"
                  b"Transfer-Encoding: chunked\r\n\r\n" + _chunks(b"a=1&b=2", end=False))
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and not (recorder.requests and recorder.requests[-1]["body"]):
-            time.sleep(0.05)
-        assert recorder.requests and recorder.requests[-1]["body"] == b"a=1&b=2"
+        # The first chunk goes on by itself, before anything else is sent (no latency).
+        assert recorder.wait_for(lambda: recorder.requests and recorder.requests[-1]["body"]), recorder.requests
+        assert recorder.requests[-1]["body"] == b"a=1&b=2"
         tls.send(_chunks(b"&_method=GE", end=False))
-        time.sleep(0.5)
+        # Wait for the last bytes that must go on ("&_method=G") and check there and then that the
+        # held-back "E" did not come with them: the gateway sends what it lets through of a chunk
+        # as one chunk, and the recorder takes in whole chunks, so a forwarded "E" would have come
+        # with "G". (Waiting to see that "E" does not come later would be a sleep; that it goes on
+        # with the end of the body is checked below.)
+        assert recorder.wait_for(lambda: recorder.requests[-1]["body"].startswith(b"a=1&b=2&_method=G")), (
+            recorder.requests)
         assert recorder.requests[-1]["body"] == b"a=1&b=2&_method=G"  # "E" waits: GET? GETX?
         tls.send(_chunks(b"T"))
         response = tls.read_response()
@@ -445,11 +502,11 @@ def test_streamed_chunks_go_on_at_once_unless_they_end_inside_an_override(gw, re
 
 def test_streamed_bodies_without_an_override_arrive_whole(gw, recorder):
     pieces = [b"title=" + b"x" * 5000, b"&_method=POST", b"&note=ok"]
-    response, _ = _streamed(gw, "stream.test", [FORM, CHUNKED], _chunks(pieces[0], end=False),
+    response, _ = _streamed(gw, recorder, [FORM, CHUNKED], _chunks(pieces[0], end=False),
                             _chunks(*pieces[1:]))
     assert response is not None and response.status == 200, response
     body = b"t" * 9000 + b"&x=1"
-    response, _ = _streamed(gw, "stream.test", [FORM, ("Content-Length", str(len(body)))], body[:5000],
+    response, _ = _streamed(gw, recorder, [FORM, ("Content-Length", str(len(body)))], body[:5000],
                             body[5000:])
     assert response is not None and response.status == 200, response
     complete = [r for r in recorder.requests if r["complete"]]
@@ -570,9 +627,12 @@ def test_streamed_second_gzip_member_with_an_override_never_completes_upstream(g
     import random
 
     noise = random.Random(14).randbytes(12000).replace(b"&", b"").replace(b";", b"")  # does not compress
-    body = _gz(b"title=" + noise + b"&", b"_method=DELETE")
-    response, _ = _streamed(gw, "stream.test", [FORM, ("Content-Encoding", "gzip"),
-                                                ("Content-Length", str(len(body)))], body[:-20], body[-20:])
+    first_member = _gz(b"title=" + noise + b"&")
+    body = first_member + _gz(b"_method=DELETE")
+    # The first part ends inside the second member, whose bytes the gateway may hold until it has
+    # decoded them: the first member is what must be upstream before the rest is sent.
+    response, _ = _streamed(gw, recorder, [FORM, ("Content-Encoding", "gzip"), ("Content-Length", str(len(body)))],
+                            body[:-20], body[-20:], upstream=first_member)
     assert response is not None and response.status == 403, response
     assert response.egress_reason == "method_not_allowed"
     _settle(recorder)
