@@ -97,6 +97,39 @@ class Revoker:
                                   request=facts)
         self.state.establish(flow.client_conn.id, conn, established)
 
+    # --- requests in flight: registered while they last, so a reload judges an endless stream ------
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """An allowed request (after the request guard): in flight until its response ends or it
+        fails. One list entry per open request on the connection; nothing is judged here."""
+        decision = flow.metadata.get("egress_decision")
+        facts, pin = flow.metadata.get(FACTS), flow.metadata.get("egress_pin")
+        conn = self.state.connections.get(flow.client_conn.id)
+        if (conn is None or flow.response is not None or decision is None or not decision.allowed
+                or facts is None or pin is None):
+            return
+        self.state.establish(flow.client_conn.id, conn, Established(
+            "request", pin, decision.rule, conn.address, flow.metadata.get(GENERATION, 0), request=facts))
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        """The request's body is through; the request is over if its response is too (an early one)."""
+        if flow.response is not None and flow.response.timestamp_end is not None:
+            self._finished(flow)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        """The response is through; the request is over if its body is too (else at `request`)."""
+        if flow.request.timestamp_end is not None:
+            self._finished(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._finished(flow)
+
+    def _finished(self, flow: http.HTTPFlow) -> None:
+        conn = self.state.connections.get(flow.client_conn.id)
+        facts = flow.metadata.get(FACTS)
+        if conn is not None and facts is not None:
+            conn.established[:] = [e for e in conn.established if not (e.kind == "request" and e.request is facts)]
+
     # --- judging ---------------------------------------------------------------------------------
 
     def sweep(self, engine: Engine) -> None:
@@ -187,7 +220,7 @@ class Revoker:
 
 def _request(conn: ConnectionState):
     """A WebSocket's upgrade request, for the line of the connection that carries it."""
-    return next((e.request for e in conn.established if e.request is not None), None)
+    return next((e.request for e in conn.established if e.kind == "websocket"), None)
 
 
 def _kind(conn: ConnectionState, established: Established) -> str:

@@ -130,7 +130,7 @@ class GatewayMetrics:
         )
         self.revoked = Counter(
             "egress_revoked_connections", "Open connections closed because a policy change no longer allows them, "
-            "by kind (tunnel, http, passthrough, tcp, websocket).", ["kind"], registry=r,
+            "by kind (tunnel, http, passthrough, tcp, websocket, request).", ["kind"], registry=r,
         )
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,

@@ -14,6 +14,7 @@ be asked, with the engine's own checks (the same code `explain` and the guards u
 | `passthrough` | an `inspect: false` tunnel relayed unread   | the same, and the rule that allows it must still be a passthrough rule (else `passthrough_withdrawn`: a new tunnel would be inspected) |
 | `tcp`         | a raw TCP relay (`protocol: tcp`)          | `tcp_decision` (`check_tcp`, then the deny list) with the names the gateway's DNS had given the client when it was admitted |
 | `websocket`   | an upgraded WebSocket                       | `check_request` on its upgrade request (method, path, scheme, port, method overrides), then the deny list |
+| `request`     | a request in flight (its body or its response still streaming), in any mode | the same as a WebSocket: `check_request` on it, then the deny list |
 
 A WebSocket inside a tunnel is judged as both: the tunnel's destination, then its upgrade request.
 
@@ -24,9 +25,9 @@ so); address, pinning and passthrough refusals are never relaxed, as for new con
 
 What is *not* judged again: the DNS answer behind a pin (an open connection keeps the address it
 dialled; only that address is checked against the new deny list, without a new lookup: no I/O on a
-reload), credentials (an open WebSocket's upgrade had its credential injected once), and requests
-in flight on an inspected connection whose destination is still allowed (each request is judged
-whole by the policy it arrived under; the next one by the current policy).
+reload) and credentials (an open WebSocket's upgrade had its credential injected once). A request
+in flight (an upload or a streaming response under way) is judged again like a new request: a
+removed rule stops an endless stream too.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .decision import Decision
 from .engine import Engine, Pin, RequestFacts
 from .hostnames import IPAddress
 
-KINDS = ("tunnel", "http", "passthrough", "tcp", "websocket")
+KINDS = ("tunnel", "http", "passthrough", "tcp", "websocket", "request")
 
 # The one revocation cause that is not a refusal reason code: the destination is still allowed, but
 # only by an inspecting rule, and the open tunnel is relayed unread.
@@ -55,13 +56,13 @@ class Established:
     generation: int = 0  # the engine generation that last judged it
     original: IPAddress | None = None  # transparent mode: the address the sandbox dialled
     names: tuple[str, ...] = ()  # raw TCP: names the gateway's DNS answered with this address
-    request: RequestFacts | None = None  # websocket: the upgrade request
+    request: RequestFacts | None = None  # websocket: the upgrade request; request: the request itself
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown kind of established connection {self.kind!r}")
-        if self.kind == "websocket" and self.request is None:
-            raise ValueError("a websocket needs its upgrade request")
+        if self.kind in ("websocket", "request") and self.request is None:
+            raise ValueError(f"a {self.kind} needs its request")
 
 
 def rejudge(engine: Engine, established: Established) -> Decision:
@@ -71,7 +72,7 @@ def rejudge(engine: Engine, established: Established) -> Decision:
     pin = established.pin
     if established.kind == "tcp":
         return engine.tcp_decision(pin.address, pin.port, established.names, scope)
-    if established.kind == "websocket":
+    if established.kind in ("websocket", "request"):
         decision = engine.check_request(established.request, scope)
     else:
         decision = engine.check_destination(pin.host, pin.port, scope)

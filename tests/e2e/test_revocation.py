@@ -215,3 +215,48 @@ def test_revocations_are_counted_by_kind(reloadable, origins, pki):
         assert conn.closed(WAIT)
     assert_websocket_closed(ws)
     json.dumps(samples)  # the scrape parsed
+
+
+# --- requests in flight (review finding: an endless upload outlived the rule) -------------------------
+
+
+def _start_upload(sock_conn: Conn, target: str, host: str) -> None:
+    sock_conn.send(f"POST {target} HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+                   "Content-Type: application/octet-stream\r\n\r\n".encode() + b"10\r\n" + b"x" * 16 + b"\r\n")
+    answer = sock_conn.read_response()  # this origin answers at the head and goes on reading
+    assert answer.status == 200, answer
+
+
+def test_an_upload_in_flight_on_the_proxy_port_is_closed_when_its_host_is_removed(reloadable, origins):
+    gw = reloadable()
+    conn = Conn(socket.create_connection((gw.process.host, gw.process.port), timeout=WAIT))
+    _start_upload(conn, "http://kept.test/upload", "kept.test")
+    assert origins.kept_plain.wait_opened(1)
+    gw.reload(without(BASE_RULES, "kept"))
+    line = line_of(gw.revoked(kind="request"), conn.client)
+    assert (line["rule"], line["cause"], line["method"], line["path"]) == ("kept", "no_rule", "POST", "/upload")
+    assert origins.kept_plain.wait_closed(1), "the upload's upstream stayed open"
+    assert conn.closed(WAIT)
+
+
+def test_an_upload_in_flight_in_a_tunnel_is_closed_when_its_path_is_no_longer_allowed(reloadable, origins):
+    """The tunnel's host stays allowed, so the tunnel would stay; the request in flight on it would
+    not be allowed now, so the connection carrying it is closed."""
+    gw = reloadable()
+    conn = tls_tunnel(gw.process, "kept.test:443")
+    _start_upload(conn, "/upload", "kept.test")
+    narrowed = BASE_RULES.replace("  hosts: [kept.test]\n", "  hosts: [kept.test]\n  paths: ['/ok/**']\n")
+    gw.reload(narrowed)
+    line = line_of(gw.revoked(kind="request"), conn.client)
+    assert (line["rule"], line["cause"], line["path"]) == ("kept", "path_not_allowed", "/upload")
+    assert conn.closed(WAIT)
+
+
+def test_a_finished_request_leaves_nothing_to_revoke(reloadable, origins):
+    gw = reloadable()
+    conn = tls_tunnel(gw.process, "kept.test:443")
+    assert get(conn, "/first", "kept.test").status == 200
+    narrowed = BASE_RULES.replace("  hosts: [kept.test]\n", "  hosts: [kept.test]\n  paths: ['/ok/**']\n")
+    gw.reload(narrowed)
+    assert get(conn, "/ok/1", "kept.test").status == 200  # the connection stayed open
+    assert gw.lines(reason="revoked") == []
