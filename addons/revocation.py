@@ -77,6 +77,9 @@ class Revoker:
         self.state = state
         self.closer = closer
         self._swept = 0  # the engine generation the open connections were last judged by
+        # client id -> flow id -> the flow of each registered request: a stream can die without any
+        # hook saying so (an HTTP/2 reset after its answer), so dead ones are pruned by liveness
+        self._flows: dict[str, dict[str, http.HTTPFlow]] = {}
         state.install_listeners.append(self.sweep)
         state.stale_listeners.append(self.judge)
 
@@ -108,8 +111,22 @@ class Revoker:
         if (conn is None or flow.response is not None or decision is None or not decision.allowed
                 or facts is None or pin is None):
             return
+        self._prune(flow.client_conn.id, conn)
+        self._flows.setdefault(flow.client_conn.id, {})[flow.id] = flow
         self.state.establish(flow.client_conn.id, conn, Established(
             "request", pin, decision.rule, conn.address, flow.metadata.get(GENERATION, 0), request=facts))
+
+    def client_disconnected(self, client) -> None:
+        self._flows.pop(client.id, None)
+
+    def _prune(self, client_id: str, conn: ConnectionState) -> None:
+        """Forget the registered requests whose streams are over, whichever way they ended."""
+        flows = self._flows.get(client_id)
+        if not flows:
+            return
+        dead = [f for f in flows.values() if not f.live]
+        for flow in dead:
+            self._finished(flow)
 
     def request(self, flow: http.HTTPFlow) -> None:
         """The request's body is through; the request is over if its response is too (an early one)."""
@@ -125,6 +142,9 @@ class Revoker:
         self._finished(flow)
 
     def _finished(self, flow: http.HTTPFlow) -> None:
+        flows = self._flows.get(flow.client_conn.id)
+        if flows is not None:
+            flows.pop(flow.id, None)
         conn = self.state.connections.get(flow.client_conn.id)
         facts = flow.metadata.get(FACTS)
         if conn is not None and facts is not None:
@@ -155,6 +175,7 @@ class Revoker:
         """Judge one connection by the current engine; close it if anything on it is no longer
         allowed. True when it stays open."""
         engine = self.state.engine
+        self._prune(client_id, conn)  # a dead stream is nothing to revoke
         if engine is None or not conn.established:
             return True
         if conn.poisoned is not None:

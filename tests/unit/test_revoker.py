@@ -201,3 +201,37 @@ def test_a_reload_whose_line_cannot_be_written_is_still_installed(tmp_path, monk
     with pytest.raises(OSError):
         asyncio.run(reloader.reload_now())
     assert [r.id for r in world.state.engine.policy.rules] == ["b"]
+
+
+class _Flow:
+    """What the Revoker reads of a flow: its connection, id, liveness, metadata, and timestamps."""
+
+    def __init__(self, client_id: str, flow_id: str, facts, pin, decision, generation: int):
+        self.client_conn = type("Client", (), {"id": client_id})()
+        self.id = flow_id
+        self.live = True
+        self.response = None
+        self.request = type("Request", (), {"timestamp_end": None})()
+        self.metadata = {revocation_addon.FACTS: facts, "egress_pin": pin, "egress_decision": decision,
+                         revocation_addon.GENERATION: generation}
+
+
+def test_a_stream_that_died_without_a_hook_is_forgotten_and_never_revoked():
+    """Review finding: an HTTP/2 stream reset after its answer fires no hook; its entry stayed,
+    grew with every such stream, and a later reload closed the connection for it."""
+    from gateway.engine import RequestFacts
+
+    world = World()
+    conn = world.open("c1", "a.test")
+    current = world.state.engine
+    allowed = current.check_request(RequestFacts(conn.tunnel.host, 443, "https", "POST", "/upload"))
+    flows = []
+    for i in range(50):
+        facts = RequestFacts(conn.tunnel.host, 443, "https", "POST", "/upload")
+        flow = _Flow("c1", f"f{i}", facts, conn.tunnel, allowed, current.generation)
+        world.revoker.requestheaders(flow)
+        flow.live = False  # reset: mitmproxy drops the stream, no request/response/error hook
+        flows.append(flow)
+    assert sum(e.kind == "request" for e in conn.established) <= 1  # pruned at each new request
+    world.state.install(engine(A.replace("hosts: [a.test]", "hosts: [a.test]\n    methods: [GET]") + B))
+    assert world.closed == [] and world.revoked() == []
