@@ -55,8 +55,11 @@ class BodyOverrideCheck:
     """Fed the request body (`feed`, then `finish` at its end); returns the refusal to send, once."""
 
     def __init__(self, scanner: BodyScanner, judge: Callable[[list[Override]], Decision | None],
-                 record: Callable[[Decision, list[Override]], None], bound: bool, rule: str | None = None):
+                 record: Callable[[Decision, list[Override]], None], bound: bool, rule: str | None = None,
+                 stale: Callable[[], bool] = lambda: False):
         self.rule = rule  # the rule that allowed the head: refusals name it
+        self.stale = stale  # True after a reload: what the body named so far is judged again
+        self.found: list[Override] = []
         self.scanner = scanner
         self.judge = judge
         self.record = record
@@ -105,12 +108,13 @@ class BodyOverrideCheck:
             return self._refuse(Decision.deny(
                 "method_not_allowed", f"the request body could not be checked for method overrides: {why}; "
                                       f"its end was not sent", self.rule), found)
-        if not found:
+        self.found.extend(found)
+        if not self.found or not (found or self.stale()):
             return None
-        decision = self.judge(found)
+        decision = self.judge(self.found)
         if decision is None:
             return None
-        return self._refuse(enforced_if_bound(decision, self.bound), found)
+        return self._refuse(enforced_if_bound(decision, self.bound), self.found)
 
     def _refuse(self, decision: Decision, found: list[Override]) -> Decision | None:
         self.done = True

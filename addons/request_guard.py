@@ -147,17 +147,34 @@ class RequestGuard:
         if scanner is None:
             return None
         wire = flow.request.method
+        facts = flow.metadata.get(FACTS)
+        client = flow.client_conn.id
+        judged_by = [engine]  # the engine of the last judgement: a reload mid-body judges anew
+
+        def stale() -> bool:
+            return self.state.engine is not None and self.state.engine is not judged_by[0]
 
         def judge(found: list[methods.Override]) -> Decision | None:
-            refusal = body_override_refusal(rule, wire, found)
-            return engine.report(refusal) if refusal is not None else None
+            """Every override the body named so far, by the current policy: after a reload, by the
+            rule that allows the head now (or the head's refusal, if none does)."""
+            current, current_rule = self.state.engine or engine, rule
+            if current is not engine and facts is not None:
+                conn = self.state.connections.get(client)
+                head = current.check_request(facts, current.policy.scope_for(conn.address if conn else None))
+                if not head.allowed:
+                    judged_by[0] = current
+                    return head
+                current_rule = current.policy.rules_by_id.get(head.rule or "")
+            judged_by[0] = current
+            refusal = body_override_refusal(current_rule, wire, found)
+            return current.report(refusal) if refusal is not None else None
 
         def record(refusal: Decision, found: list[methods.Override]) -> None:
             fields = {k: v for k, v in sent.items() if k != "method_override"} | decision_fields(refusal, pin)
             fields["method_override"] = [o.describe() for o in found] or None
             self.state.record(event="request_body", **fields)
 
-        check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound, decision.rule)
+        check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound, decision.rule, stale)
         return check
 
     def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope, engine: Engine) -> tuple[Decision, Pin | None]:

@@ -260,3 +260,25 @@ def test_a_finished_request_leaves_nothing_to_revoke(reloadable, origins):
     gw.reload(narrowed)
     assert get(conn, "/ok/1", "kept.test").status == 200  # the connection stayed open
     assert gw.lines(reason="revoked") == []
+
+
+def test_a_body_override_after_a_reload_is_judged_by_the_new_rule(reloadable, origins):
+    """Review finding: the body check kept the rule of the head's moment. The rule allowed DELETE
+    when the upload started; a reload narrows it to GET and POST; the `_method=DELETE` that arrives
+    next in the body is refused, before the end of the body goes on."""
+    gw = reloadable()
+    conn = Conn(socket.create_connection((gw.process.host, gw.process.port), timeout=WAIT))
+    conn.send(b"POST http://kept.test/form HTTP/1.1\r\nHost: kept.test\r\nTransfer-Encoding: chunked\r\n"
+              b"Content-Type: application/x-www-form-urlencoded\r\n\r\n4\r\na=1&\r\n")
+    assert conn.read_response().status == 200  # this origin answers at the head
+    gw.reload(BASE_RULES.replace("  hosts: [kept.test]\n", "  hosts: [kept.test]\n  methods: [GET, POST]\n"))
+    assert gw.lines(reason="revoked") == []  # POST /form is still allowed: the connection stays
+    conn.send(b"e\r\n_method=DELETE\r\n0\r\n\r\n")
+    def body_lines():
+        return [e for e in gw.lines(event="request_body") if e["client"] == conn.client]
+
+    gw.wait(body_lines, "the request_body refusal")
+    refused = body_lines()
+    assert (refused[0]["decision"], refused[0]["reason"], refused[0]["rule"]) == ("deny", "method_not_allowed", "kept")
+    assert refused[0]["method_override"] == ["form field _method: DELETE"]
+    assert conn.closed(WAIT)
