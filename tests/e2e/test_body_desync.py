@@ -212,6 +212,26 @@ def test_bytes_after_an_early_response_to_a_streamed_body_answer_nothing(gw, ori
     assert "crashed" not in gw.log() and "Traceback" not in gw.log()
 
 
+def test_an_origin_that_answers_early_and_closes_while_the_body_streams(gw, origin):
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    with tls_tunnel(gw, "lenient.test:443") as tls:
+        tls.send(build_request("POST", "/early-close", [("Host", "lenient.test"), ("Transfer-Encoding", "chunked")])
+                 + chunk(SMUGGLED))
+        first = tls.read_response()
+        assert (first.status, first.text) == (401, "nope")
+        try:
+            tls.send(chunk(SMUGGLED) + chunk(b"x") + b"0\r\n\r\n")
+            after = tls.request("GET", "/after", [("Host", "lenient.test")])
+            assert after.text == "GET lenient.test /after", after
+        except (ConnectionError, OSError):
+            pass  # closing the client connection too is fine; crashing is not
+    with tls_tunnel(gw, "lenient.test:443") as tls:
+        assert tls.request("GET", "/again", [("Host", "lenient.test")]).text == "GET lenient.test /again"
+    assert "crashed" not in gw.log() and "Traceback" not in gw.log()
+
+
 # --- interim responses -------------------------------------------------------------------------------
 
 

@@ -14,7 +14,8 @@ Scripted paths misbehave on purpose:
 - `/interim/<n>`: n interim `103 Early Hints` responses, then the final one;
 - `/continue-then-close`: `100 Continue`, then the connection closes;
 - `/early`: answers `401` at once, before reading the request body, which it then reads as the
-  next request (an origin that rejects an upload without draining it).
+  next request (an origin that rejects an upload without draining it); `/early-close` answers the
+  same and closes the connection.
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ class LenientOrigin:
                     return
                 if path == "/continue-then-close":
                     conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    return
+                if path == "/early-close":
+                    self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
                     return
                 if path == "/early":
                     self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
