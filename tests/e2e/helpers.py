@@ -450,10 +450,13 @@ class H2Client:
             self.conn.sock.sendall(data)
 
     def send(self, authority: str, path: str = "/", method: str = "GET",
-             extra: list[tuple[str, str]] | None = None) -> int:
+             extra: list[tuple[str, str]] | None = None, body: bytes | None = None) -> int:
+        """Open a stream; `body` (even b""): HEADERS without END_STREAM, then one DATA frame ending it."""
         stream_id = self.h2.get_next_available_stream_id()
         headers = [(":method", method), (":scheme", "https"), (":authority", authority), (":path", path)]
-        self.h2.send_headers(stream_id, headers + (extra or []), end_stream=True)
+        self.h2.send_headers(stream_id, headers + (extra or []), end_stream=body is None)
+        if body is not None:
+            self.h2.send_data(stream_id, body, end_stream=True)
         self._flush()
         self.responses[stream_id] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False,
                                      "reset": False}

@@ -283,12 +283,7 @@ def _h2(gateway, host: str) -> H2Client:
 
 def test_http2_get_with_data_is_refused_before_any_upstream_byte(gw, origin):
     client = _h2(gw, "lenient.test")
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":authority", "lenient.test"),
-                                 (":path", "/page")], end_stream=False)
-    client.h2.send_data(sid, SMUGGLED, end_stream=True)
-    client._flush()
-    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    sid = client.send("lenient.test", "/page", body=SMUGGLED)
     client.wait(sid)
     assert client.responses[sid]["status"] == 400, client.responses[sid]
     assert client.header(sid, "x-egress-reason") == "unexpected_body"
@@ -307,12 +302,7 @@ def test_http2_get_with_a_declared_length_is_refused_at_its_head(gw, origin):
 
 def test_http2_get_left_open_with_no_data_goes_upstream_without_body_framing(gw, origin):
     client = _h2(gw, "lenient.test")
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":authority", "lenient.test"),
-                                 (":path", "/open")], end_stream=False)
-    client.h2.send_data(sid, b"", end_stream=True)
-    client._flush()
-    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    sid = client.send("lenient.test", "/open", body=b"")
     client.wait(sid)
     assert client.responses[sid]["status"] == 200 and client.responses[sid]["body"] == b"GET lenient.test /open"
     executed = origin.wait_for(1)
@@ -322,12 +312,7 @@ def test_http2_get_left_open_with_no_data_goes_upstream_without_body_framing(gw,
 
 def test_http2_post_body_on_an_allow_body_rule_is_fine(gw, origin):
     client = _h2(gw, "search.test")
-    sid = client.h2.get_next_available_stream_id()
-    client.h2.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":authority", "search.test"),
-                                 (":path", "/_search")], end_stream=False)
-    client.h2.send_data(sid, b'{"query": {}}', end_stream=True)
-    client._flush()
-    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    sid = client.send("search.test", "/_search", body=b'{"query": {}}')
     client.wait(sid)
     assert client.responses[sid]["status"] == 200
     client.conn.close()
