@@ -220,7 +220,9 @@ def test_an_origin_that_answers_early_and_closes_while_the_body_streams(gw, orig
         tls.send(build_request("POST", "/early-close", [("Host", "lenient.test"), ("Transfer-Encoding", "chunked")])
                  + chunk(SMUGGLED))
         first = tls.read_response()
-        assert (first.status, first.text) == (401, "nope")
+        # Closing with the body unread makes the origin's kernel reset the connection, which may
+        # overtake its answer: either the answer or a clean 502 is right.
+        assert (first.status, first.text) == (401, "nope") or first.egress_reason == "upstream_failed", first
         try:
             tls.send(chunk(SMUGGLED) + chunk(b"x") + b"0\r\n\r\n")
             after = tls.request("GET", "/after", [("Host", "lenient.test")])
