@@ -24,7 +24,7 @@ from gateway.credentials import placeholder
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
-from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, decode_whole, streaming_decoder
+from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_whole, streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
@@ -33,6 +33,7 @@ from .failclosed import fail_closed
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
+BUFFER_ACCOUNT = "egress_buffer_account"  # flow.metadata key: its stream's share of the buffer ledger (layers.py)
 
 
 class CredentialInjector:
@@ -285,8 +286,16 @@ class ResponseRedactor:
         encoding = [c for c in codings(flow.response.headers.get("content-encoding", "")) if c != "identity"]
         if encoding:
             limit = min(_body_size_limit() or DEFAULT_BUFFERED_LIMIT, DEFAULT_BUFFERED_LIMIT)
+            account = flow.metadata.get(BUFFER_ACCOUNT)
             try:
-                body = decode_whole(encoding[0], flow.response.raw_content or b"", limit)
+                # Each decoded piece is charged to the stream's buffer budget before it is kept.
+                body = decode_whole(encoding[0], flow.response.raw_content or b"", limit,
+                                    account.reserve if account is not None else None)
+            except OverBudget:
+                self._refuse_buffered(flow, Decision.deny(
+                    "buffer_budget", "decoding the compressed response for redaction would pass the connection's "
+                    "or the sandbox's buffer budget"))
+                return
             except DecodedTooLarge:
                 self._refuse_buffered(flow, Decision.deny(
                     "response_too_large", f"the compressed response decodes to more than {limit} bytes"))

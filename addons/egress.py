@@ -14,6 +14,7 @@ except ImportError:
     # Loaded by path from a checkout (mitmdump -s addons/egress.py): make the project importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from addons.budget import BufferBudget  # noqa: E402
 from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
 from addons.credentials import ResponseRedactor  # noqa: E402
@@ -41,6 +42,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         OutputGuard(redactor.redactor),  # early: mitmproxy's flow writers are off before any flow exists
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
+        BufferBudget(state),
         LayerGuard(state),
         ConnectGuard(state),
         TlsGuard(state),

@@ -33,7 +33,7 @@ from gateway.revocation import Established
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import GatewayHttpLayer, RefusalLayer, TargetFormHttpLayer
+from .layers import DEFAULT_BODY_IDLE_TIMEOUT, BodyLimits, GatewayHttpLayer, RefusalLayer, TargetFormHttpLayer
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -260,23 +260,27 @@ class LayerGuard:
         else:
             self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
 
-    @staticmethod
-    def _head_limits() -> tuple[int, float]:
-        return ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout)
+    def _head_limits(self) -> tuple[int, float, BodyLimits]:
+        """The limits of an HTTP layer: head size and time (its HTTP/1 server), and the bodies'
+        buffer budget and idle timeout (its streams)."""
+        idle = float(getattr(ctx.options, "egress_body_idle_timeout", DEFAULT_BODY_IDLE_TIMEOUT))
+        return (ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout),
+                BodyLimits(self.state.buffer_account, idle))
 
-    def _on_refusal(self, context, decision: Decision, request, method: str | None = None) -> Decision:
+    def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
+                    status_sent: bool = True) -> Decision:
         """A request mitmproxy's HTTP server refused or failed itself (parse errors, upstream
         failures): one audit line, in the same shape as the guards' lines. Returns the decision to
         send, its message redacted: a page the gateway writes never carries a secret, whatever
         text it was built from."""
         conn = self.state.connections.get(context.client.id)
         pin = conn.tunnel if conn else None
-        upstream = decision.reason in ("upstream_failed", "response_too_large")
+        upstream = decision.reason in ("upstream_failed", "response_too_large", "response_body_timeout")
         method = method or getattr(request, "method", None)
         self.state.record(
             event="error" if upstream else "connect" if method == "CONNECT" else "request",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            **verdict_fields(decision),
+            **verdict_fields(decision, status_sent=status_sent),
             host=pin.host.value if pin else None, port=pin.port if pin else None,
             address=pin.address.compressed if pin else None, sni=context.client.sni,
             method=method, path=getattr(request, "path", None),

@@ -24,6 +24,13 @@ class DecodedTooLarge(ValueError):
     pass
 
 
+class OverBudget(ValueError):
+    """Keeping the next decoded piece would pass the caller's memory budget (gateway/budget.py)."""
+
+
+PIECE = 1024 * 1024  # what a buffered decode produces per step, each step charged before it is kept
+
+
 class _Concatenated:
     """A coding whose body may be several streams back to back: gzip members (RFC 1952; Node and
     gzip(1) decode them all), zlib or raw deflate streams, zstd frames. Each stream is decoded to
@@ -196,14 +203,19 @@ class BoundedDecoder:
         return piece
 
     def decompress(self, data: bytes) -> bytes:
+        return b"".join(self.pieces(data, 1 << 62))
+
+    def pieces(self, data: bytes, size: int = 0):
+        """The output for `data`, in pieces of at most about `size` bytes (PIECE by default), each
+        decoded only when the previous one was taken: a caller can stop between them (a budget,
+        a turn of the event loop) with nothing more allocated."""
+        size = size or PIECE
         self.read += len(data)
-        pieces = []
         room = self._room()
-        pieces.append(self._take(self.inner.decompress(data, room + 1), room))
+        yield self._take(self.inner.decompress(data, min(room, size) + 1), room)
         while self.inner.has_more():
             room = self._room()
-            pieces.append(self._take(self.inner.decompress(b"", room + 1), room))
-        return b"".join(pieces)
+            yield self._take(self.inner.decompress(b"", min(room, size) + 1), room)
 
     def flush(self) -> bytes:
         return self._take(self.inner.flush(), self._room())
@@ -225,15 +237,26 @@ def streaming_decoder(content_encoding: str, limit: int | None = None) -> Bounde
     return BoundedDecoder(factory(), limit) if factory is not None else None
 
 
-def decode_whole(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT) -> bytes:
+def decode_whole(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT,
+                 reserve: Callable[[int], bool] | None = None) -> bytes:
     """A buffered body, decoded within `limit`; ValueError (DecodedTooLarge) if it does not fit or
-    does not decode."""
+    does not decode. Decoded in steps of at most PIECE bytes; `reserve(n)` is asked before each
+    step's output is kept, and a False stops the decode (OverBudget) with nothing more allocated."""
     decoder = streaming_decoder(content_encoding, limit)
     if decoder is None:
         raise ValueError(f"unsupported Content-Encoding {content_encoding[:40]!r}")
+    out = bytearray()
     try:
-        return decoder.decompress(data) + decoder.flush()
-    except DecodedTooLarge:
+        for piece in decoder.pieces(data):
+            if reserve is not None and not reserve(len(piece)):
+                raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+            out += piece
+        tail = decoder.flush()
+        if reserve is not None and not reserve(len(tail)):
+            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+        out += tail
+        return bytes(out)
+    except (DecodedTooLarge, OverBudget):
         raise
     except Exception as exc:
         raise ValueError(f"cannot decode: {type(exc).__name__}") from None
