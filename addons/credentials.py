@@ -14,6 +14,7 @@ requests that carried a credential, and in response headers of all requests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from urllib.parse import quote
 
@@ -24,7 +25,7 @@ from gateway.credentials import placeholder
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
-from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_whole, streaming_decoder
+from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, streaming_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
@@ -133,6 +134,20 @@ def _body_size_limit() -> int | None:
     return human.parse_size(ctx.options.body_size_limit) if hasattr(ctx.options, "body_size_limit") else None
 
 
+async def _decode_buffered(flow: http.HTTPFlow, encoding: str, limit: int) -> bytes:
+    """A buffered compressed body decoded in pieces (gateway/decompress.py), each charged to the
+    stream's buffer budget before it is kept, with the event loop free between them: a body that
+    decodes to tens of MiB does not stall every other client of the worker while it does."""
+    account = flow.metadata.get(BUFFER_ACCOUNT)
+    out = bytearray()
+    for piece in decode_pieces(encoding, flow.response.raw_content or b"", limit):
+        if account is not None and not account.reserve(len(piece)):
+            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+        out += piece
+        await asyncio.sleep(0)
+    return bytes(out)
+
+
 def _kill_on_error(self, flow, *rest, error: Exception) -> None:
     flow.kill()
 
@@ -151,26 +166,40 @@ class _BodyRedactor:
         self.on_failure = on_failure
         self.failed = False
 
-    def __call__(self, chunk: bytes) -> bytes:
+    def __call__(self, chunk: bytes):
         if self.failed:
             return b""
-        try:
-            if self.decoder is None:
+        if self.decoder is None:
+            try:
                 return self.redactor(chunk)
+            except Exception as exc:
+                return self._fail(exc)
+        return self._decoded(chunk)
+
+    def _decoded(self, chunk: bytes):
+        """The redacted output of one compressed chunk, a piece at a time (mitmproxy sends each as
+        it comes): what a chunk decodes to is never held whole (up to RATIO_GRACE for a bomb)."""
+        try:
             if chunk:
-                return self.redactor(self.decoder.decompress(chunk))
-            tail = self.decoder.flush()
-            return self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
+                for piece in self.decoder.pieces(chunk):
+                    if piece:
+                        yield self.redactor(piece)
+            else:
+                tail = self.decoder.flush()
+                yield self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
         except Exception as exc:
-            self.failed = True
-            too_large = isinstance(exc, DecodedTooLarge)
-            logging.getLogger("egress").warning(
-                "egress gateway: the response to a credential-bound request was cut off (%s)",
-                "decoded body over its budget" if too_large else type(exc).__name__)
-            if self.on_failure is not None:
-                self.on_failure(self.flow, "response_too_large" if too_large else "undecodable_response")
-            self.flow.kill()
-            return b""
+            yield self._fail(exc)
+
+    def _fail(self, exc: Exception) -> bytes:
+        self.failed = True
+        too_large = isinstance(exc, DecodedTooLarge)
+        logging.getLogger("egress").warning(
+            "egress gateway: the response to a credential-bound request was cut off (%s)",
+            "decoded body over its budget" if too_large else type(exc).__name__)
+        if self.on_failure is not None:
+            self.on_failure(self.flow, "response_too_large" if too_large else "undecodable_response")
+        self.flow.kill()
+        return b""
 
 
 class _Replacement:
@@ -267,14 +296,14 @@ class ResponseRedactor:
         self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
 
     @fail_closed(_kill_on_error)
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
         try:
-            self._redact_response(flow)
+            await self._redact_response(flow)
         finally:
             if flow.websocket is None:  # a WebSocket's messages still follow: kept until websocket_end
                 self.state.secret_memory.unpin(flow.id)
 
-    def _redact_response(self, flow: http.HTTPFlow) -> None:
+    async def _redact_response(self, flow: http.HTTPFlow) -> None:
         redactor = self.redactor()
         if redactor is None or flow.response is None:
             return
@@ -286,11 +315,8 @@ class ResponseRedactor:
         encoding = [c for c in codings(flow.response.headers.get("content-encoding", "")) if c != "identity"]
         if encoding:
             limit = min(_body_size_limit() or DEFAULT_BUFFERED_LIMIT, DEFAULT_BUFFERED_LIMIT)
-            account = flow.metadata.get(BUFFER_ACCOUNT)
             try:
-                # Each decoded piece is charged to the stream's buffer budget before it is kept.
-                body = decode_whole(encoding[0], flow.response.raw_content or b"", limit,
-                                    account.reserve if account is not None else None)
+                body = await _decode_buffered(flow, encoding[0], limit)
             except OverBudget:
                 self._refuse_buffered(flow, Decision.deny(
                     "buffer_budget", "decoding the compressed response for redaction would pass the connection's "

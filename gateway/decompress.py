@@ -237,26 +237,30 @@ def streaming_decoder(content_encoding: str, limit: int | None = None) -> Bounde
     return BoundedDecoder(factory(), limit) if factory is not None else None
 
 
-def decode_whole(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT,
-                 reserve: Callable[[int], bool] | None = None) -> bytes:
-    """A buffered body, decoded within `limit`; ValueError (DecodedTooLarge) if it does not fit or
-    does not decode. Decoded in steps of at most PIECE bytes; `reserve(n)` is asked before each
-    step's output is kept, and a False stops the decode (OverBudget) with nothing more allocated."""
+def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT):
+    """A buffered body's decoded bytes in pieces of at most about PIECE bytes, each decoded only when
+    the previous one was taken (a caller charges each to its budget, or lets other clients run in
+    between); ValueError (DecodedTooLarge) if it does not fit within `limit` or does not decode."""
     decoder = streaming_decoder(content_encoding, limit)
     if decoder is None:
         raise ValueError(f"unsupported Content-Encoding {content_encoding[:40]!r}")
-    out = bytearray()
     try:
-        for piece in decoder.pieces(data):
-            if reserve is not None and not reserve(len(piece)):
-                raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
-            out += piece
-        tail = decoder.flush()
-        if reserve is not None and not reserve(len(tail)):
-            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
-        out += tail
-        return bytes(out)
-    except (DecodedTooLarge, OverBudget):
+        yield from decoder.pieces(data)
+        yield decoder.flush()
+    except DecodedTooLarge:
         raise
     except Exception as exc:
         raise ValueError(f"cannot decode: {type(exc).__name__}") from None
+
+
+def decode_whole(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT,
+                 reserve: Callable[[int], bool] | None = None) -> bytes:
+    """A buffered body, decoded within `limit`; ValueError (DecodedTooLarge) if it does not fit or
+    does not decode. `reserve(n)` is asked before each piece (decode_pieces) is kept, and a False
+    stops the decode (OverBudget) with nothing more allocated."""
+    out = bytearray()
+    for piece in decode_pieces(content_encoding, data, limit):
+        if reserve is not None and not reserve(len(piece)):
+            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+        out += piece
+    return bytes(out)
