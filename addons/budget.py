@@ -6,11 +6,17 @@ per connection and per sandbox (per client address without a `sandboxes` section
 body that may stream does; one that must stay whole is refused, 503 `buffer_budget` (the stream,
 addons/layers.py `GatewayHttpStream`, applies both). A body with no byte for
 `egress_body_idle_timeout` seconds ends its stream (`request_body_timeout`, `response_body_timeout`).
+
+WebSocket compression (permessage-deflate) is not negotiated: mitmproxy inflates it with no bound
+(wsproto's decompressor takes no max_length), so a few KiB of deflate in one message would become
+gigabytes in the worker. The offer is taken out of the upgrade request, and an upstream that answers
+with the extension anyway has it taken out of the answer: its compressed frames then fail the
+WebSocket (closed), never inflate.
 """
 
 from __future__ import annotations
 
-from mitmproxy import ctx
+from mitmproxy import ctx, http
 
 from gateway.budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
 
@@ -45,5 +51,25 @@ class BufferBudget:
             self.state.buffers.per_connection = max(ctx.options.egress_max_buffered_bytes_per_connection, 0) or None
             self.state.buffers.per_sandbox = max(ctx.options.egress_max_buffered_bytes_per_sandbox, 0) or None
 
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        _drop_deflate(flow.request.headers)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None and flow.response.status_code == 101:
+            _drop_deflate(flow.response.headers)
+
     def client_disconnected(self, client):
         self.state.buffers.drop_connection(client.id)
+
+
+def _drop_deflate(headers: http.Headers) -> None:
+    """Sec-WebSocket-Extensions without permessage-deflate (any spelling, any parameters)."""
+    values = headers.get_all("sec-websocket-extensions")
+    if not values:
+        return
+    kept = [ext.strip() for value in values for ext in value.split(",")
+            if ext.strip() and ext.split(";", 1)[0].strip().lower() != "permessage-deflate"]
+    if kept:
+        headers.set_all("sec-websocket-extensions", [", ".join(kept)])
+    else:
+        headers.pop("sec-websocket-extensions", None)

@@ -43,6 +43,7 @@ class StallingOrigin:
         self.tls = tls
         self.received = 0  # body bytes, over all connections
         self.connections = 0
+        self.heads: list[bytes] = []
         self.closed = threading.Event()  # a peer closed (the gateway gave up on it)
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -83,6 +84,7 @@ class StallingOrigin:
                             self.received += len(data.split(b"\r\n\r\n", 1)[1])
                 if not answered and b"\r\n\r\n" in data and self.received >= self.after:
                     answered = True
+                    self.heads.append(data.split(b"\r\n\r\n", 1)[0])
                     client.sendall(self.answer)
                     if self.drip:
                         for _ in range(self.times):
@@ -281,3 +283,25 @@ def test_a_response_over_the_budget_streams_and_arrives_whole(gateway_with):
     conn.send(b"GET http://allowed.test/bytes/300000 HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
     response = conn.read_response()
     assert response.status == 200 and len(response.body) == 300_000
+
+
+# -- WebSocket compression -------------------------------------------------------------------------
+
+
+def test_websocket_compression_is_never_negotiated(gateway_with, origin):
+    """mitmproxy would inflate permessage-deflate with no bound: the offer never reaches the
+    origin, and an origin that answers with it anyway has it taken out of the 101."""
+    accept = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # for the sample key of RFC 6455
+    upstream = origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + accept.encode() + b"\r\n"
+                             b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n\r\n")
+    gateway = gateway_with()
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits, x-other\r\n\r\n")
+    response = conn.read_response(head_only=True)
+    assert response.status == 101, response
+    assert not any("deflate" in v.lower() for v in response.headers_all("Sec-WebSocket-Extensions")), response.headers
+    head = upstream.heads[0].lower()
+    assert b"upgrade: websocket" in head and b"permessage-deflate" not in head and b"x-other" in head, head
