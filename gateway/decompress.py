@@ -29,6 +29,7 @@ class OverBudget(ValueError):
 
 
 PIECE = 1024 * 1024  # what a buffered decode produces per step, each step charged before it is kept
+INPUT_STEP = 4096  # compressed bytes given to a decoder at a time (see BoundedDecoder.pieces)
 
 
 class _Concatenated:
@@ -183,16 +184,18 @@ DECODERS: dict[str, Callable[[], object]] = {
 class BoundedDecoder:
     """decompress(chunk) and flush() that never produce more than the budget (see the module)."""
 
-    def __init__(self, inner, limit: int | None):
+    def __init__(self, inner, limit: int | None, ratio: int = MAX_RATIO, grace: int = RATIO_GRACE):
         self.inner = inner
         self.limit = limit
+        self.ratio = ratio
+        self.grace = grace
         self.read = 0
         self.produced = 0
 
     def _room(self) -> int:
         room = self.limit - self.produced if self.limit is not None else 1 << 62
-        if self.produced + room > RATIO_GRACE:
-            room = min(room, max(RATIO_GRACE, self.read * MAX_RATIO) - self.produced)
+        if self.produced + room > self.grace:
+            room = min(room, max(self.grace, self.read * self.ratio) - self.produced)
         return max(room, 0)
 
     def _take(self, piece: bytes, room: int) -> bytes:
@@ -210,12 +213,16 @@ class BoundedDecoder:
         decoded only when the previous one was taken: a caller can stop between them (a budget,
         a turn of the event loop) with nothing more allocated."""
         size = size or PIECE
-        self.read += len(data)
-        room = self._room()
-        yield self._take(self.inner.decompress(data, min(room, size) + 1), room)
-        while self.inner.has_more():
+        # The input goes in by steps, each counted before it is decoded: the ratio then bounds
+        # what the bytes read so far produced, not what a whole chunk (64 KiB x ratio) may.
+        for start in range(0, len(data), INPUT_STEP) or [0]:
+            segment = data[start:start + INPUT_STEP]
+            self.read += len(segment)
             room = self._room()
-            yield self._take(self.inner.decompress(b"", min(room, size) + 1), room)
+            yield self._take(self.inner.decompress(segment, min(room, size) + 1), room)
+            while self.inner.has_more():
+                room = self._room()
+                yield self._take(self.inner.decompress(b"", min(room, size) + 1), room)
 
     def flush(self) -> bytes:
         return self._take(self.inner.flush(), self._room())
@@ -230,11 +237,25 @@ class BoundedDecoder:
         return self.inner.trailing
 
 
-def streaming_decoder(content_encoding: str, limit: int | None = None) -> BoundedDecoder | None:
+def streaming_decoder(content_encoding: str, limit: int | None = None, ratio: int = MAX_RATIO,
+                      grace: int = RATIO_GRACE) -> BoundedDecoder | None:
     """A bounded decoder with decompress(chunk) and flush(), or None if the encoding is not supported."""
     encoding = content_encoding.strip().lower()
     factory = DECODERS.get(encoding)
-    return BoundedDecoder(factory(), limit) if factory is not None else None
+    return BoundedDecoder(factory(), limit, ratio, grace) if factory is not None else None
+
+
+# A request body is decoded only to be scanned for method overrides (gateway/methods.py), and every
+# decoded byte costs scanning time on the event loop: a tighter budget than a response's. A
+# compressed upload is rare, and one that inflates more than 100x past its first MiB rarer still;
+# over it the body is refused, 413 request_too_large (it cannot be checked).
+REQUEST_RATIO = 100
+REQUEST_GRACE = 1024 * 1024
+
+
+def request_decoder(content_encoding: str) -> BoundedDecoder | None:
+    """The bounded decoder of a request body's coding, for the method-override scanner."""
+    return streaming_decoder(content_encoding, None, REQUEST_RATIO, REQUEST_GRACE)
 
 
 def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT):
