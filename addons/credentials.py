@@ -25,7 +25,7 @@ from gateway.credentials import placeholder
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
-from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, streaming_decoder
+from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, stream_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
@@ -256,7 +256,7 @@ class ResponseRedactor:
         elif plan is Plan.DECODE_BUFFERED:
             response.stream = False  # decoded and redacted in `response`, or a clean 502
         elif plan is Plan.DECODE_STREAM:
-            decoder = streaming_decoder(why, _body_size_limit())  # the one coding the plan found
+            decoder = stream_decoder(why, _body_size_limit())  # the one coding the plan found
             del response.headers["content-encoding"]
             response.headers.pop("content-length", None)
             if not (flow.request.is_http2 or flow.request.is_http3):

@@ -253,6 +253,17 @@ REQUEST_RATIO = 100
 REQUEST_GRACE = 1024 * 1024
 
 
+# A streamed body's decoded bytes go out (TLS, the socket) as they come, within the same turn of the
+# event loop as their input: a grace of 16 MiB would let 153 bytes of brotli send 16 MiB before the
+# ratio trips. Past its first MiB, a streamed body keeps to MAX_RATIO.
+STREAM_GRACE = 1024 * 1024
+
+
+def stream_decoder(content_encoding: str, limit: int | None = None) -> BoundedDecoder | None:
+    """The bounded decoder of a response body decoded on the fly (addons/credentials.py)."""
+    return streaming_decoder(content_encoding, limit, MAX_RATIO, STREAM_GRACE)
+
+
 def request_decoder(content_encoding: str) -> BoundedDecoder | None:
     """The bounded decoder of a request body's coding, for the method-override scanner."""
     return streaming_decoder(content_encoding, None, REQUEST_RATIO, REQUEST_GRACE)
