@@ -64,3 +64,45 @@ def test_a_refused_reservation_charges_nothing_and_a_closed_account_takes_nothin
     assert not a.reserve(1) and ledger.held(sandbox="s") == 50 and b.reserve(50)
     ledger.drop_connection("c2")
     assert ledger.held() == 0 and b.closed
+
+
+# -- decoders keep to their budgets in pieces (gateway/decompress.py) -------------------------------
+
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gateway.decompress import (  # noqa: E402
+    PIECE, DecodedTooLarge, OverBudget, decode_whole, request_decoder, stream_decoder, streaming_decoder,
+)
+
+
+def _gzip_zeros(mib: int) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return b"".join([c.compress(bytes(1 << 20)) for _ in range(mib)] + [c.flush()])
+
+
+def test_a_buffered_decode_stops_at_the_first_piece_its_budget_refuses():
+    granted = []
+
+    def reserve(n: int) -> bool:
+        if sum(granted) + n > 3 * PIECE:
+            return False
+        granted.append(n)
+        return True
+
+    with pytest.raises(OverBudget):
+        decode_whole("gzip", _gzip_zeros(12), limit=64 << 20, reserve=reserve)
+    assert sum(granted) <= 3 * PIECE and max(granted) <= PIECE + 1
+
+
+@pytest.mark.parametrize("make, most", [(request_decoder, 1 << 20), (stream_decoder, 1 << 20),
+                                        (lambda e: streaming_decoder(e), 16 << 20)])
+def test_every_piece_is_small_and_a_bomb_trips_near_its_grace(make, most):
+    decoder = make("gzip")
+    produced = 0
+    with pytest.raises(DecodedTooLarge):
+        for piece in decoder.pieces(_gzip_zeros(40)):
+            assert len(piece) <= PIECE + 1
+            produced += len(piece)
+    assert produced <= most + PIECE
