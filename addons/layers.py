@@ -78,6 +78,11 @@ HOLD_BODY = "egress_hold_body"  # flow.metadata key (addons/request_guard.py, wh
 DEFAULT_BODY_IDLE_TIMEOUT = 120.0
 
 
+class BodyIdleCheck(events.Event):
+    """Sent by the HTTP layer to its streams when a body may have gone past the idle timeout: one
+    timer per connection, not per stream (a pending timer keeps its target alive until it fires)."""
+
+
 @dataclass(frozen=True)
 class BodyLimits:
     """What bounds a stream's bodies: `account(context)` its share of the buffer ledger
@@ -322,7 +327,6 @@ class GatewayHttpStream(HttpStream):
     _account: Account | None = None
     _request_moved: float | None = None  # when the request body last moved (None: not under way)
     _response_moved: float | None = None
-    _idle_wakeup: commands.RequestWakeup | None = None
 
     # -- the buffer ledger -------------------------------------------------------------------------
 
@@ -350,10 +354,8 @@ class GatewayHttpStream(HttpStream):
     # -- events ------------------------------------------------------------------------------------
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
-        if isinstance(event, events.Wakeup):
-            if event.command is self._idle_wakeup:
-                self._idle_wakeup = None
-                yield from self._idle_deadline()
+        if isinstance(event, BodyIdleCheck):
+            yield from self._idle_deadline()
             return
         now = time.monotonic()
         if isinstance(event, (RequestHeaders, ResponseHeaders)):
@@ -362,7 +364,6 @@ class GatewayHttpStream(HttpStream):
                     self._request_moved = now
                 else:
                     self._response_moved = now
-                yield from self._arm_idle_timer(self.body_limits.idle_timeout)
         elif isinstance(event, RequestData):
             if self._request_moved is not None:
                 self._request_moved = now
@@ -379,10 +380,9 @@ class GatewayHttpStream(HttpStream):
             self._release()
 
     def passthrough(self, event: events.Event) -> layer.CommandGenerator[None]:
-        """After an upgrade (WebSocket) the child layer owns the connection; a body timer still
-        pending is this stream's, not the child's."""
-        if isinstance(event, events.Wakeup) and self._idle_wakeup is not None and event.command is self._idle_wakeup:
-            self._idle_wakeup = None
+        """After an upgrade (WebSocket) the child layer owns the connection; a body check is this
+        stream's, not the child's."""
+        if isinstance(event, BodyIdleCheck):
             return
         yield from super().passthrough(event)
 
@@ -393,10 +393,16 @@ class GatewayHttpStream(HttpStream):
 
     # -- a body that stops moving ------------------------------------------------------------------
 
-    def _arm_idle_timer(self, delay: float) -> layer.CommandGenerator[None]:
-        if delay > 0 and self._idle_wakeup is None:
-            self._idle_wakeup = commands.RequestWakeup(delay)
-            yield self._idle_wakeup
+    def _idle_since(self) -> float | None:
+        """When the oldest body of this stream still under way last moved (None: none is)."""
+        moved = []
+        if self._request_moved is not None and self.client_state in (
+                self.state_consume_request_body, self.state_stream_request_body):
+            moved.append(self._request_moved)
+        if self._response_moved is not None and self.server_state in (
+                self.state_consume_response_body, self.state_stream_response_body):
+            moved.append(self._response_moved)
+        return min(moved) if moved else None
 
     def _idle_deadline(self) -> layer.CommandGenerator[None]:
         timeout = self.body_limits.idle_timeout
@@ -419,10 +425,6 @@ class GatewayHttpStream(HttpStream):
                                      f"the upstream response body sent nothing for {timeout:g}s")
             yield from self._abort(decision, upstream=True,
                                    status_sent=self.server_state == self.state_consume_response_body)
-        else:
-            moved = [t for t, on in ((self._request_moved, request_on), (self._response_moved, response_on)) if on]
-            if moved:
-                yield from self._arm_idle_timer(max(timeout - (now - min(moved)), 0.05))
 
     def _abort(self, decision: Decision, upstream: bool, status_sent: bool = True,
                audited: bool = False) -> layer.CommandGenerator[None]:
@@ -579,7 +581,41 @@ class GatewayHttpLayer(HttpLayer):
         self.head_timeout = head_timeout
         self.body_limits = body_limits or BodyLimits()
 
+    _idle_wakeup: commands.RequestWakeup | None = None
+
     def _handle_event(self, event: events.Event):
+        if isinstance(event, events.Wakeup) and event.command is self._idle_wakeup:
+            self._idle_wakeup = None
+            yield from self._check_idle_bodies()
+            return
+        yield from self._handle(event)
+        if self._idle_wakeup is None and self.body_limits.idle_timeout > 0 and self._bodies_under_way():
+            self._idle_wakeup = commands.RequestWakeup(self.body_limits.idle_timeout)
+            yield self._idle_wakeup
+
+    def _bodies_under_way(self) -> list[float]:
+        """When each body under way on this connection last moved."""
+        found = []
+        for stream in self.streams.values():
+            if isinstance(stream, GatewayHttpStream) and (since := stream._idle_since()) is not None:
+                found.append(since)
+        return found
+
+    def _check_idle_bodies(self) -> layer.CommandGenerator[None]:
+        """Each stream whose body went without a byte for the idle timeout ends (it decides how);
+        then the timer is set for the next one due, while any stream is left."""
+        timeout = self.body_limits.idle_timeout
+        now = time.monotonic()
+        for stream in list(self.streams.values()):
+            since = stream._idle_since() if isinstance(stream, GatewayHttpStream) else None
+            if since is not None and now - since >= timeout:
+                yield from self.event_to_child(stream, BodyIdleCheck())
+        due = self._bodies_under_way()
+        if due and timeout > 0:
+            self._idle_wakeup = commands.RequestWakeup(max(timeout - (now - min(due)), 0.05))
+            yield self._idle_wakeup
+
+    def _handle(self, event: events.Event):
         if isinstance(event, events.Start):
             if is_h3_alpn(self.context.client.alpn):
                 server = Http3Server(self.context.fork())
