@@ -342,9 +342,15 @@ class GatewayHttpStream(HttpStream):
                 self.flow.metadata[BUFFER_ACCOUNT] = account  # a decode buffer is charged to it too
         return self._account.reserve(n)
 
-    def _release(self) -> None:
+    def _release(self, done: bool = True) -> None:
+        """Give back what this stream's buffers held; `done`: the stream is over (its account
+        closed, so the ledger forgets it), else a buffer was handed on and more may come."""
         if self._account is not None:
-            self._account.release()
+            if done:
+                self._account.close()
+                self._account = None
+            else:
+                self._account.release()
 
     def _over_budget(self) -> Decision:
         room = self._account.room() if self._account is not None else None
@@ -486,7 +492,7 @@ class GatewayHttpStream(HttpStream):
             return
         buffered = bytes(self.request_body_buf)
         self.request_body_buf.clear()
-        self._release()
+        self._release(done=False)
         self.flow.request.stream = True
         yield from self.start_request_stream()
         if self.client_state != self.state_stream_request_body:
@@ -535,7 +541,7 @@ class GatewayHttpStream(HttpStream):
                 return
             buffered = bytes(self.response_body_buf)
             self.response_body_buf.clear()
-            self._release()
+            self._release(done=False)
             self.flow.response.stream = True
             yield from self.start_response_stream()
             yield from self.state_stream_response_body(ResponseData(event.stream_id, buffered + event.data))
