@@ -76,6 +76,7 @@ RAW_AUTHORITY_ATTR = "_egress_raw_authority"
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
 HOLD_BODY = "egress_hold_body"  # flow.metadata key (addons/request_guard.py, which imports this module)
 DEFAULT_BODY_IDLE_TIMEOUT = 120.0
+QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
 
 
 class BodyIdleCheck(events.Event):
@@ -359,7 +360,43 @@ class GatewayHttpStream(HttpStream):
 
     # -- events ------------------------------------------------------------------------------------
 
+    _queued: dict[int, int] | None = None  # id -> bytes of body events queued while paused, charged
+    _uncharged = 0  # bytes queued over the budget, within QUEUE_ALLOWANCE
+    _overflowed = False  # a queued body piece was over budget: dropped, and the stream ends on resume
+
+    def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """While the stream waits (for an upstream connection, a hook), mitmproxy queues what
+        arrives: body bytes queued are charged too. Past the budget a stream may queue
+        QUEUE_ALLOWANCE more (what comes with its head, before it could switch to streaming); past
+        that the piece is dropped and the stream ends as soon as it resumes, 503 `buffer_budget`."""
+        if self._paused is not None and isinstance(event, (RequestData, ResponseData)):
+            n = len(event.data)
+            if self._overflowed:
+                return
+            if self._charge(n):
+                if self._queued is None:
+                    self._queued = {}
+                self._queued[id(event)] = n
+            elif self._uncharged + n <= QUEUE_ALLOWANCE:
+                self._uncharged += n
+            else:
+                self._overflowed = True
+                return
+        yield from super().handle_event(event)
+
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if self._queued and isinstance(event, (RequestData, ResponseData)):
+            taken = self._queued.pop(id(event), None)
+            if taken is not None and self._account is not None:
+                self._account.release(taken)  # charged again below if it is buffered
+        if self._overflowed:
+            self._overflowed = False
+            if self.client_state != self.state_errored and self.flow is not None:
+                answered = self.server_state in (self.state_stream_response_body, self.state_done)
+                yield from self._abort(self._over_budget(), upstream=self.client_state == self.state_stream_request_body
+                                       or self.server_state != self.state_wait_for_response_headers,
+                                       status_sent=not answered)
+            return
         if isinstance(event, BodyIdleCheck):
             yield from self._idle_deadline()
             return

@@ -305,3 +305,33 @@ def test_websocket_compression_is_never_negotiated(gateway_with, origin):
     assert not any("deflate" in v.lower() for v in response.headers_all("Sec-WebSocket-Extensions")), response.headers
     head = upstream.heads[0].lower()
     assert b"upgrade: websocket" in head and b"permessage-deflate" not in head and b"x-other" in head, head
+
+
+def test_http2_streams_over_the_connection_budget_do_not_all_stay_buffered(gateway_with, origin, pki, stall_address):
+    """Ten HTTP/2 streams of 300 KB declared bodies (buffered under stream_large_bodies) on one
+    connection with a 1 MB budget: the ones past it stream on (or are refused), so the origin sees
+    connections before any body is complete, and never more than the budget waits in the gateway."""
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-h2")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["http/1.1"])
+    upstream = origin(443, tls=context)
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=1000000")
+    conn, answer = tunnel(gateway, "stall.test:443", timeout=10)
+    assert answer.status == 200
+    client = H2Client(start_tls(conn, gateway, "stall.test", alpn=["h2"]))
+    for i in range(10):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "stall.test"),
+                                     (":path", f"/u{i}"), ("content-length", "400000")])
+        sent = 0
+        while sent < 300_000:
+            window = min(client.h2.local_flow_control_window(sid), 16384)
+            if window <= 0:
+                client.h2.receive_data(client.conn.sock.recv(65536))
+                client._flush()
+                continue
+            client.h2.send_data(sid, b"x" * window)
+            sent += window
+            client._flush()
+    assert _wait(lambda: upstream.connections >= 1 and upstream.received > 0), (upstream.connections, upstream.received)
