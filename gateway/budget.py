@@ -6,7 +6,7 @@ grows, to its connection and to its sandbox, each with a limit. A reservation th
 either limit is refused and nothing is charged; the caller then streams instead of buffering, or
 refuses the message (`buffer_budget`). Pure and O(1) per call: no mitmproxy, no I/O.
 
-    ledger = Ledger(per_connection=64 << 20, per_sandbox=256 << 20)
+    ledger = Ledger(per_connection=32 << 20, per_sandbox=128 << 20)
     account = ledger.account("client-id", "sandbox:ci")   # one buffer (a stream's body)
     if not account.reserve(len(chunk)): ...               # over budget: nothing was charged
     account.close()                                       # the buffer is gone: everything back
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-DEFAULT_PER_CONNECTION = 64 * 1024 * 1024  # a bound response decoded whole may take up to 64 MiB (gateway/decompress.py)
-DEFAULT_PER_SANDBOX = 256 * 1024 * 1024
+DEFAULT_PER_CONNECTION = 32 * 1024 * 1024  # also caps a bound response decoded whole (gateway/decompress.py: 64 MiB)
+DEFAULT_PER_SANDBOX = 128 * 1024 * 1024
 
 
 class Ledger:
