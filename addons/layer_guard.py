@@ -7,6 +7,11 @@ follow, after TLS only HTTP (HTTP/2 when ALPN said h2), and on the proxy port on
 In transparent mode, other bytes are relayed only when a `protocol: tcp` rule allows the original
 destination. Anything else gets a 400 (or a close) at once, without waiting for a request head
 that will never come, and without an upstream connection.
+
+Bytes that cannot be judged yet (a partial first line, record header or HTTP/2 preface) are held
+by a HoldLayer with a deadline (egress_head_timeout), and a TLS ClientHello is read whole, within
+egress_max_client_hello_bytes and egress_client_hello_timeout, before mitmproxy's TLS layer or the
+TLS guard (and so any rule lookup) sees it.
 """
 
 from __future__ import annotations
@@ -349,7 +354,7 @@ class LayerGuard:
             if verdict == COMPLETE:
                 try:
                     hello = ClientHello(reader.hello[4:])
-                    hello.sni, list(hello.extensions)  # parsed lazily: make it fail here, if at all
+                    hello.sni, hello.alpn_protocols, list(hello.extensions)  # parsed lazily: fail here, if at all
                 except Exception:
                     self._refuse(hold, "bad_client_hello", "the TLS ClientHello cannot be parsed", speak_http=False,
                                  farewell=TLS_ALERT_HANDSHAKE_FAILURE)

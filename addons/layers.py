@@ -73,21 +73,42 @@ END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (n
 
 
 class RefusalLayer(layer.Layer):
+    """Refuses a connection at once: an HTTP error (or `farewell`, raw bytes such as a TLS alert),
+    then close.
+
+    With a farewell the close is a lingering one: FIN first, the client's bytes read and thrown away
+    until it closes or LINGER seconds pass, then the full close. Closing at once while a client is
+    still sending (a multi-MiB ClientHello) makes the kernel answer with a reset, which may destroy
+    the alert before the client reads it, and which a stateful firewall may drop (seen with the
+    transparent test topology: the client then never learned the connection was gone)."""
+
+    LINGER = 2.0
+
     def __init__(self, context, decision: Decision, speak_http: bool = True, farewell: bytes = b""):
         super().__init__(context)
         self.decision = decision
         self.speak_http = speak_http
-        self.farewell = farewell  # raw bytes sent instead of an HTTP answer (a TLS alert)
+        self.farewell = farewell
         self.refused = False
+        self._linger: commands.RequestWakeup | None = None
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if self.refused:
+            if self._linger is not None and (
+                    (isinstance(event, events.Wakeup) and event.command is self._linger)
+                    or (isinstance(event, events.ConnectionClosed) and event.connection == self.context.client)):
+                self._linger = None
+                yield commands.CloseConnection(self.context.client)
             return
         self.refused = True
         if self.speak_http:
             yield commands.SendData(self.context.client, raw_http_refusal(self.decision))
         elif self.farewell:
             yield commands.SendData(self.context.client, self.farewell)
+            yield commands.CloseTcpConnection(self.context.client, half_close=True)
+            self._linger = commands.RequestWakeup(self.LINGER)
+            yield self._linger
+            return
         yield commands.CloseConnection(self.context.client)
 
 
