@@ -73,6 +73,10 @@ NEED_MORE, COMPLETE, TOO_LARGE, MALFORMED = "need_more", "complete", "too_large"
 HANDSHAKE = 0x16
 CLIENT_HELLO = 0x01
 MAX_RECORD = 2**14  # RFC 8446 5.1: a plaintext record holds at most 2^14 bytes
+# Real clients send their hello in one record (four at most for 64 KiB); tools that fragment it to
+# evade DPI use a handful. Each record costs a round of the reader's loop: thousands of 1-byte
+# records would cost the event loop more than the bytes they carry.
+MAX_RECORDS = 256
 DEFAULT_MAX_CLIENT_HELLO_BYTES = 64 * 1024
 
 
@@ -84,7 +88,8 @@ class ClientHelloReader:
     concatenation (quadratic), and waits for as many bytes as the handshake header declares (up to
     16 MiB). Here the declared length is checked against `max_bytes` as soon as the handshake
     header is known (right after the first record header when it holds four bytes or more), and
-    a record is judged by its header: nothing over the budget is ever buffered.
+    a record is judged by its header: nothing over the budget is ever buffered. A hello in more than
+    MAX_RECORDS records is refused as too large too.
 
     `verdict` is NEED_MORE until it settles on COMPLETE, TOO_LARGE or MALFORMED (`error` says why).
     Once COMPLETE, `canonical()` gives the same handshake bytes in as few records as TLS allows
@@ -100,6 +105,7 @@ class ClientHelloReader:
         self.version = b""  # the first record's legacy version: kept for the canonical records
         self.payload = bytearray()  # the handshake bytes of the complete records read so far
         self.rest = bytearray()  # what came after the record that completed the ClientHello
+        self.records = 0  # complete records read
         self._pending = bytearray()  # an incomplete record, header included
 
     def feed(self, data: bytes) -> str:
@@ -120,6 +126,8 @@ class ClientHelloReader:
                 return self._settle(MALFORMED, "an empty TLS record")
             if size > MAX_RECORD:
                 return self._settle(TOO_LARGE, f"a TLS record of {size} bytes (TLS allows {MAX_RECORD})")
+            if self.records >= MAX_RECORDS:
+                return self._settle(TOO_LARGE, f"the TLS ClientHello spans more than {MAX_RECORDS} records")
             if not self.version:
                 self.version = bytes(pending[at + 1 : at + 3])
             if self.length is None:  # the payload holds at most 3 bytes so far: this is cheap
@@ -134,6 +142,7 @@ class ClientHelloReader:
             if len(pending) - at - 5 < size:
                 break  # the record is still incomplete: its body is not copied until it is whole
             self.payload += pending[at + 5 : at + 5 + size]
+            self.records += 1
             at += 5 + size
             if self.length is not None and len(self.payload) >= self.length:
                 self.verdict = COMPLETE

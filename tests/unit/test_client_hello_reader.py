@@ -8,7 +8,8 @@ import os
 from hypothesis import given, settings, strategies as st
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
-from gateway.clienthello import COMPLETE, MALFORMED, MAX_RECORD, NEED_MORE, TOO_LARGE, ClientHelloReader
+from gateway.clienthello import (COMPLETE, MALFORMED, MAX_RECORD, MAX_RECORDS, NEED_MORE, TOO_LARGE,
+                                 ClientHelloReader)
 from tests.transparent.clients import client_hello
 
 LIMIT = 4096
@@ -49,7 +50,7 @@ def feed_in(reader: ClientHelloReader, data: bytes, cuts: list[int]) -> str:
 
 
 @settings(max_examples=200, deadline=None)
-@given(padding=st.integers(0, 3000), records=st.lists(st.integers(1, 2000), max_size=6),
+@given(padding=st.integers(0, 3000), records=st.lists(st.integers(16, 2000), max_size=6),
        cuts=st.lists(st.integers(0, 10**6), max_size=30), trailer=st.binary(max_size=40))
 def test_any_split_of_a_valid_hello_gives_the_same_hello(padding, records, cuts, trailer):
     message = handshake_message(padding)
@@ -110,14 +111,26 @@ def test_not_a_client_hello():
 
 
 def test_work_is_linear_in_the_bytes_fed():
-    """64 KiB of hello in 1-byte records, fed byte by byte: each feed does a bounded amount of work,
+    """A 64 KiB hello in 256-byte records, fed byte by byte: each feed does a bounded amount of work,
     whatever came before (a quadratic reader would copy gigabytes here)."""
     message = handshake_message(0)
     message = b"\x01" + (LIMIT - 4).to_bytes(3, "big") + message[4:] + os.urandom(LIMIT - len(message))
-    wire = frame(message, [1])
+    wire = frame(message, [256])
     reader = ClientHelloReader(LIMIT)
     for i in range(len(wire)):
         verdict = reader.feed(wire[i:i + 1])
-        assert len(reader._pending) <= 5 + 1
-    assert verdict == COMPLETE and reader.hello == message
-    assert len(reader.canonical()) == len(message) + 5  # one record for mitmproxy, not 4,096
+        assert len(reader._pending) <= 5 + 256
+    assert verdict == COMPLETE and reader.hello == message and reader.records == LIMIT // 256
+    assert len(reader.canonical()) == len(message) + 5  # one record for mitmproxy, not 16
+
+
+def test_a_hello_in_too_many_records_is_refused():
+    """Fragmented into 1-byte records, a hello costs a round of the reader per byte: refused at
+    record MAX_RECORDS + 1, whatever its declared length."""
+    message = handshake_message(600)
+    reader = ClientHelloReader(LIMIT)
+    wire = frame(message, [1])
+    assert feed_in(reader, wire[:MAX_RECORDS * 6], []) == NEED_MORE
+    assert reader.feed(wire[MAX_RECORDS * 6:MAX_RECORDS * 6 + 5]) == TOO_LARGE
+    assert "256 records" in reader.error
+    assert feed_in(ClientHelloReader(LIMIT), frame(message, [len(message) // MAX_RECORDS + 1]), []) == COMPLETE
