@@ -27,7 +27,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "sni_mismatch": (421, "the TLS SNI names another host than the pinned destination"),
     "sni_required": (421, "a passthrough (inspect: false) connection needs a TLS SNI naming its destination"),
     "ech_refused": (403, "Encrypted ClientHello hides the destination of a passthrough (inspect: false) connection"),
-    "bad_client_hello": (400, "the TLS ClientHello is ambiguous (repeated extensions or server names)"),
+    "bad_client_hello": (400, "the TLS ClientHello is malformed, or ambiguous (repeated extensions or server names)"),
+    "client_hello_too_large": (400, "the TLS ClientHello (or one of its records) is over egress_max_client_hello_bytes "
+                                    "(connection closed)"),
+    "client_hello_timeout": (408, "the TLS ClientHello did not arrive within egress_client_hello_timeout "
+                                  "(connection closed)"),
     "host_mismatch": (421, "the Host header names another host than the pinned destination"),
     "authority_mismatch": (421, "the request authority names another host than the pinned destination"),
     # 400: malformed or not inspectable
