@@ -3,18 +3,23 @@
 Pure logic (no I/O, injectable clock); gateway.audit.AuditLog writes what it returns.
 
 Every refusal (an audit entry with `decision: "deny"`) belongs to a *source*: its sandbox id, or
-the client's IP address when no sandbox entry covers it. Per source, per window of `window`
-seconds (starting at the source's first refusal), the first `per_source` refusal lines are written
-verbatim, and of those at most `per_key` per key (event, reason, rule, host). The refusals after
-that are only counted, per key; when the window ends (noticed on the next record, or on the audit
-log's one-second maintenance tick) each key with a count becomes ONE summary line,
+the client's IP address when no sandbox entry covers it. Each source has a token bucket of refusal
+lines (`per_source` a second, bursts of `BURST_SECONDS` times that), and within it each key (event,
+reason, rule, host) one of its own (`per_key` a second, same burst): a refusal with a token in both
+is written verbatim. One without is only counted, per key; the first such refusal opens a summary
+window of `window` seconds, and when it ends (noticed on the next record, or on the audit log's
+one-second maintenance tick) each key with a count becomes ONE summary line,
 `event: "suppressed"`, carrying `count` and the window. Allows and `would_deny` lines are never
-aggregated: every request that left keeps its own line.
+aggregated: every request that left keeps its own line. A gateway serving ordinary traffic never
+reaches the budget; a flood writes a burst, then at most `per_source` lines a second plus one
+summary per key a second.
 
-Memory is bounded: at most `max_sources` sources have a window open (more share one overflow
-source, `*`), at most `max_keys` keys per source are counted apart (more are counted per (event,
-reason), then all together), and summaries that could not be written are kept up to
-`max_unwritten` (the oldest beyond that are dropped, and counted in `lost`).
+Memory is bounded: at most `max_sources` sources are tracked (idle ones, whose buckets are full
+again, are forgotten first; beyond that, new sources share one overflow source `*`), at most
+`max_keys` keys per source have a bucket (a new key past that has only its source's), at most
+`max_keys` keys per source are counted apart in a window (more are counted per (event, reason),
+then all together), and summaries that could not be written are kept up to `max_unwritten` (the
+oldest beyond that are dropped and counted in `lost`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 WINDOW_SECONDS = 1.0
+BURST_SECONDS = 4.0  # a bucket holds this many seconds' worth of lines
 DEFAULT_PER_SOURCE = 50  # refusal lines per second per sandbox (or client address) written verbatim
 DEFAULT_PER_KEY = 10  # of which per (event, reason, rule, host)
 MAX_SOURCES = 1024
@@ -61,12 +67,27 @@ class _Count:
     sample: dict[str, Any] = field(default_factory=dict)  # the first suppressed entry's identifying fields
 
 
+class _Bucket:
+    __slots__ = ("tokens", "updated")
+
+    def __init__(self, tokens: float, now: float):
+        self.tokens, self.updated = tokens, now
+
+    def refill(self, now: float, rate: float, burst: float) -> None:
+        if now > self.updated:
+            self.tokens = min(burst, self.tokens + (now - self.updated) * rate)
+        self.updated = now
+
+    def idle(self, now: float, rate: float, burst: float) -> bool:
+        return self.tokens + max(0.0, now - self.updated) * rate >= burst
+
+
 @dataclass
 class _Source:
-    start: float
-    written: int = 0
-    per_key: dict[Key, int] = field(default_factory=dict)
+    bucket: _Bucket
+    keys: dict[Key, _Bucket] = field(default_factory=dict)
     counts: dict[Key, _Count] = field(default_factory=dict)
+    window: float | None = None  # start of the open summary window
 
 
 _SAMPLED = ("client", "sandbox", "mode", "status", "port")
@@ -74,16 +95,20 @@ _SAMPLED = ("client", "sandbox", "mode", "status", "port")
 
 class RefusalAggregator:
     def __init__(self, per_source: int = DEFAULT_PER_SOURCE, per_key: int = DEFAULT_PER_KEY, *,
-                 window: float = WINDOW_SECONDS, clock: Callable[[], float] = time.time,
-                 max_sources: int = MAX_SOURCES, max_keys: int = MAX_KEYS, max_unwritten: int = MAX_UNWRITTEN):
-        if per_source < 1 or per_key < 1 or window <= 0:
-            raise ValueError("per_source and per_key must be >= 1, window > 0")
-        self.per_source, self.per_key, self.window = per_source, per_key, window
+                 window: float = WINDOW_SECONDS, burst_seconds: float = BURST_SECONDS,
+                 clock: Callable[[], float] = time.time, max_sources: int = MAX_SOURCES, max_keys: int = MAX_KEYS,
+                 max_unwritten: int = MAX_UNWRITTEN):
+        if window <= 0 or burst_seconds < 1:
+            raise ValueError("window must be > 0, burst_seconds >= 1")
+        self.window, self.burst_seconds = window, burst_seconds
+        self.configure(per_source, per_key)
         self.clock = clock
         self.max_sources, self.max_keys, self.max_unwritten = max_sources, max_keys, max_unwritten
-        self._sources: dict[str, _Source] = {}  # insertion order == window start order
+        self._sources: dict[str, _Source] = {}
+        self._windows: dict[str, float] = {}  # sources with an open summary window, oldest first
         self._unwritten: list[dict[str, Any]] = []  # summaries a write failed for: first out next time
         self._lock = threading.Lock()
+        self._swept = float("-inf")
         self.suppressed = 0  # refusal lines not written verbatim (counted in summaries)
         self.lost = 0  # suppressed refusals whose summary was dropped (max_unwritten)
 
@@ -91,6 +116,8 @@ class RefusalAggregator:
         if per_source < 1 or per_key < 1:
             raise ValueError("per_source and per_key must be >= 1")
         self.per_source, self.per_key = per_source, per_key
+        self._source_burst = per_source * self.burst_seconds
+        self._key_burst = per_key * self.burst_seconds
 
     @property
     def sources(self) -> int:
@@ -105,19 +132,26 @@ class RefusalAggregator:
         with self._lock:
             name = source_of(entry)
             source = self._sources.get(name)
-            if source is not None and not (source.start <= now < source.start + self.window):
-                self._close(name, source, now)
-                source = None
             if source is None:
+                if len(self._sources) >= self.max_sources and not (self._swept <= now < self._swept + 0.1):
+                    self._swept = now  # at most ten sweeps a second, however many sources knock
+                    self._forget_idle(now)
                 if len(self._sources) >= self.max_sources:
                     name = OVERFLOW_SOURCE
                     source = self._sources.get(name)
                 if source is None:
-                    source = self._sources[name] = _Source(now)
+                    source = self._sources[name] = _Source(_Bucket(self._source_burst, now))
             key: Key = (entry.get("event"), entry.get("reason"), entry.get("rule"), entry.get("host"))
-            if source.written < self.per_source and source.per_key.get(key, 0) < self.per_key:
-                source.written += 1
-                source.per_key[key] = source.per_key.get(key, 0) + 1
+            source.bucket.refill(now, self.per_source, self._source_burst)
+            bucket = source.keys.get(key)
+            if bucket is None and len(source.keys) < self.max_keys:
+                bucket = source.keys[key] = _Bucket(self._key_burst, now)
+            if bucket is not None:
+                bucket.refill(now, self.per_key, self._key_burst)
+            if source.bucket.tokens >= 1 and (bucket is None or bucket.tokens >= 1):
+                source.bucket.tokens -= 1
+                if bucket is not None:
+                    bucket.tokens -= 1
                 return True
             if key not in source.counts and len(source.counts) >= self.max_keys:
                 key = (entry.get("event"), entry.get("reason"), None, None)
@@ -130,6 +164,9 @@ class RefusalAggregator:
                     count.sample.update(client=None, sandbox=None)
             count.count += 1
             count.last = now
+            if source.window is None:
+                source.window = now
+                self._windows[name] = now
             self.suppressed += 1
             return False
 
@@ -137,22 +174,26 @@ class RefusalAggregator:
         """The summaries to write now: any left unwritten, then those of every window that ended."""
         now = self.clock()
         with self._lock:
-            while self._sources:
-                name, source = next(iter(self._sources.items()))
-                if source.start <= now < source.start + self.window:
+            while self._windows:
+                name, start = next(iter(self._windows.items()))
+                if start <= now < start + self.window:
                     break
-                self._close(name, source, now)
+                del self._windows[name]
+                source = self._sources[name]
+                self._unwritten.extend(self._summaries(name, source, start, min(now, start + self.window)))
+                source.counts, source.window = {}, None
             return self._take()
 
     def drain(self) -> list[dict[str, Any]]:
-        """Every pending summary now, windows still open included (shutdown, reopen, rotation); the
-        windows stay open, so what is over budget stays suppressed until they end."""
+        """Every pending summary now, open windows included (shutdown, reopen): those windows end
+        here, and the buckets stay as they are (what is over budget stays suppressed)."""
         now = self.clock()
         with self._lock:
-            for name, source in self._sources.items():
-                if source.counts:
-                    self._unwritten.extend(self._summaries(name, source, source.start, now))
-                    source.counts = {}
+            for name, start in self._windows.items():
+                source = self._sources[name]
+                self._unwritten.extend(self._summaries(name, source, start, max(now, start)))
+                source.counts, source.window = {}, None
+            self._windows.clear()
             return self._take()
 
     def restore(self, summaries: list[dict[str, Any]]) -> None:
@@ -177,10 +218,12 @@ class RefusalAggregator:
         out, self._unwritten = self._unwritten, []
         return out
 
-    def _close(self, name: str, source: _Source, now: float) -> None:
-        del self._sources[name]
-        if source.counts:
-            self._unwritten.extend(self._summaries(name, source, source.start, min(now, source.start + self.window)))
+    def _forget_idle(self, now: float) -> None:
+        """Drop the sources whose buckets are full again and that have nothing pending."""
+        for name in [n for n, s in self._sources.items() if s.window is None
+                     and s.bucket.idle(now, self.per_source, self._source_burst)
+                     and all(b.idle(now, self.per_key, self._key_burst) for b in s.keys.values())]:
+            del self._sources[name]
 
     def _summaries(self, name: str, source: _Source, start: float, end: float) -> list[dict[str, Any]]:
         out = []
@@ -196,7 +239,7 @@ class RefusalAggregator:
                 "reason": reason, "status": count.sample.get("status"), "rule": rule, "host": host,
                 "port": count.sample.get("port") if host else None,
                 "message": f"{count.count} more {what} from {who}{where} were not written one by one "
-                           f"(over {self.per_source} refusal lines per second per source, {self.per_key} per kind)",
+                           f"(over {self.per_source} refusal lines a second per source, {self.per_key} per kind)",
                 "suppressed_event": event, "count": count.count,
                 "window_start": rfc3339(start), "window_end": rfc3339(end),
                 "first": rfc3339(count.first), "last": rfc3339(count.last),

@@ -42,9 +42,9 @@ def test_source_is_the_sandbox_or_the_client_address_without_its_port():
     assert source_of({}) == "client:?"
 
 
-def test_first_lines_verbatim_then_one_summary_per_kind_at_the_window_end():
+def test_a_burst_verbatim_then_one_summary_per_kind_at_the_window_end():
     clock = Clock()
-    agg = RefusalAggregator(per_source=5, per_key=3, clock=clock)
+    agg = RefusalAggregator(per_source=5, per_key=3, burst_seconds=1, clock=clock)
     admitted = [agg.admit(refusal(host="a.test")) for _ in range(10)]
     assert admitted == [True] * 3 + [False] * 7  # per key
     admitted = [agg.admit(refusal(host=f"h{i}.test")) for i in range(4)]
@@ -56,27 +56,49 @@ def test_first_lines_verbatim_then_one_summary_per_kind_at_the_window_end():
     assert all(s["event"] == "suppressed" and s["suppressed_event"] == "request" and s["reason"] == "no_rule"
                and s["client"] == "10.0.0.1" and s["decision"] == "deny" for s in summaries)
     assert summaries[0]["window_start"] < summaries[0]["window_end"]
-    assert agg.sources == 0  # the ended window is forgotten
-    # A new window starts afresh.
-    assert agg.admit(refusal(host="a.test"))
+    # A second later the buckets are full again.
+    assert [agg.admit(refusal(host="a.test")) for _ in range(4)] == [True] * 3 + [False]
+
+
+def test_a_sustained_flood_writes_the_rate_and_one_summary_a_second():
+    clock = Clock()
+    agg = RefusalAggregator(per_source=50, per_key=10, clock=clock)
+    written = summaries = 0
+    for _ in range(10_000):  # 1,000 refusals a second for 10 s, one kind
+        clock.now += 0.001
+        summaries += len(agg.due())
+        written += agg.admit(refusal())
+    assert written <= 40 + 10 * 10 + 1  # the burst, then the key's rate
+    assert 9 <= summaries <= 11
+
+
+def test_ordinary_traffic_never_reaches_the_budget():
+    """A test suite, a retrying client: a few refusals of one kind a second, bursts of dozens."""
+    clock = Clock()
+    agg = RefusalAggregator(clock=clock)
+    for second in range(60):
+        for n in range(5 if second % 10 else 35):
+            clock.now += 0.01
+            assert agg.admit(refusal(reason="path_not_allowed", host="api.test"))
+        clock.now += 1.0
 
 
 def test_allows_and_would_deny_are_never_aggregated():
-    agg = RefusalAggregator(per_source=1, per_key=1, clock=Clock())
+    agg = RefusalAggregator(per_source=1, per_key=1, burst_seconds=1, clock=Clock())
     assert all(agg.admit(allow()) for _ in range(1000))
     assert all(agg.admit(refusal() | {"decision": "would_deny"}) for _ in range(1000))
     assert agg.suppressed == 0
 
 
 def test_sources_do_not_share_a_budget():
-    agg = RefusalAggregator(per_source=2, per_key=2, clock=Clock())
+    agg = RefusalAggregator(per_source=2, per_key=2, burst_seconds=1, clock=Clock())
     assert [agg.admit(refusal(sandbox="a")) for _ in range(3)] == [True, True, False]
     assert [agg.admit(refusal(sandbox="b")) for _ in range(3)] == [True, True, False]
 
 
 def test_memory_is_bounded_by_sources_and_keys():
     clock = Clock()
-    agg = RefusalAggregator(per_source=1, per_key=1, clock=clock, max_sources=8, max_keys=4)
+    agg = RefusalAggregator(per_source=1, per_key=1, burst_seconds=1, clock=clock, max_sources=8, max_keys=4)
     for i in range(10_000):
         agg.admit(refusal(client=f"10.{i // 250}.{i % 250}.1:1", host=f"h{i}.test", reason=f"r{i % 3}"))
     assert agg.sources <= 8 + 1  # the overflow source
@@ -85,16 +107,20 @@ def test_memory_is_bounded_by_sources_and_keys():
     summaries = agg.due()
     assert sum(s["count"] for s in summaries) == agg.suppressed
     assert any(s["sandbox"] is None and s["client"] is None for s in summaries)  # the overflow source's
-    assert OVERFLOW_SOURCE not in agg._sources
+    assert not agg._windows
+    # Idle sources are forgotten when new ones need the room.
+    clock.now += 10
+    agg.admit(refusal(client="192.0.2.1:1"))
+    assert agg.sources <= 2 and OVERFLOW_SOURCE not in agg._sources
 
 
 def test_drain_flushes_open_windows_and_keeps_suppressing():
     clock = Clock()
-    agg = RefusalAggregator(per_source=1, per_key=1, clock=clock)
+    agg = RefusalAggregator(per_source=1, per_key=1, burst_seconds=1, clock=clock)
     agg.admit(refusal())
     assert not agg.admit(refusal())
     assert [s["count"] for s in agg.drain()] == [1]
-    assert not agg.admit(refusal())  # the window is still open: still over budget
+    assert not agg.admit(refusal())  # the bucket is still empty: still over budget
     clock.now += 1
     assert [s["count"] for s in agg.due()] == [1]
 
@@ -116,7 +142,7 @@ def test_every_refusal_is_a_line_or_counted_once(events, per_source, per_key):
     """Whatever the interleaving: verbatim + sum(count) == refusals; allows all verbatim; per
     source and window at most per_source verbatim refusals."""
     clock = Clock()
-    agg = RefusalAggregator(per_source=per_source, per_key=per_key, clock=clock)
+    agg = RefusalAggregator(per_source=per_source, per_key=per_key, burst_seconds=1, clock=clock)
     verbatim = counted = refusals = allows = 0
     for sandbox, reason, host, denied, step in events:
         clock.now += step
@@ -141,6 +167,8 @@ def test_audit_log_writes_a_bounded_flood_and_a_chained_summary(tmp_path):
     log.configure(refusals_per_second=5, refusals_per_key=5)
     clock = Clock()
     log.refusals.clock = clock
+    log.refusals.burst_seconds = 1
+    log.refusals.configure(5, 5)
     for n in range(6000):  # a rapid-reset-sized flood in "one second"
         log.record(**refusal(sandbox="attacker") | {"path": f"/{n}"})
     for n in range(3):
@@ -162,6 +190,8 @@ def test_a_pending_summary_is_written_at_close_and_before_a_reopen(tmp_path):
     log = AuditLog(str(path), chain=True)
     log.configure(refusals_per_second=1)
     log.refusals.clock = Clock()
+    log.refusals.burst_seconds = 1
+    log.refusals.configure(1, 1)
     for _ in range(4):
         log.record(**refusal())
     path.rename(tmp_path / "audit.jsonl.1")
