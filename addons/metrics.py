@@ -230,6 +230,7 @@ class Observability:
         self._tcp_rules: dict[str, str | None] = {}  # client "ip:port" -> rule of its raw TCP connection
         self._policy = None  # the policy last installed
         self._audit_seen: tuple[int, int, int] = (0, 0, 0)  # (id of the log, failures, suppressed) told to metrics
+        self._audit_lock = threading.Lock()  # the heartbeat and the endpoint's thread both tell them
         state.install_listeners.append(self._on_install)  # every engine installed (start-up, reloads)
 
     # --- options ---------------------------------------------------------------------------------
@@ -316,7 +317,7 @@ class Observability:
             self.state.extra_listeners[:] = []
         if listen is not None:
             try:
-                server = HealthServer(*listen, make_wsgi_app(self.metrics.exposition_registry), self.health, self.readiness)
+                server = HealthServer(*listen, self._metrics_app(), self.health, self.readiness)
             except OSError as exc:
                 if strict:
                     # Like a proxy port in use: logged as an error, which stops a gateway that is
@@ -337,6 +338,15 @@ class Observability:
             if self._running:
                 logger.info("egress gateway: metrics at %s/metrics", server.url)
         self._spec = spec
+
+    def _metrics_app(self):
+        """The Prometheus app, with the audit log's state brought up to date at every scrape."""
+        app = make_wsgi_app(self.metrics.exposition_registry)
+
+        def serve(environ, start_response):
+            self._audit_metrics()
+            return app(environ, start_response)
+        return serve
 
     def _needs_reinstall(self, engine) -> bool:
         missing = not set(self._guard_listeners) <= set(engine.guard.listeners)
@@ -405,17 +415,24 @@ class Observability:
 
     def _audit_tick(self) -> None:
         """Due refusal summaries written, a failing log retried; the metrics told."""
-        audit = self.state.audit
         try:
-            audit.maintain()
+            self.state.audit.maintain()
         except Exception:  # noqa: BLE001  (never stop the heartbeat)
             logger.exception("egress gateway: audit log maintenance failed")
-        if self._subscribed:
+        self._audit_metrics()
+
+    def _audit_metrics(self) -> None:
+        """Tell the metrics what changed in the audit log (heartbeat, and every scrape)."""
+        if not self._subscribed:
+            return
+        with self._audit_lock:
+            audit = self.state.audit
             seen_id, failures, suppressed = self._audit_seen
             if seen_id != id(audit):
                 failures = suppressed = 0
-            self.metrics.audit_state(audit.writable, audit.write_failures - failures, audit.suppressed - suppressed)
-            self._audit_seen = (id(audit), audit.write_failures, audit.suppressed)
+            now_failures, now_suppressed = audit.write_failures, audit.suppressed
+            self.metrics.audit_state(audit.writable, now_failures - failures, now_suppressed - suppressed)
+            self._audit_seen = (id(audit), now_failures, now_suppressed)
 
     def _tick(self) -> None:
         self._heartbeat = time.monotonic()
