@@ -357,8 +357,8 @@ class AuditLog:
         failed = self._outage_failures
         values = {
             "time": now_rfc3339(), "event": RECOVERED_EVENT, "reason": "audit_writable",
-            "message": f"the audit log is writable again: {failed} write(s) failed since {rfc3339(since)}; "
-                       "each failed its decision closed (500 internal_error) instead of letting it through unrecorded",
+            "message": f"the audit log is writable again: {failed} write(s) failed since {rfc3339(since)} (retries "
+                       "included); every decision meanwhile was refused (500 internal_error), none went unrecorded",
             "failed_writes": failed, "failing_since": rfc3339(since),
         } | extra
         self._emit(self._serialise(values))

@@ -172,6 +172,8 @@ class RefusalAggregator:
 
     def due(self) -> list[dict[str, Any]]:
         """The summaries to write now: any left unwritten, then those of every window that ended."""
+        if not self._windows and not self._unwritten:
+            return []  # the hot path: no flood under way (a racing admit is seen next time)
         now = self.clock()
         with self._lock:
             while self._windows:
