@@ -232,9 +232,9 @@ def summary(run: LoadRun) -> str:
     hold_time = ph["held"] - ph["hold_start"]
     ramp_time = ph["ramped"] - ph["ramp_start"]
     hold_requests = len(s.hold_request_latencies)
-    events = Counter({(k[0], k[1]): 0 for k in decisions(run.audit)})
-    for k, v in decisions(run.audit).items():
-        events[k[0], k[1]] += v
+    events: Counter = Counter()
+    for (event, decision, _), count in decisions(run.audit).items():
+        events[event, decision] += count
     up = {k: run.upstream_after.get(k, 0) - run.upstream_before.get(k, 0) for k in ("connections", "requests", "errors")}
     load_avg = open("/proc/loadavg").read().split()[:3]
     rows = [
