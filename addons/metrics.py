@@ -50,6 +50,10 @@ logger = logging.getLogger("egress")
 HEARTBEAT_SECONDS = 1.0
 STALLED_SECONDS = 10.0  # /healthz fails when the event loop has not ticked for this long
 DRAIN_GRACE_SECONDS = 0.2  # after the last response hook, for the bytes to reach the client socket
+AUDIT_OPTIONS = frozenset({
+    "egress_audit_log", "egress_audit_chain", "egress_audit_max_bytes", "egress_audit_backups",
+    "egress_audit_max_refusals_per_second_per_sandbox", "egress_audit_max_refusals_per_second_per_key",
+})
 COUNTED = "egress_bytes_counted"  # flow.metadata: this message's body is counted by a stream wrapper
 
 
@@ -269,8 +273,7 @@ class Observability:
         )
 
     def configure(self, updated: set[str]):
-        if updated & {"egress_audit_log", "egress_audit_chain", "egress_audit_max_bytes", "egress_audit_backups",
-                      "egress_audit_max_refusals_per_second_per_sandbox", "egress_audit_max_refusals_per_second_per_key"}:
+        if updated & AUDIT_OPTIONS:
             self._configure_audit()
         if "egress_metrics" in updated or "egress_drain_timeout" in updated:
             if ctx.options.egress_drain_timeout < 0:

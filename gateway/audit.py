@@ -20,7 +20,6 @@ Operations (all optional, see docs/audit-log.md):
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
