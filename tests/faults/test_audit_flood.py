@@ -14,13 +14,16 @@ import time
 import urllib.request
 
 from gateway.audit import verify_chain
-from tests.e2e.helpers import connect_proxy, get
+from tests.e2e.helpers import H2Client, connect_proxy, get, tls_tunnel, tunnel
 from tests.support.gateway import free_port
 
 RULES = """
 - id: allowed
   hosts: [allowed.test]
   schemes: [http]
+- id: api
+  hosts: [api.test]
+  paths: ["/ok/**"]
 """
 
 FLOOD = 1500
@@ -127,3 +130,31 @@ def test_the_budget_is_an_option_and_zero_writes_every_refusal(start_gateway, up
             assert get(conn, f"http://other.test/{n}", "other.test").status == 403
     verbatim, summaries = wait_accounted(gateway, "request", "no_rule", 150)
     assert (len(verbatim), summaries) == (150, [])
+
+
+def _denied_connects(gateway, n: int) -> None:
+    for _ in range(n):
+        conn, response = tunnel(gateway, "other.test:443")
+        conn.close()
+        assert (response.status, response.egress_reason) == (403, "no_rule")
+
+
+def _denied_h2_streams(gateway, n: int) -> None:
+    client = H2Client(tls_tunnel(gateway, "api.test:443", alpn=["h2"]))
+    for batch in range(0, n, 50):
+        streams = [client.send("api.test", f"/admin/{i}") for i in range(batch, min(n, batch + 50))]
+        client.wait(*streams)
+        assert all(client.responses[s]["status"] == 403 for s in streams)
+    client.conn.close()
+
+
+def test_other_protocols_are_aggregated_too(start_gateway, upstreams):
+    """The aggregation is in the one write path, so every kind of refusal is covered: denied CONNECTs
+    (one connection each) and refused HTTP/2 streams (one connection), here."""
+    gateway = start_gateway(RULES)
+    cases = ((_denied_connects, "connect", "no_rule"), (_denied_h2_streams, "request", "path_not_allowed"))
+    for flood, event, reason in cases:
+        flood(gateway, 300)
+        verbatim, summaries = wait_accounted(gateway, event, reason, 300)
+        assert len(verbatim) + sum(s["count"] for s in summaries) == 300, (event, len(verbatim), summaries)
+        assert len(verbatim) < 200 and summaries, (event, len(verbatim))
