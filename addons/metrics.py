@@ -265,7 +265,8 @@ class Observability:
         )
         loader.add_option(
             "egress_audit_max_refusals_per_second_per_key", int, DEFAULT_PER_KEY,
-            "Of those, refusal lines written one by one per second for one (event, reason, rule, host).",
+            "Of those, refusal lines written one by one per second for one (event, reason, rule, host); 0: no "
+            "budget of its own per kind.",
         )
         loader.add_option(
             "egress_drain_timeout", float, 10.0,
