@@ -59,7 +59,7 @@ def register(sub) -> None:
         "(check with `egress-gateway audit verify`)",
     )
     run.add_argument(
-        "--audit-max-bytes", metavar="N", type=_non_negative_int, default=None,
+        "--audit-max-bytes", metavar="N", type=_non_negative_int, default=argparse.SUPPRESS,
         help=f"rotate the audit log file before it would exceed N bytes (PATH -> PATH.1 -> ...); 0: never "
         f"(default: {DEFAULT_MAX_BYTES}, 100 MiB, for a file; stdout does not rotate)",
     )
@@ -193,7 +193,7 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
         return 1
     audit = None
     if args.audit_log:
-        max_bytes = args.audit_max_bytes
+        max_bytes = getattr(args, "audit_max_bytes", None)
         if max_bytes is None:
             max_bytes = 0 if args.audit_log == "-" else DEFAULT_MAX_BYTES
         try:
@@ -202,7 +202,7 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
         except OSError as exc:
             print(f"egress-gateway: cannot open audit log {args.audit_log}: {exc.strerror}", file=sys.stderr)
             return 1
-        if args.audit_max_bytes and args.audit_log == "-":
+        if max_bytes and args.audit_log == "-":
             print("egress-gateway: audit log rotation (--audit-max-bytes) needs a file, not stdout", file=sys.stderr)
             return 2
     # The CA is made by a short-lived child: importing mitmproxy would cost the supervisor, which
