@@ -135,6 +135,20 @@ class GatewayMetrics:
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,
         )
+        self.audit_write_failures = Counter(
+            "egress_audit_write_failures", "Audit lines that could not be written (disk full, read-only, the "
+            "supervisor's file unwritable): each failed its decision closed (500 internal_error).", registry=r,
+        )
+        self.audit_writable = Gauge(
+            "egress_audit_writable", "1 while the audit log can be written, 0 from a failed write until a write "
+            "succeeds again (with workers: 0 if any worker says so).", registry=r, multiprocess_mode="livemin",
+        )
+        self.audit_suppressed = Counter(
+            "egress_audit_suppressed_refusals", "Refusals over their sandbox's audit line budget: counted in a "
+            "'suppressed' summary line instead of a line each (every refusal still counts in the other metrics).",
+            registry=r,
+        )
+        self.audit_writable.set(1)
         self._lock = threading.Lock()
         self._rules: set[str] = set()
         self._sandboxes: set[str] = set()
@@ -235,6 +249,14 @@ class GatewayMetrics:
         elif event == RELOAD_EVENT:
             result = entry.get("result")
             self.reloads.labels(result if result in RELOAD_RESULTS else "error").inc()
+
+    def audit_state(self, writable: bool, failures: int = 0, suppressed: int = 0) -> None:
+        """The audit log's state: writable now, and failures and suppressed refusals since last told."""
+        self.audit_writable.set(1 if writable else 0)
+        if failures > 0:
+            self.audit_write_failures.inc(failures)
+        if suppressed > 0:
+            self.audit_suppressed.inc(suppressed)
 
     def connection_opened(self, mode: str) -> None:
         self.active_connections.labels(self.mode_label(mode)).inc()
