@@ -112,3 +112,16 @@ def test_an_upstream_h2_queue_of_streams_that_close_at_once_drains_without_recur
         sent += list(layer.handle_event(RequestProtocolError(1 + 2 * i, "reset by the client", ErrorCode.CANCEL)))
     assert not layer.stream_queue
     assert sum(1 for c in sent if isinstance(c, commands.SendData)) >= 3000 - max_streams
+
+
+def test_an_aggregated_audit_line_counts_as_many_refusals_in_the_metrics():
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.on_decision({"event": "request", "decision": "deny", "reason": "too_many_streams", "repeated": 1})
+    metrics.on_decision({"event": "request", "decision": "deny", "reason": "too_many_streams", "repeated": 41})
+    metrics.on_decision({"event": "connection", "mode": "regular", "decision": "deny", "reason": "reset_flood"})
+    assert metrics.registry.get_sample_value("egress_requests_total", {
+        "sandbox": "none", "rule": "none", "decision": "deny", "reason": "too_many_streams"}) == 42
+    assert metrics.registry.get_sample_value("egress_connections_total", {
+        "mode": "regular", "decision": "deny", "reason": "reset_flood"}) == 1
