@@ -477,6 +477,15 @@ class GatewayHttpStream(HttpStream):
                 yield from super().state_stream_request_body(RequestData(event.stream_id, held))
         yield from super().state_stream_request_body(event)
 
+    def handle_protocol_error(self, event) -> layer.CommandGenerator[None]:
+        """mitmproxy's, and then the stream lets go of its buffered bodies: a dropped stream sits in
+        reference cycles (its contexts' layer lists, its bound state methods) until a full garbage
+        collection, and bytes do not trigger one (91 HTTP/2 streams refused over the buffer budget
+        kept 26 MiB that way)."""
+        yield from super().handle_protocol_error(event)
+        self.request_body_buf.clear()
+        self.response_body_buf.clear()
+
     def client_reset(self) -> str | None:
         """Why the client ended this stream while it waited (a reset, a disconnect), if it did: the
         event is queued behind the command the stream waits for (a hook, an upstream connection)."""
