@@ -268,6 +268,9 @@ class GatewayHttp2Server(Http2Server):
             if event.command is self._flush_wakeup:
                 self._flush_wakeup = None
                 yield from self._write_held_back(self.aggregate.due(time.monotonic()))
+                if self.aggregate.held_back:  # woken a little early: the rest on the next timer
+                    self._flush_wakeup = commands.RequestWakeup(self.aggregate.interval)
+                    yield self._flush_wakeup
             return
         yield from self._handle(event)
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:

@@ -89,6 +89,11 @@ class RefusalAggregator:
                 del self._pending[reason]
         return out
 
+    @property
+    def held_back(self) -> bool:
+        """Whether some refusal is counted but not written yet."""
+        return any(p.suppressed for p in self._pending.values())
+
     def flush(self) -> dict[str, int]:
         out = {reason: p.suppressed for reason, p in self._pending.items() if p.suppressed}
         self._pending.clear()

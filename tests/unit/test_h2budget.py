@@ -46,8 +46,8 @@ def test_aggregator_due_returns_held_back_counts_once_the_interval_is_over():
     aggregator = RefusalAggregator(interval=1.0)
     assert aggregator.note("r", 0.0) == 1
     assert aggregator.note("r", 0.5) is None and aggregator.note("r", 0.6) is None
-    assert aggregator.due(0.9) == {}
-    assert aggregator.due(1.0) == {"r": 2}
+    assert aggregator.due(0.9) == {} and aggregator.held_back
+    assert aggregator.due(1.0) == {"r": 2} and not aggregator.held_back
     assert aggregator.flush() == {}
 
 
