@@ -347,7 +347,8 @@ class GatewayHttp2Server(Http2Server):
             self.h2_conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)  # stop sending the body
         yield commands.SendData(self.conn, self.h2_conn.data_to_send())
         if self.streams.pop(stream_id, None) is not None:
-            error = RequestProtocolError(stream_id, f"egress gateway: {decision.message}", ErrorCode.GENERIC_CLIENT_ERROR)
+            error = RequestProtocolError(stream_id, f"egress gateway: {decision.message}",
+                                         ErrorCode.GENERIC_CLIENT_ERROR)
             setattr(error, REFUSAL_ATTR, decision)
             yield ReceiveHttp(error)
 

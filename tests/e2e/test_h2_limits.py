@@ -16,6 +16,8 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
+import h2.settings
 import pytest
 
 from tests.e2e.helpers import (  # noqa: F401  (fixtures)
@@ -243,7 +245,8 @@ def test_buffered_request_bodies_are_bounded_per_connection(gateway, upstreams):
     piece = b"x" * 90_000
     with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
         client = H2Client(conn)
-        _events(client, lambda seen: {type(e) for e in seen} >= {h2.events.RemoteSettingsChanged, h2.events.WindowUpdated})
+        started = {h2.events.RemoteSettingsChanged, h2.events.WindowUpdated}
+        _events(client, lambda seen: {type(e) for e in seen} >= started)
         ids = []
         for i in range(3):
             ids.append(client.h2.get_next_available_stream_id())
