@@ -18,6 +18,7 @@ from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
 from addons.credentials import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
+from addons.h2_limits import Http2Limits  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.limits import ConnectionLimiter  # noqa: E402
 from addons.metrics import Observability  # noqa: E402
@@ -42,6 +43,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
         LayerGuard(state),
+        Http2Limits(),  # the HTTP/2 budgets' options; upstream h2 connections drain their queue in a loop
         ConnectGuard(state),
         TlsGuard(state),
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone

@@ -289,24 +289,28 @@ class LayerGuard:
     def _head_limits() -> tuple[int, float]:
         return ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout)
 
-    def _on_refusal(self, context, decision: Decision, request, method: str | None = None) -> Decision:
+    def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
+                    status_sent: bool = True, **fields) -> Decision:
         """A request mitmproxy's HTTP server refused or failed itself (parse errors, upstream
         failures): one audit line, in the same shape as the guards' lines. Returns the decision to
         send, its message redacted: a page the gateway writes never carries a secret, whatever
-        text it was built from."""
+        text it was built from. `fields` add to (or replace) the line's keys, e.g. the HTTP/2
+        server's `event` and `repeated` count; `status_sent=False`: no HTTP status went out."""
         conn = self.state.connections.get(context.client.id)
         pin = conn.tunnel if conn else None
         upstream = decision.reason in ("upstream_failed", "response_too_large")
         method = method or getattr(request, "method", None)
-        self.state.record(
+        line = dict(
             event="error" if upstream else "connect" if method == "CONNECT" else "request",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            **verdict_fields(decision),
+            **verdict_fields(decision, status_sent),
             host=pin.host.value if pin else None, port=pin.port if pin else None,
             address=pin.address.compressed if pin else None, sni=context.client.sni,
             method=method, path=getattr(request, "path", None),
             host_header=request.headers.get("host") if request is not None else None,
         )
+        line.update(fields)
+        self.state.record(**line)
         redactor = self.state.redactor()
         if redactor is not None:
             message, hits = redactor.redact_text(decision.message)

@@ -65,6 +65,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "revoked": (403, "a policy reload no longer allows this open connection, which was closed (audit and metrics "
                      "only: no status is sent)"),
     "too_many_connections": (503, "the sandbox has too many connections open"),
+    "too_many_streams": (503, "an HTTP/2 stream over the concurrent-stream limit was refused (RST_STREAM "
+                              "REFUSED_STREAM: no status is sent)"),
+    "reset_flood": (503, "the HTTP/2 client reset streams faster than the limit; the connection was closed "
+                         "(GOAWAY ENHANCE_YOUR_CALM: no status is sent)"),
+    "buffer_budget": (503, "buffering this body would pass the per-connection (or per-sandbox) buffer budget"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),

@@ -222,12 +222,14 @@ class GatewayMetrics:
     def on_decision(self, entry: dict[str, Any]) -> None:
         """One recorded entry (audit keys plus private "_" keys); see docs/metrics.md."""
         event = entry.get("event")
+        repeated = entry.get("repeated")  # one line that stands for several refusals (HTTP/2 floods)
+        weight = repeated if isinstance(repeated, int) and not isinstance(repeated, bool) and repeated > 0 else 1
         if event in REQUEST_EVENTS:
             rule = self.rule_label(entry.get("rule"))
             self.requests.labels(
                 self.sandbox_label(entry.get("sandbox")), rule,
                 self.decision_label(entry.get("decision")), self.reason_label(entry.get("reason")),
-            ).inc()
+            ).inc(weight)
             injected = entry.get("injected")
             if isinstance(injected, (list, tuple)):
                 for secret in dict.fromkeys(s for s in injected if isinstance(s, str)):
@@ -236,7 +238,7 @@ class GatewayMetrics:
             self.connections.labels(
                 self.mode_label(entry.get("mode")), self.decision_label(entry.get("decision")),
                 self.reason_label(entry.get("reason")),
-            ).inc()
+            ).inc(weight)
             if event == "connection" and entry.get("reason") == "revoked" and entry.get("decision") == "deny":
                 kind = entry.get("kind")
                 self.revoked.labels(kind if kind in REVOKED_KINDS else OTHER).inc()
