@@ -227,6 +227,7 @@ class Observability:
         self._tcp_rules: dict[str, str | None] = {}  # client "ip:port" -> rule of its raw TCP connection
         self._policy = None  # the policy last installed
         state.install_listeners.append(self._on_install)  # every engine installed (start-up, reloads)
+        state.usage_listeners.append(self.metrics.limited)  # bytes counted against policy limits
 
     # --- options ---------------------------------------------------------------------------------
 
