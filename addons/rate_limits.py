@@ -140,6 +140,17 @@ class Limiter:
         return out
 
 
+def _rate(text: str, name: str) -> float:
+    """A rate option: a decimal number >= 0 (a string option, since mitmproxy's --set parses no floats)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}") from None
+    if not rate >= 0 or rate == float("inf"):
+        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}")
+    return rate
+
+
 class ConnectionRate:
     """New connections per second per sandbox: over the bucket, closed at accept."""
 
@@ -149,7 +160,7 @@ class ConnectionRate:
 
     def load(self, loader):
         loader.add_option(
-            "egress_max_new_connections_per_second_per_sandbox", float, DEFAULT_CONNECTIONS_PER_SECOND,
+            "egress_max_new_connections_per_second_per_sandbox", str, f"{DEFAULT_CONNECTIONS_PER_SECOND:g}",
             "New client connections accepted per second per sandbox (per client address without a sandboxes "
             "section), sustained; over it a connection is closed at accept (connection_rate_limited). 0: no limit.",
         )
@@ -161,10 +172,11 @@ class ConnectionRate:
     def configure(self, updated: set[str]):
         names = {"egress_max_new_connections_per_second_per_sandbox", "egress_new_connection_burst_per_sandbox"}
         if updated & names:
-            rate = ctx.options.egress_max_new_connections_per_second_per_sandbox
+            rate = _rate(ctx.options.egress_max_new_connections_per_second_per_sandbox,
+                         "egress_max_new_connections_per_second_per_sandbox")
             burst = ctx.options.egress_new_connection_burst_per_sandbox
-            if rate < 0 or burst < 0:
-                raise exceptions.OptionsError("the new-connection rate and burst must be >= 0")
+            if burst < 0:
+                raise exceptions.OptionsError("egress_new_connection_burst_per_sandbox must be >= 0")
             self.limiter.connections.configure(rate, burst)
 
     def client_connected(self, client):
@@ -200,7 +212,7 @@ class RequestLimits:
 
     def load(self, loader):
         loader.add_option(
-            "egress_max_requests_per_second_per_sandbox", float, DEFAULT_REQUESTS_PER_SECOND,
+            "egress_max_requests_per_second_per_sandbox", str, f"{DEFAULT_REQUESTS_PER_SECOND:g}",
             "Allowed HTTP requests per second per sandbox (per client address without a sandboxes section), "
             "sustained; over it a request is answered 429 rate_limited with Retry-After. 0: no limit.",
         )
@@ -211,10 +223,11 @@ class RequestLimits:
 
     def configure(self, updated: set[str]):
         if updated & {"egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox"}:
-            rate = ctx.options.egress_max_requests_per_second_per_sandbox
+            rate = _rate(ctx.options.egress_max_requests_per_second_per_sandbox,
+                         "egress_max_requests_per_second_per_sandbox")
             burst = ctx.options.egress_request_burst_per_sandbox
-            if rate < 0 or burst < 0:
-                raise exceptions.OptionsError("the request rate and burst must be >= 0")
+            if burst < 0:
+                raise exceptions.OptionsError("egress_request_burst_per_sandbox must be >= 0")
             self.limiter.requests.configure(rate, burst)
 
     def check(self, flow: http.HTTPFlow, decision: Decision, scope: Scope, engine: Engine,
