@@ -178,22 +178,66 @@ def test_upload_budget_refuses_a_declared_body_at_its_head(start_gateway, upstre
     assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/up1", "/up3"]
 
 
+class _Sink:
+    """A plain TCP origin that records every byte it receives and answers nothing."""
+
+    def __init__(self, host: str):
+        import threading
+
+        self.received = b""
+        self.closed = threading.Event()  # the gateway closed (or reset) its upstream connection
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 80))
+        self._sock.listen(4)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            client, _ = self._sock.accept()
+        except OSError:
+            return
+        client.settimeout(10)
+        try:
+            while chunk := client.recv(65536):
+                self.received += chunk
+        except OSError:
+            pass
+        client.close()
+        self.closed.set()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 def test_upload_budget_cuts_off_a_streamed_body_before_its_end(start_gateway, upstreams):
-    rules = RULES.replace("  methods: [GET, POST]\n",
-                          "  methods: [GET, POST]\n  limits:\n    upload_bytes_per_hour: 1000\n")
-    gateway = start_gateway(rules, extra=_sandboxes(upstreams))
-    conn = connect_proxy(gateway)
-    conn.send(b"POST http://allowed.test/stream HTTP/1.1\r\nHost: allowed.test\r\nContent-Type: application/octet-stream"
-              b"\r\nTransfer-Encoding: chunked\r\n\r\n" + b"258\r\n" + b"a" * 600 + b"\r\n")
-    conn.send(b"258\r\n" + b"b" * 600 + b"\r\n0\r\n\r\n")
-    response = conn.read_response()
-    assert (response.status, response.egress_reason) == (429, "upload_quota_exceeded")
-    lines = [a for a in audit_for(gateway, conn.client, count=2) if a["event"] == "request_body"]
-    assert len(lines) == 1 and lines[0]["reason"] == "upload_quota_exceeded" and lines[0]["rule"] == "plain"
-    # The head and the first 600 bytes may have gone upstream, never the whole body.
-    for received in upstreams.plain["allowed.test"].requests:
-        assert b"b" * 600 not in received.body
-    conn.close()
+    from tests.e2e.helpers import extra_static_hosts
+
+    sink = _Sink(f"{upstreams.block}.231")
+    rules = RULES + "- id: sink\n  hosts: [sink.test]\n  schemes: [http]\n  methods: [POST]\n" \
+                    "  limits:\n    upload_bytes_per_hour: 1000\n"
+    extra = extra_static_hosts({"sink.test": f"{upstreams.block}.231"}) + _sandboxes(upstreams).replace(
+        "rules: [plain, other, tls]", "rules: [plain, other, tls, sink]")
+    gateway = start_gateway(rules, extra=extra)
+    try:
+        conn = connect_proxy(gateway)
+        conn.send(b"POST http://sink.test/stream HTTP/1.1\r\nHost: sink.test\r\nContent-Type: application/octet-stream"
+                  b"\r\nTransfer-Encoding: chunked\r\n\r\n" + b"258\r\n" + b"a" * 600 + b"\r\n")
+        deadline = time.monotonic() + 3
+        while b"a" * 600 not in sink.received:  # the first 600 bytes stream upstream
+            assert time.monotonic() < deadline, sink.received[:300]
+            time.sleep(0.02)
+        conn.send(b"258\r\n" + b"b" * 600 + b"\r\n0\r\n\r\n")
+        response = conn.read_response()
+        assert (response.status, response.egress_reason) == (429, "upload_quota_exceeded")
+        lines = [a for a in audit_for(gateway, conn.client, count=2) if a["event"] == "request_body"]
+        assert len(lines) == 1 and lines[0]["reason"] == "upload_quota_exceeded" and lines[0]["rule"] == "sink"
+        assert sink.closed.wait(5)  # the gateway aborted the upstream request: nothing more can arrive
+        conn.close()
+        assert b"b" not in sink.received.split(b"\r\n\r\n", 1)[1]  # nothing of the chunk that passed the budget
+        assert not sink.received.endswith(b"0\r\n\r\n")  # and the origin never had a complete request
+    finally:
+        sink.close()
 
 
 def test_download_budget_lets_a_response_finish_and_refuses_the_next_request(start_gateway, upstreams):
