@@ -93,3 +93,29 @@ def test_an_empty_limits_mapping_is_an_error():
         compile_policy(BASE.replace("      requests_per_minute: 1000\n      download_bytes_per_hour: 1073741824\n",
                                     "      {}\n").replace("    limits:\n      {}", "    limits: {}"), "p.yaml")
     assert "sandboxes[0].limits" in [i.path for i in info.value.issues]
+
+
+def test_explain_and_policy_test_show_the_limits_that_count_a_request(tmp_path):
+    from gateway.explain import explain, render_text
+    from gateway.policytest import render_text as test_text, run_file
+
+    policy = compile_policy(BASE, "p.yaml")
+    e = explain(policy, "https://api.example.com/v1", "POST", sandbox="agent", addresses=[])
+    assert [(x.owner, x.key, x.value, x.reason) for x in e.limits] == [
+        ("sandbox agent", "requests_per_minute", 1000, "rate_limited"),
+        ("sandbox agent", "download_bytes_per_hour", 2**30, "download_quota_exceeded"),
+        ("rule api", "requests_per_minute", 600, "rate_limited"),
+        ("rule api", "upload_bytes_per_hour", 100 * 2**20, "upload_quota_exceeded"),
+        ("rule api", "download_bytes_per_hour", 1_500_000_000, "download_quota_exceeded"),
+        ("rule api", "requests_per_credential_per_minute", 50, "credential_rate_limited"),
+    ]
+    assert "secrets.TOKEN on this rule, every sandbox together" in render_text(e)
+    assert e.as_dict()["limits"][0]["key"] == "requests_per_minute"
+    refused = explain(policy, "https://nowhere.example.com/", sandbox="agent", addresses=[])
+    assert refused.limits == []  # a refused request counts against nothing
+
+    (tmp_path / "policy.yaml").write_text(BASE)
+    (tmp_path / "cases.yaml").write_text("policy: policy.yaml\ncases:\n  - url: https://example.com/\n"
+                                         "    sandbox: agent\n    expect: allow\n")
+    text = test_text([run_file(tmp_path / "cases.yaml")], verbose=True)
+    assert "limit: sandbox agent: requests_per_minute 1000 requests" in text
