@@ -306,6 +306,19 @@ class UploadCheck:
     def feed(self, data: bytes) -> Decision | None:
         if self.refused:
             return None
+        try:
+            refusal = self._count(data)
+        except Exception:  # fail closed: a body that could not be counted does not go on
+            logging.getLogger("egress").exception("egress gateway: the upload budget check failed")
+            self.refused = True
+            refusal = Decision.deny("internal_error", "the gateway failed while counting the request body against "
+                                    "its upload budget; its end was not sent", self.charge.rule)
+            self._record(refusal)
+        if refusal is not None:
+            return refusal
+        return self.then.feed(data) if self.then is not None else None
+
+    def _count(self, data: bytes) -> Decision | None:
         if data:
             limiter = self.limits.limiter
             now = limiter.clock()
@@ -320,7 +333,7 @@ class UploadCheck:
             for _key, window in self.charge.upload:
                 window.add(len(data), now)
             self.limits.state.count_usage(self.charge.sandbox, self.charge.rule, "upload", len(data))
-        return self.then.feed(data) if self.then is not None else None
+        return None
 
     def finish(self) -> Decision | None:
         if self.refused:

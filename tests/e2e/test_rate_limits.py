@@ -240,6 +240,26 @@ def test_upload_budget_cuts_off_a_streamed_body_before_its_end(start_gateway, up
         sink.close()
 
 
+def test_upload_budget_refuses_an_http2_body_of_unknown_length(start_gateway, upstreams):
+    rules = RULES.replace("- id: tls\n  hosts: [allowed.test]\n",
+                          "- id: tls\n  hosts: [allowed.test]\n  limits:\n    upload_bytes_per_hour: 1000\n")
+    gateway = start_gateway(rules, extra=_sandboxes(upstreams))
+    conn = tls_tunnel(gateway, "allowed.test:443", alpn=["h2"])
+    client = H2Client(conn)
+    small = client.send("allowed.test", "/small", "POST", body=b"s" * 600)
+    client.wait(small)
+    big = client.send("allowed.test", "/big", "POST", body=b"b" * 600)  # no content-length: counted as it comes
+    client.wait(big)
+    assert client.responses[small]["status"] == 200
+    assert client.responses[big]["status"] == 429
+    assert client.header(big, "x-egress-reason") == "upload_quota_exceeded"
+    assert client.header(big, "retry-after") is not None
+    received = upstreams.tls["allowed.test"].requests
+    assert [r.body for r in received if r.path == "/small"] == [b"s" * 600]
+    assert all(b"b" * 600 not in r.body for r in received)  # the head may have gone upstream; the body never
+    conn.close()
+
+
 def test_download_budget_lets_a_response_finish_and_refuses_the_next_request(start_gateway, upstreams):
     extra = _sandboxes(upstreams, a_limits="    limits:\n      download_bytes_per_hour: 1000\n")
     gateway = start_gateway(RULES, extra=extra)
