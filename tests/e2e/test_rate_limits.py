@@ -261,8 +261,11 @@ def test_upload_budget_refuses_an_http2_body_of_unknown_length(start_gateway, up
 
 
 def test_download_budget_lets_a_response_finish_and_refuses_the_next_request(start_gateway, upstreams):
+    from tests.support.gateway import free_port
+
     extra = _sandboxes(upstreams, a_limits="    limits:\n      download_bytes_per_hour: 1000\n")
-    gateway = start_gateway(RULES, extra=extra)
+    metrics_port = free_port("127.0.0.1")
+    gateway = start_gateway(RULES, extra=extra, args=["--metrics", f"127.0.0.1:{metrics_port}"])
     with connect_proxy(gateway) as conn:
         first = _get(conn, "http://allowed.test/bytes/800")
         assert first.status == 200 and len(first.body) == 800
@@ -274,6 +277,12 @@ def test_download_budget_lets_a_response_finish_and_refuses_the_next_request(sta
     assert len(upstreams.plain["allowed.test"].requests) == 2
     with _connect_from(gateway, f"{upstreams.block}.230") as other:  # b has no download budget
         assert _get(other, "http://allowed.test/bytes/2000").status == 200
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    assert 'egress_limited_bytes_total{direction="download",rule="plain",sandbox="a"} 1600.0' in text
+    assert 'reason="download_quota_exceeded",rule="plain",sandbox="a"} 1.0' in text
+    assert 'sandbox="b"' not in text.split("egress_limited_bytes_total", 1)[1].split("# HELP", 1)[0]  # b has no budget
 
 
 def test_download_budget_counts_streamed_responses(start_gateway, upstreams):
