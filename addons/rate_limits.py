@@ -389,9 +389,14 @@ class DownloadMeter:
             window.add(n, now)
         self.state.count_usage(charge.sandbox, charge.rule, "download", n)
 
+    @staticmethod
+    def _from_upstream(flow: http.HTTPFlow) -> bool:
+        """A response an upstream sent (not a refusal the gateway made after the head was allowed)."""
+        return flow.response is not None and flow.server_conn.timestamp_start is not None
+
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         charge = flow.metadata.get(CHARGE)
-        if charge is None or not charge.download or flow.response is None:
+        if charge is None or not charge.download or not self._from_upstream(flow):
             return
         if flow.response.stream:
             flow.response.stream = _counting(flow.response.stream, lambda n: self._count(charge, n))
@@ -399,7 +404,7 @@ class DownloadMeter:
 
     def response(self, flow: http.HTTPFlow) -> None:
         charge = flow.metadata.get(CHARGE)
-        if charge is None or not charge.download or flow.response is None or flow.metadata.get(CHARGE + "_streamed"):
+        if charge is None or not charge.download or not self._from_upstream(flow) or flow.metadata.get(CHARGE + "_streamed"):
             return
         self._count(charge, len(flow.response.raw_content or b""))
 
