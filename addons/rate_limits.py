@@ -36,6 +36,7 @@ from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow
 
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
+from .revocation import close_client
 from .state import ConnectionState, GatewayState
 
 CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
@@ -430,6 +431,7 @@ class DownloadMeter:
                 self.state.record(event="request_body", **(flow_fields(flow, conn, charge.sandbox)
                                                            | decision_fields(refusal, flow.metadata.get("egress_pin"))))
                 flow.kill()
+                close_client(flow.client_conn.id)  # killing the flow alone leaves a WebSocket's sockets open
                 return
         for _key, window in charge.upload:
             window.add(size, now)

@@ -372,3 +372,32 @@ def test_a_reload_keeps_the_counters_of_the_limits_it_keeps(start_gateway, upstr
     reload(rules)
     with connect_proxy(gateway) as conn:
         assert [_get(conn, f"http://allowed.test/new{i}").status for i in range(2)] == [200, 200]
+
+
+def test_websocket_messages_count_against_the_upload_budget(start_gateway, upstreams):
+    import pytest
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.e2e.helpers import extra_static_hosts
+    from tests.support.watched import WebSocketOrigin
+
+    origin = WebSocketOrigin(f"{upstreams.block}.232", 80)
+    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n  limits:\n    upload_bytes_per_hour: 100\n"
+    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.232"}) + _sandboxes(upstreams).replace(
+        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
+    gateway = start_gateway(rules, extra=extra)
+    try:
+        with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,
+                        close_timeout=1) as ws:
+            ws.send("a" * 60)
+            assert ws.recv(timeout=3) == "echo: " + "a" * 60  # the echo counts against nothing: no download budget
+            ws.send("b" * 60)  # 120 of 100: dropped, the WebSocket closed
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=3)
+        assert origin.wait_closed(1)
+        assert origin.received == ["a" * 60]
+        lines = _lines(gateway, "upload_quota_exceeded")
+        assert len(lines) == 1 and lines[0]["event"] == "request_body" and lines[0]["rule"] == "ws"
+    finally:
+        origin.stop()
