@@ -118,7 +118,9 @@ class Limiter:
         self.quotas.keep(lambda key: limit_of(policy, key))
 
     def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):
-        """(key, window, reason) for every policy limit on this request, requests first."""
+        """(key, window, LIMIT_KEYS name) for every policy limit on this request: its sandbox's, then its
+        rule's (a credential limit once per injected secret). Windows are made on first use: their
+        keys come from the policy, so they are bounded by it, not by traffic."""
         sandbox = scope.sandbox
         rule = policy.rules_by_id.get(rule_id or "")
         sets = []
