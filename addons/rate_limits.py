@@ -185,6 +185,8 @@ class ConnectionRate:
     def client_connected(self, client):
         if client.error:
             return  # refused already (too_many_connections)
+        if client.transport_protocol == "udp":
+            return  # DNS mode: every query may come from a new source port; not a connection to count
         try:
             conn = self.state.connection(client.id, client.peername)
             key = self.limiter.key(conn)
