@@ -41,10 +41,11 @@ from .state import ConnectionState, GatewayState
 
 CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
 
-# Defaults (README "Limits"): generous enough for a package install (pip or npm opening dozens of
-# connections and hundreds of small requests a second through one sandbox), tight enough that one
-# sandbox cannot take the worker: one worker serves ~700-800 requests and ~150 new TLS tunnels a
-# second (docs/performance.md), so a sandbox at its sustained rate leaves most of it to the others.
+# Defaults (README options table): a ceiling against floods, far above what a package install needs
+# (pip keeps ~10 pooled connections per host, npm up to 15 sockets; a few hundred small requests a
+# second at most), with bursts for a cold start. Not a fair share of a worker (the reference 2-core
+# machine serves ~330 keep-alive HTTPS requests and ~77 new TLS tunnels a second per worker,
+# docs/performance.md): deployments packing many sandboxes on few workers should lower them.
 DEFAULT_REQUESTS_PER_SECOND = 200.0
 DEFAULT_REQUEST_BURST = 400
 DEFAULT_CONNECTIONS_PER_SECOND = 50.0
@@ -135,7 +136,10 @@ class Limiter:
                 period = LIMIT_KEYS[name][0]
                 if name == "requests_per_credential_per_minute":
                     for secret in injected:
-                        key = ("credential", None, rid, secret, name) if kind == "rule" else (kind, sid, None, secret, name)
+                        if kind == "rule":
+                            key = ("credential", None, rid, secret, name)  # every sandbox together
+                        else:
+                            key = (kind, sid, None, secret, name)
                         out.append((key, self.quotas.window(key, limit, period), name))
                 else:
                     key = (kind, sid, rid, None, name)
@@ -242,6 +246,7 @@ class RequestLimits:
         limiter = self.limiter
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         key = limiter.key(conn, scope)
+        # The defence counts attempts: a token is spent even if a policy limit below refuses.
         if wait := limiter.requests.take(key):
             table = limiter.requests
             return Decision.deny("rate_limited", f"more than {table.rate:g} requests a second for {key} "
@@ -359,7 +364,8 @@ class UploadCheck:
             state = self.limits.state
             conn = state.connections.get(self.flow.client_conn.id)
             fields = flow_fields(self.flow, conn, self.charge.sandbox)
-            state.record(event="request_body", **(fields | decision_fields(refusal, self.flow.metadata.get("egress_pin"))))
+            pin = self.flow.metadata.get("egress_pin")
+            state.record(event="request_body", **(fields | decision_fields(refusal, pin)))
         except Exception:
             logging.getLogger("egress").exception("egress gateway: could not record a refusal")
 
@@ -409,7 +415,8 @@ class DownloadMeter:
 
     def response(self, flow: http.HTTPFlow) -> None:
         charge = flow.metadata.get(CHARGE)
-        if charge is None or not charge.download or not self._from_upstream(flow) or flow.metadata.get(CHARGE + "_streamed"):
+        if (charge is None or not charge.download or not self._from_upstream(flow)
+                or flow.metadata.get(CHARGE + "_streamed")):
             return
         self._count(charge, len(flow.response.raw_content or b""))
 
