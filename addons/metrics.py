@@ -236,6 +236,7 @@ class Observability:
         self._audit_seen: tuple[int, int, int] = (0, 0, 0)  # (id of the log, failures, suppressed) told to metrics
         self._audit_lock = threading.Lock()  # the heartbeat and the endpoint's thread both tell them
         state.install_listeners.append(self._on_install)  # every engine installed (start-up, reloads)
+        state.usage_listeners.append(self.metrics.limited)  # bytes counted against policy limits
 
     # --- options ---------------------------------------------------------------------------------
 

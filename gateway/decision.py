@@ -70,6 +70,16 @@ REASONS: dict[str, tuple[int, str]] = {
     "reset_flood": (503, "the HTTP/2 client reset streams faster than the limit; the connection was closed "
                          "(GOAWAY ENHANCE_YOUR_CALM: no status is sent)"),
     "buffer_budget": (503, "buffering this body would pass the per-connection (or per-sandbox) buffer budget"),
+    "connection_rate_limited": (503, "the sandbox opens new connections faster than the gateway allows; closed at "
+                                     "accept (audit and metrics only: no status is sent)"),
+    "rate_limited": (429, "the sandbox (or its rule) sends requests faster than the gateway or its policy limits "
+                          "allow; nothing was sent (Retry-After says when to try again)"),
+    "upload_quota_exceeded": (429, "the request body would pass the upload budget of the sandbox or rule (policy "
+                                   "limits); refused at its head or cut off before its end went upstream"),
+    "download_quota_exceeded": (429, "the download budget of the sandbox or rule (policy limits) is spent; nothing "
+                                     "was sent"),
+    "credential_rate_limited": (429, "the credential the rule injects was used more often than its policy limit "
+                                     "allows; nothing was sent"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),
@@ -88,6 +98,7 @@ class Decision:
     rule: str | None = None
     notes: list[str] = field(default_factory=list)
     would_deny: bool = False  # report mode: allowed, but the allowlist would have refused it
+    retry_after: float | None = None  # a rate or budget refusal: seconds until it would pass (Retry-After)
 
     @property
     def verdict(self) -> str:
@@ -103,10 +114,11 @@ class Decision:
         return cls(True, "allowed", message, rule)
 
     @classmethod
-    def deny(cls, reason: str, message: str, rule: str | None = None, notes: list[str] | None = None) -> "Decision":
+    def deny(cls, reason: str, message: str, rule: str | None = None, notes: list[str] | None = None,
+             retry_after: float | None = None) -> "Decision":
         if reason not in REASONS:
             raise KeyError(f"unknown reason code {reason!r}")
-        return cls(False, reason, message, rule, notes or [])
+        return cls(False, reason, message, rule, notes or [], retry_after=retry_after)
 
     def body(self) -> str:
         """The short text body of a refusal: what happened, which reason and rule."""

@@ -35,6 +35,7 @@ MODES = frozenset({"regular", "transparent", "dns"})
 CHECK_KINDS = frozenset({"destination", "request", "tcp", "dns"})
 RELOAD_RESULTS = frozenset({"ok", "error"})
 DIRECTIONS = frozenset({"sent", "received"})
+USAGE_DIRECTIONS = frozenset({"upload", "download"})
 
 REQUEST_EVENTS = frozenset({"request"})
 FAILURE_EVENTS = frozenset({"response", "error", "request_body"})  # refusals after the policy allowed the request
@@ -131,6 +132,11 @@ class GatewayMetrics:
         self.revoked = Counter(
             "egress_revoked_connections", "Open connections closed because a policy change no longer allows them, "
             "by kind (tunnel, http, passthrough, tcp, websocket, request).", ["kind"], registry=r,
+        )
+        self.limited_bytes = Counter(
+            "egress_limited_bytes", "Body bytes counted against the policy's limits: budgets (upload_bytes_per_hour, "
+            "download_bytes_per_hour), by sandbox, rule and direction (upload|download).",
+            ["sandbox", "rule", "direction"], registry=r,
         )
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,
@@ -273,6 +279,10 @@ class GatewayMetrics:
     def relayed(self, direction: str, rule: Any, count: int) -> None:
         if count > 0 and direction in DIRECTIONS:
             self.bytes.labels(direction, self.rule_label(rule)).inc(count)
+
+    def limited(self, sandbox: Any, rule: Any, direction: str, count: int) -> None:
+        if count > 0 and direction in USAGE_DIRECTIONS:
+            self.limited_bytes.labels(self.sandbox_label(sandbox), self.rule_label(rule), direction).inc(count)
 
     def metric_names(self) -> Iterable[str]:
         """Every sample name this registry exposes (in the text format), labelled or not yet."""
