@@ -19,10 +19,12 @@ from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
 from addons.credentials import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
+from addons.h2_limits import Http2Limits  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.limits import ConnectionLimiter  # noqa: E402
 from addons.metrics import Observability  # noqa: E402
 from addons.output_guard import OutputGuard  # noqa: E402
+from addons.rate_limits import ConnectionRate, DownloadMeter, Limiter, RequestLimits  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
 from addons.revocation import Revoker  # noqa: E402
@@ -37,20 +39,25 @@ def make_addons(state: GatewayState | None = None) -> list:
     state = state or GatewayState()
     core = EgressCore(state)
     redactor = ResponseRedactor(state)
+    limiter = Limiter(state)
     return [
         core,
         OutputGuard(redactor.redactor),  # early: mitmproxy's flow writers are off before any flow exists
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
         BufferBudget(state),
+        ConnectionRate(limiter),  # after the concurrent-connection limit: a refused connection takes no token
         LayerGuard(state),
+        Http2Limits(),  # the HTTP/2 budgets' options; upstream h2 connections drain their queue in a loop
         ConnectGuard(state),
         TlsGuard(state),
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
         ReleaseTlsBuffers(),  # idle TLS connections give their buffers back
         RequestGuard(state),
         redactor,
+        RequestLimits(limiter),  # decides in RequestGuard (one audit line); then guards the body before BodyStreaming
         BodyStreaming(),  # after the guard and the redactor: streams what they allowed and did not plan
+        DownloadMeter(limiter),  # after BodyStreaming and the redactor chose how the response travels
         UpstreamGuard(state),
         Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
         DnsGuard(state),

@@ -7,6 +7,11 @@ follow, after TLS only HTTP (HTTP/2 when ALPN said h2), and on the proxy port on
 In transparent mode, other bytes are relayed only when a `protocol: tcp` rule allows the original
 destination. Anything else gets a 400 (or a close) at once, without waiting for a request head
 that will never come, and without an upstream connection.
+
+Bytes that cannot be judged yet (a partial first line, record header or HTTP/2 preface) are held
+by a HoldLayer with a deadline (egress_head_timeout), and a TLS ClientHello is read whole, within
+egress_max_client_hello_bytes and egress_client_hello_timeout, before mitmproxy's TLS layer or the
+TLS guard (and so any rule lookup) sees it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import time
+from collections.abc import Callable
 
 from mitmproxy import ctx
 from mitmproxy.net.tls import starts_like_tls_record
@@ -23,7 +28,9 @@ import ipaddress
 
 from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
-from mitmproxy.proxy.layers.tls import parse_client_hello
+from mitmproxy.tls import ClientHello
+
+from gateway.clienthello import COMPLETE, DEFAULT_MAX_CLIENT_HELLO_BYTES, NEED_MORE, TOO_LARGE, ClientHelloReader
 
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
@@ -33,7 +40,8 @@ from gateway.revocation import Established
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import DEFAULT_BODY_IDLE_TIMEOUT, BodyLimits, GatewayHttpLayer, RefusalLayer, TargetFormHttpLayer
+from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, HoldLayer,
+                     RefusalLayer, TargetFormHttpLayer)
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -109,9 +117,24 @@ def _refuse_on_error(self, nextlayer: layer.NextLayer, error: Exception) -> None
     )
 
 
+DEFAULT_CLIENT_HELLO_TIMEOUT = 10
+
+
 class LayerGuard:
     def __init__(self, state: GatewayState):
         self.state = state
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_max_client_hello_bytes", int, DEFAULT_MAX_CLIENT_HELLO_BYTES,
+            "Largest TLS ClientHello accepted, in bytes (its declared handshake length; the connection is "
+            "closed above, as client_hello_too_large, before any of it is buffered).",
+        )
+        loader.add_option(
+            "egress_client_hello_timeout", int, DEFAULT_CLIENT_HELLO_TIMEOUT,
+            "Seconds a client may take to send its whole TLS ClientHello, from its first byte (closed "
+            "after, as client_hello_timeout; 0: no limit).",
+        )
 
     @fail_closed(_refuse_on_error)
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
@@ -122,6 +145,10 @@ class LayerGuard:
             if nextlayer.layer in context.layers:
                 del context.layers[context.layers.index(nextlayer.layer) :]
             nextlayer.layer = None
+        self._decide(nextlayer)
+
+    def _decide(self, nextlayer: layer.NextLayer | HoldLayer) -> None:
+        context = nextlayer.context
         stack = context.layers
         data = nextlayer.data_client()
         if context.client.transport_protocol != "tcp":
@@ -158,11 +185,7 @@ class LayerGuard:
         if kind == WAIT:
             self._wait(nextlayer)
         elif kind == TLS:
-            if self._relayed_unread(nextlayer, data):
-                return
-            server_tls = ServerTLSLayer(nextlayer.context)
-            server_tls.child_layer = ClientTLSLayer(nextlayer.context)
-            nextlayer.layer = server_tls
+            self._hold_client_hello(nextlayer, data, self._tunnel_tls)
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused in tunnels")
         elif kind == HTTP:
@@ -170,21 +193,25 @@ class LayerGuard:
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
 
-    def _relayed_unread(self, nextlayer: layer.NextLayer, data: bytes) -> bool:
-        """A tunnel a passthrough rule allowed: once the whole ClientHello is here and passes every
+    def _tunnel_tls(self, hold: HoldLayer, hello: ClientHello) -> None:
+        if self._relayed_unread(hold, hello):
+            return
+        self._tls_layers(hold)
+
+    @staticmethod
+    def _tls_layers(hold: HoldLayer) -> None:
+        server_tls = ServerTLSLayer(hold.context)
+        server_tls.child_layer = ClientTLSLayer(hold.context)
+        hold.layer = server_tls
+
+    def _relayed_unread(self, nextlayer: HoldLayer, hello: ClientHello) -> bool:
+        """A tunnel a passthrough rule allowed: the whole ClientHello is here; if it passes every
         check, relay the connection as plain TCP (no TLS layers: as fast as mitmproxy's own
-        ignore_hosts). True when decided here, waiting included; False leaves the hello to the TLS
-        layers, where the TLS guard refuses it (or, unparseable, the TLS layer does)."""
+        ignore_hosts). True when decided here; False leaves the hello to the TLS layers, where the
+        TLS guard refuses it."""
         conn = self.state.connections.get(nextlayer.context.client.id)
         if conn is None or conn.passthrough_rule is None or conn.tunnel is None or conn.poisoned is not None:
             return False
-        try:
-            hello = parse_client_hello(data)
-        except ValueError:
-            return False
-        if hello is None:
-            self._wait(nextlayer)
-            return True
         extensions = list(hello.extensions)
         if passthrough.decide(conn.tunnel, hello.sni, extensions) is not None:
             return False
@@ -202,9 +229,8 @@ class LayerGuard:
         if kind == WAIT:
             self._wait(nextlayer)
         elif kind == TLS:
-            server_tls = ServerTLSLayer(context)
-            server_tls.child_layer = ClientTLSLayer(context)
-            nextlayer.layer = server_tls
+            # The whole ClientHello, within its budget, before the TLS guard looks up any rule.
+            self._hold_client_hello(nextlayer, data, lambda hold, hello: self._tls_layers(hold))
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
         elif kind == HTTP:
@@ -268,24 +294,27 @@ class LayerGuard:
                 BodyLimits(self.state.buffer_account, idle))
 
     def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
-                    status_sent: bool = True) -> Decision:
+                    status_sent: bool = True, **fields) -> Decision:
         """A request mitmproxy's HTTP server refused or failed itself (parse errors, upstream
         failures): one audit line, in the same shape as the guards' lines. Returns the decision to
         send, its message redacted: a page the gateway writes never carries a secret, whatever
-        text it was built from."""
+        text it was built from. `fields` add to (or replace) the line's keys, e.g. the HTTP/2
+        server's `event` and `repeated` count; `status_sent=False`: no HTTP status went out."""
         conn = self.state.connections.get(context.client.id)
         pin = conn.tunnel if conn else None
         upstream = decision.reason in ("upstream_failed", "response_too_large", "response_body_timeout")
         method = method or getattr(request, "method", None)
-        self.state.record(
+        line = dict(
             event="error" if upstream else "connect" if method == "CONNECT" else "request",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            **verdict_fields(decision, status_sent=status_sent),
+            **verdict_fields(decision, status_sent),
             host=pin.host.value if pin else None, port=pin.port if pin else None,
             address=pin.address.compressed if pin else None, sni=context.client.sni,
             method=method, path=getattr(request, "path", None),
             host_header=request.headers.get("host") if request is not None else None,
         )
+        line.update(fields)
+        self.state.record(**line)
         redactor = self.state.redactor()
         if redactor is not None:
             message, hits = redactor.redact_text(decision.message)
@@ -293,15 +322,72 @@ class LayerGuard:
                 return dataclasses.replace(decision, message=message)
         return decision
 
-    def _wait(self, nextlayer: layer.NextLayer) -> None:
-        """No decision yet: mitmproxy asks again when more bytes arrive. A client that trickles
-        its first line for longer than egress_head_timeout is refused (slowloris)."""
-        now = time.monotonic()
-        started = getattr(nextlayer, "_egress_waiting_since", None)
-        if started is None:
-            nextlayer._egress_waiting_since = now
-        elif ctx.options.egress_head_timeout and now - started > ctx.options.egress_head_timeout:
-            self._refuse(nextlayer, "request_head_timeout", "the first line took too long to arrive")
+    def _wait(self, nextlayer: layer.NextLayer | HoldLayer) -> None:
+        """No decision yet: the first bytes are held (at most MAX_FIRST_LINE: `classify` decides
+        past that) and judged again as more arrive. A client that takes longer than
+        egress_head_timeout to send its first line is refused (slowloris), by a timer: also when
+        it has gone silent."""
+        if isinstance(nextlayer, HoldLayer):
+            return
+        tls_like = nextlayer.data_client()[:1] == b"\x16"  # a TLS record header in pieces: the hello's clock
+        timeout = ctx.options.egress_client_hello_timeout if tls_like else ctx.options.egress_head_timeout
+        nextlayer.layer = HoldLayer(nextlayer.context, self._feed_first_bytes, self._first_bytes_expired,
+                                    float(timeout))
+
+    def _feed_first_bytes(self, hold: HoldLayer, chunk: bytes) -> None:
+        hold.held += chunk
+        self._decide(hold)
+
+    def _first_bytes_expired(self, hold: HoldLayer) -> None:
+        if hold.held[:1] == b"\x16":
+            self._refuse(hold, "client_hello_timeout", f"the TLS ClientHello took more than {hold.timeout:g}s "
+                         "to arrive", speak_http=False, farewell=TLS_ALERT_HANDSHAKE_FAILURE)
+        else:
+            self._refuse(hold, "request_head_timeout", f"the first line took more than {hold.timeout:g}s to arrive")
+
+    def _hold_client_hello(self, nextlayer: layer.NextLayer | HoldLayer, data: bytes,
+                           then: Callable[[HoldLayer, ClientHello], None]) -> None:
+        """TLS: nothing above this sees the ClientHello until it is whole, within
+        egress_max_client_hello_bytes and egress_client_hello_timeout (gateway/clienthello.py reads
+        it in linear time and refuses a declared length over the budget from its header, before
+        buffering it). Then mitmproxy's TLS layers get it at once, in as few records as TLS allows,
+        and parse it once; `then` picks those layers (or a passthrough relay)."""
+        reader = ClientHelloReader(ctx.options.egress_max_client_hello_bytes)
+        timeout = float(ctx.options.egress_client_hello_timeout)
+
+        def feed(hold: HoldLayer, chunk: bytes) -> None:
+            verdict = reader.feed(chunk)
+            if verdict == NEED_MORE:
+                return
+            if verdict == COMPLETE:
+                try:
+                    hello = ClientHello(reader.hello[4:])
+                    hello.sni, hello.alpn_protocols, list(hello.extensions)  # parsed lazily: fail here, if at all
+                except Exception:
+                    self._refuse(hold, "bad_client_hello", "the TLS ClientHello cannot be parsed", speak_http=False,
+                                 farewell=TLS_ALERT_HANDSHAKE_FAILURE)
+                    return
+                hold.replay = reader.canonical()
+                then(hold, hello)
+            elif verdict == TOO_LARGE:
+                self._refuse(hold, "client_hello_too_large", reader.error, speak_http=False,
+                             farewell=TLS_ALERT_HANDSHAKE_FAILURE)
+            else:
+                self._refuse(hold, "bad_client_hello", f"malformed TLS ClientHello: {reader.error}",
+                             speak_http=False, farewell=TLS_ALERT_HANDSHAKE_FAILURE)
+
+        def expire(hold: HoldLayer) -> None:
+            self._refuse(hold, "client_hello_timeout", f"the TLS ClientHello took more than {timeout:g}s "
+                         "to arrive", speak_http=False, farewell=TLS_ALERT_HANDSHAKE_FAILURE)
+
+        if isinstance(nextlayer, HoldLayer):  # held as a first line so far (a TLS record header in pieces)
+            hold = nextlayer
+            hold.feed, hold.expire = feed, expire
+            hold.held = bytearray()
+            hold.deadline(timeout)
+            feed(hold, data)
+        else:  # mitmproxy's NextLayer replays what it holds (data included) into the new layer
+            nextlayer.layer = HoldLayer(nextlayer.context, feed, expire, timeout)
 
     def running(self):
         # The decisions here are the only ones: mitmproxy's own next_layer would decide on too few
@@ -310,7 +396,10 @@ class LayerGuard:
         if builtin is not None and builtin is not self:
             ctx.master.addons.remove(builtin)
 
-    def _refuse(self, nextlayer: layer.NextLayer, reason: str, message: str, speak_http: bool = True) -> None:
+    def _refuse(self, nextlayer: layer.NextLayer | HoldLayer, reason: str, message: str, speak_http: bool = True,
+                farewell: bytes = b"") -> None:
+        """`farewell`: raw bytes (a TLS alert) sent instead of an HTTP answer; no HTTP status is then
+        recorded as sent."""
         decision = Decision.deny(reason, message)
         context = nextlayer.context
         conn = self.state.connections.get(context.client.id)
@@ -318,9 +407,9 @@ class LayerGuard:
         self.state.record(
             event="connection",
             **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            **verdict_fields(decision),
+            **verdict_fields(decision, status_sent=not farewell),
             host=pin.host.value if pin else None,
             port=pin.port if pin else None,
             sni=context.client.sni,
         )
-        nextlayer.layer = RefusalLayer(context, decision, speak_http)
+        nextlayer.layer = RefusalLayer(context, decision, speak_http, farewell)

@@ -9,8 +9,10 @@ audit log's operational options, SIGHUP dispatching, and graceful draining.
 - Decision entries and policy check timings reach gateway.metrics.GatewayMetrics through the shared
   state's listeners; this addon adds what only mitmproxy sees: open connections, relayed bytes and
   the upstream's time to first byte.
-- `egress_audit_chain`, `egress_audit_max_bytes`, `egress_audit_backups` configure the audit log
-  that EgressCore opens (this addon runs after it).
+- `egress_audit_chain`, `egress_audit_max_bytes`, `egress_audit_backups` and the refusal line
+  budgets (`egress_audit_max_refusals_per_second_per_sandbox`, `..._per_key`) configure the audit log
+  that EgressCore opens (this addon runs after it); the heartbeat writes its due refusal summaries
+  and retries it while it is unwritable (`/readyz` says so, `egress_audit_writable` too).
 - `state.signals` (a SignalHub) lets several parts of the gateway subscribe to one signal: SIGHUP
   reopens the audit log here; a policy reload may subscribe too.
 - `drain()` stops accepting, waits for in-flight requests; the runner calls it on SIGTERM.
@@ -36,7 +38,8 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.utils import human
 from prometheus_client import make_wsgi_app
 
-from gateway.audit import PipeAuditLog
+from gateway.audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, PipeAuditLog
+from gateway.auditrate import DEFAULT_PER_KEY, DEFAULT_PER_SOURCE
 from gateway.metrics import GatewayMetrics
 from gateway.workers import notify_ready, worker_index
 
@@ -47,6 +50,10 @@ logger = logging.getLogger("egress")
 HEARTBEAT_SECONDS = 1.0
 STALLED_SECONDS = 10.0  # /healthz fails when the event loop has not ticked for this long
 DRAIN_GRACE_SECONDS = 0.2  # after the last response hook, for the bytes to reach the client socket
+AUDIT_OPTIONS = frozenset({
+    "egress_audit_log", "egress_audit_chain", "egress_audit_max_bytes", "egress_audit_backups",
+    "egress_audit_max_refusals_per_second_per_sandbox", "egress_audit_max_refusals_per_second_per_key",
+})
 COUNTED = "egress_bytes_counted"  # flow.metadata: this message's body is counted by a stream wrapper
 
 
@@ -226,7 +233,10 @@ class Observability:
         self._in_flight: dict[str, str] = {}  # flow id -> client id: requests not answered yet
         self._tcp_rules: dict[str, str | None] = {}  # client "ip:port" -> rule of its raw TCP connection
         self._policy = None  # the policy last installed
+        self._audit_seen: tuple[int, int, int] = (0, 0, 0)  # (id of the log, failures, suppressed) told to metrics
+        self._audit_lock = threading.Lock()  # the heartbeat and the endpoint's thread both tell them
         state.install_listeners.append(self._on_install)  # every engine installed (start-up, reloads)
+        state.usage_listeners.append(self.metrics.limited)  # bytes counted against policy limits
 
     # --- options ---------------------------------------------------------------------------------
 
@@ -241,11 +251,23 @@ class Observability:
             "Hash-chain the audit log: every line carries 'prev', the SHA-256 of the previous line.",
         )
         loader.add_option(
-            "egress_audit_max_bytes", int, 0,
-            "Rotate the audit log file before it would exceed this many bytes (0: never).",
+            "egress_audit_max_bytes", int, DEFAULT_MAX_BYTES,
+            "Rotate the audit log file before it would exceed this many bytes (0: never; the default is "
+            "ignored for stdout, which cannot rotate).",
         )
         loader.add_option(
-            "egress_audit_backups", int, 5, "Rotated audit log files to keep (PATH.1 ... PATH.N).",
+            "egress_audit_backups", int, DEFAULT_BACKUPS, "Rotated audit log files to keep (PATH.1 ... PATH.N).",
+        )
+        loader.add_option(
+            "egress_audit_max_refusals_per_second_per_sandbox", int, DEFAULT_PER_SOURCE,
+            "Refusal lines written one by one per second per sandbox (or client address without one); the "
+            "refusals over it are counted in one 'suppressed' summary line per kind (0: every refusal its "
+            "line). Allowed requests always get their own line.",
+        )
+        loader.add_option(
+            "egress_audit_max_refusals_per_second_per_key", int, DEFAULT_PER_KEY,
+            "Of those, refusal lines written one by one per second for one (event, reason, rule, host); 0: no "
+            "budget of its own per kind.",
         )
         loader.add_option(
             "egress_drain_timeout", float, 10.0,
@@ -253,7 +275,7 @@ class Observability:
         )
 
     def configure(self, updated: set[str]):
-        if updated & {"egress_audit_log", "egress_audit_chain", "egress_audit_max_bytes", "egress_audit_backups"}:
+        if updated & AUDIT_OPTIONS:
             self._configure_audit()
         if "egress_metrics" in updated or "egress_drain_timeout" in updated:
             if ctx.options.egress_drain_timeout < 0:
@@ -270,11 +292,17 @@ class Observability:
             raise exceptions.OptionsError("egress_audit_max_bytes must be >= 0")
         if backups < 1:
             raise exceptions.OptionsError("egress_audit_backups must be >= 1")
+        per_sandbox = ctx.options.egress_audit_max_refusals_per_second_per_sandbox
+        per_key = ctx.options.egress_audit_max_refusals_per_second_per_key
+        if per_sandbox < 0 or per_key < 0:
+            raise exceptions.OptionsError("egress_audit_max_refusals_per_second_per_sandbox and _per_key must be >= 0")
         audit = self.state.audit
+        if audit.target == "-" and max_bytes == ctx.options.default("egress_audit_max_bytes"):
+            max_bytes = 0  # rotation is on by default for files; stdout cannot rotate
         if max_bytes and audit.target == "-":
             raise exceptions.OptionsError("audit log rotation (egress_audit_max_bytes) needs a file, not stdout")
         audit.configure(chain=ctx.options.egress_audit_chain, max_bytes=max_bytes, backups=backups,
-                        scrub=self.scrubber)
+                        scrub=self.scrubber, refusals_per_second=per_sandbox, refusals_per_key=per_key or per_sandbox)
 
     def _sync_metrics(self, strict: bool) -> None:
         """Bring the endpoint in line with egress_metrics (bind, or rebind on a change)."""
@@ -294,7 +322,7 @@ class Observability:
             self.state.extra_listeners[:] = []
         if listen is not None:
             try:
-                server = HealthServer(*listen, make_wsgi_app(self.metrics.exposition_registry), self.health, self.readiness)
+                server = HealthServer(*listen, self._metrics_app(), self.health, self.readiness)
             except OSError as exc:
                 if strict:
                     # Like a proxy port in use: logged as an error, which stops a gateway that is
@@ -315,6 +343,15 @@ class Observability:
             if self._running:
                 logger.info("egress gateway: metrics at %s/metrics", server.url)
         self._spec = spec
+
+    def _metrics_app(self):
+        """The Prometheus app, with the audit log's state brought up to date at every scrape."""
+        app = make_wsgi_app(self.metrics.exposition_registry)
+
+        def serve(environ, start_response):
+            self._audit_metrics()
+            return app(environ, start_response)
+        return serve
 
     def _needs_reinstall(self, engine) -> bool:
         missing = not set(self._guard_listeners) <= set(engine.guard.listeners)
@@ -379,6 +416,28 @@ class Observability:
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             self._tick()
+            self._audit_tick()
+
+    def _audit_tick(self) -> None:
+        """Due refusal summaries written, a failing log retried; the metrics told."""
+        try:
+            self.state.audit.maintain()
+        except Exception:  # noqa: BLE001  (never stop the heartbeat)
+            logger.exception("egress gateway: audit log maintenance failed")
+        self._audit_metrics()
+
+    def _audit_metrics(self) -> None:
+        """Tell the metrics what changed in the audit log (heartbeat, and every scrape)."""
+        if not self._subscribed:
+            return
+        with self._audit_lock:
+            audit = self.state.audit
+            seen_id, failures, suppressed = self._audit_seen
+            if seen_id != id(audit):
+                failures = suppressed = 0
+            now_failures, now_suppressed = audit.write_failures, audit.suppressed
+            self.metrics.audit_state(audit.writable, now_failures - failures, now_suppressed - suppressed)
+            self._audit_seen = (id(audit), now_failures, now_suppressed)
 
     def _tick(self) -> None:
         self._heartbeat = time.monotonic()
@@ -417,6 +476,17 @@ class Observability:
         checks.append(("ca", ca_ok, ca if ca_ok else f"missing {ca}" if ca else "not known yet"))
         alive, why = self.health()
         checks.append(("event_loop", alive, why.strip()))
+        audit = self.state.audit
+        if audit.target is not None:
+            if audit.writable:
+                checks.append(("audit_log", True, "writable"))
+            else:
+                code = getattr(audit, "supervisor_errno", 0)
+                why = f"{os.strerror(code)}, says the supervisor" if code else "the last write failed"
+                since = audit.failing_since
+                checks.append(("audit_log", False, f"not writable ({why}"
+                               + (f", since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(since))}" if since else "")
+                               + "): every decision is refused (500 internal_error)"))
         ok = all(passed for _, passed, _ in checks)
         lines = [f"{name}: {'ok' if passed else 'FAIL'} ({detail})" for name, passed, detail in checks]
         return ok, ("ready\n" if ok else "not ready\n") + "\n".join(lines) + "\n"

@@ -100,6 +100,11 @@ class RequestGuard:
         if decision.allowed and pin is not None:
             _drop_hop_by_hop(flow.request)  # before injecting: nothing the gateway sets can be nominated
             decision, injected = self.credentials.apply(flow, decision, scope, pin, engine)
+        if decision.allowed and pin is not None:
+            for limiter in self.state.request_limiters:  # rates and budgets (addons/rate_limits.py)
+                if (limited := limiter(flow, decision, scope, engine, injected)) is not None:
+                    decision, injected = limited, []  # refused: nothing injected goes anywhere
+                    break
         fields = sent | decision_fields(decision, pin, *destination)
         if injected:
             fields["injected"] = injected

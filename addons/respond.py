@@ -5,12 +5,15 @@ from __future__ import annotations
 from mitmproxy import http
 
 from gateway.decision import REASON_HEADER, RULE_HEADER, Decision
+from gateway.ratelimit import retry_after_header
 
 
 def refusal_headers(decision: Decision) -> dict[str, str]:
     headers = {"Content-Type": "text/plain; charset=utf-8", REASON_HEADER: decision.reason, "Cache-Control": "no-store"}
     if decision.rule:
         headers[RULE_HEADER] = decision.rule
+    if decision.retry_after is not None:
+        headers["Retry-After"] = retry_after_header(decision.retry_after)
     return headers
 
 
@@ -31,7 +34,7 @@ def raw_http_refusal(decision: Decision) -> bytes:
     body = decision.body().encode("utf-8")
     reason_phrase = {
         400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 413: "Content Too Large",
-        421: "Misdirected Request",
+        421: "Misdirected Request", 429: "Too Many Requests", 503: "Service Unavailable",
         431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
     }.get(decision.status, "Error")
     head = [f"HTTP/1.1 {decision.status} {reason_phrase}"]

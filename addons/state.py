@@ -65,6 +65,12 @@ class GatewayState:
         # Told (client id, connection) when a connection became long-lived under an engine that is no
         # longer the current one (decided while a reload happened): it must be judged again now.
         self.stale_listeners: list[Callable[[str, ConnectionState], None]] = []
+        # Called by RequestGuard for every allowed request before its audit line, with (flow, decision,
+        # scope, engine, injected secret names): a refusal to answer instead, or None
+        # (addons/rate_limits.py).
+        self.request_limiters: list[Callable[..., Decision | None]] = []
+        # Told (sandbox, rule, "upload" | "download", bytes) for bytes counted against policy limits.
+        self.usage_listeners: list[Callable[[str | None, str | None, str, int], None]] = []
         self._generation = 0
         # Sockets of the gateway's own besides the proxy listeners (the metrics port): every engine
         # installed refuses them as destinations.
@@ -130,6 +136,13 @@ class GatewayState:
                     listener(client_id, conn)
                 except Exception:
                     logging.getLogger("egress").exception("egress gateway: stale listener failed")
+
+    def count_usage(self, sandbox: str | None, rule: str | None, direction: str, count: int) -> None:
+        for listener in self.usage_listeners:
+            try:
+                listener(sandbox, rule, direction, count)
+            except Exception:  # a metrics bug must never change a decision
+                logging.getLogger("egress").exception("egress gateway: usage listener failed")
 
     def _timing(self, kind: str, seconds: float) -> None:
         for listener in self.timing_listeners:

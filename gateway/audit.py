@@ -7,6 +7,11 @@ length-capped and only ever serialised by json.dumps (no format strings, no log 
 Operations (all optional, see docs/audit-log.md):
 - `reopen()` closes and reopens the path, for external rotation (the gateway calls it on SIGHUP);
 - size-based rotation (`max_bytes`, keeping `backups` old files `PATH.1` ... `PATH.K`);
+- refusal aggregation (`refusals`, gateway.auditrate): past a per-sandbox budget of refusal lines
+  per second, repeated refusals are counted and written as one `suppressed` summary line;
+- writability (`writable`, `failing_since`): a failed write is remembered until a write succeeds
+  again; the first line after an outage is an `audit_log` line saying how many writes failed
+  (`recover()`, also tried by `maintain()` every second, so a quiet gateway notices it too);
 - hash chaining (`chain`): every line ends with `"prev"`, the SHA-256 (hex) of the previous line's
   exact bytes (without its newline); the first line of a fresh chain has 64 zeros. A file appended
   to continues from its own last line; a file started by rotation or reopen continues from the last
@@ -17,14 +22,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import mmap
 import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import IO, Any
+
+from .auditrate import RefusalAggregator, rfc3339
 
 FIELDS = (
     "time",
@@ -52,6 +62,14 @@ CHAIN_KEY = "prev"  # reserved: written last on every line when chaining
 GENESIS = "0" * 64  # "prev" of the first line of a chain
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _TAIL_BLOCK = 64 * 1024
+DEFAULT_MAX_BYTES = 100 * 1024 * 1024  # rotation is on by default for files: 100 MiB x 5 backups
+DEFAULT_BACKUPS = 5
+# `run --workers N`: the fd of the supervisor's one-byte state, mapped by each worker: 0 while the
+# audit file is writable, else the errno of the supervisor's failed write (workers then fail closed).
+STATE_FD_ENV = "EGRESS_AUDIT_STATE_FD"
+RECOVERED_EVENT = "audit_log"
+
+logger = logging.getLogger("egress")
 
 
 def _clip(value: Any) -> Any:
@@ -114,6 +132,12 @@ class AuditLog:
         self.lines_written = 0
         self.rotations = 0
         self._broken_line = False  # a write was cut short mid-line (e.g. disk full)
+        # Refusal aggregation (None: every refusal gets its line); see gateway.auditrate.
+        self.refusals: RefusalAggregator | None = None
+        self.write_failures = 0  # writes that failed (each failed a decision closed, or held a line)
+        self.failing_since: float | None = None  # wall time of the first failed write of an outage
+        self._outage_failures = 0
+        self.suppressed = 0  # refusals counted in a summary line instead of a line each
         with self._lock:
             self._open()
             self._configure(chain, max_bytes, backups)
@@ -155,11 +179,29 @@ class AuditLog:
             self._prev = GENESIS
 
     def configure(self, *, chain: bool | None = None, max_bytes: int | None = None, backups: int | None = None,
-                  scrub: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+                  scrub: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                  refusals_per_second: int | None = None, refusals_per_key: int | None = None) -> None:
+        """`refusals_per_second` (per sandbox or client address; 0: no aggregation) and
+        `refusals_per_key` (per event, reason, rule and host) bound the refusal lines written."""
         with self._lock:
             self._configure(chain, max_bytes, backups)
             if scrub is not None:
                 self.scrub = scrub
+        if refusals_per_second is not None or refusals_per_key is not None:
+            per_source = refusals_per_second if refusals_per_second is not None else \
+                (self.refusals.per_source if self.refusals else 0)
+            per_key = refusals_per_key if refusals_per_key is not None else \
+                (self.refusals.per_key if self.refusals else per_source)
+            if per_source < 0 or per_key < 0:
+                raise ValueError("refusal line budgets must be >= 0")
+            if per_source == 0:
+                if self.refusals is not None:
+                    self._write_summaries(self.refusals.drain(), quiet=True)
+                self.refusals = None
+            elif self.refusals is None:
+                self.refusals = RefusalAggregator(per_source, per_key or per_source)
+            else:
+                self.refusals.configure(per_source, per_key or per_source)
 
     def _configure(self, chain: bool | None, max_bytes: int | None, backups: int | None) -> None:
         if max_bytes is not None:
@@ -177,7 +219,10 @@ class AuditLog:
 
     def reopen(self) -> None:
         """For log rotation: reopen the same path (a moved file is left to its mover). If the path
-        cannot be opened, the old file stays in use (nothing is lost) and the error is raised."""
+        cannot be opened, the old file stays in use (nothing is lost) and the error is raised.
+        Pending refusal summaries go to the old file first."""
+        if self.refusals is not None:
+            self._write_summaries(self.refusals.drain(), quiet=True)
         with self._lock:
             old, old_binary, old_size = self._stream, self._binary, self._size
             self._stream = None
@@ -190,6 +235,9 @@ class AuditLog:
                 old.close()
 
     def close(self) -> None:
+        """Pending refusal summaries are written first (shutdown)."""
+        if self.refusals is not None and self._stream is not None:
+            self._write_summaries(self.refusals.drain(), quiet=True)
         with self._lock:
             self._close()
 
@@ -243,6 +291,14 @@ class AuditLog:
             return entry
         if self.chain:
             entry.pop(CHAIN_KEY, None)
+        if self.failing_since is not None:
+            self.recover()  # raises while the log is still unwritable: the decision fails closed
+        refusals = self.refusals
+        if refusals is not None:
+            self._write_summaries(refusals.due())
+            if not refusals.admit(entry):
+                self.suppressed += 1
+                return entry  # a refusal over its source's budget: counted in a summary line
         # ensure_ascii: sandbox text cannot carry raw U+2028/U+2029/U+0085, which some log
         # shippers treat as line breaks; it also makes every line pure ASCII (bytes == characters).
         line = json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
@@ -250,6 +306,70 @@ class AuditLog:
         if prev is not None:
             entry[CHAIN_KEY] = prev
         return entry
+
+    def _serialise(self, values: dict[str, Any]) -> str:
+        entry = {key: _clip(values.get(key)) for key in FIELDS}
+        for key, value in values.items():
+            if key not in entry and key != CHAIN_KEY:
+                entry[key] = _clip(value)
+        return json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
+
+    def _write_summaries(self, summaries: list[dict[str, Any]], quiet: bool = False) -> None:
+        """Write refusal summaries (chained like any line); on a failed write the rest are kept for
+        next time, and the error is raised (or logged, when `quiet`: shutdown, reopen)."""
+        for i, summary in enumerate(summaries):
+            try:
+                self._emit(self._serialise(summary))
+            except OSError as exc:
+                if self.refusals is not None:
+                    self.refusals.restore(summaries[i:])
+                if not quiet:
+                    raise
+                logger.error("egress gateway: audit log: %d refusal summary line(s) not written: %s",
+                             len(summaries) - i, exc.strerror)
+                return
+
+    def maintain(self) -> None:
+        """Called about once a second: write the summaries of refusal windows that ended, and try
+        the log again if it was failing (so that /readyz recovers without traffic)."""
+        if self.target is None:
+            return
+        try:
+            if self.failing_since is not None:
+                self.recover()
+            if self.refusals is not None:
+                self._write_summaries(self.refusals.due())
+        except OSError:
+            pass  # still failing: counted, and said by `writable`
+
+    @property
+    def writable(self) -> bool:
+        """False from a failed write until a write succeeds again."""
+        return self.failing_since is None
+
+    def recover(self, **extra: Any) -> None:
+        """After failed writes: write the `audit_log` line that ends the outage (raises if it
+        still cannot be written), and count the log as writable again."""
+        since = self.failing_since
+        if since is None:
+            return
+        failed = self._outage_failures
+        values = {
+            "time": now_rfc3339(), "event": RECOVERED_EVENT, "reason": "audit_writable",
+            "message": f"the audit log is writable again: {failed} write(s) failed since {rfc3339(since)} (retries "
+                       "included); every decision meanwhile was refused (500 internal_error), none went unrecorded",
+            "failed_writes": failed, "failing_since": rfc3339(since),
+        } | extra
+        self._emit(self._serialise(values))
+        self.failing_since = None
+        self._outage_failures = 0
+        logger.warning("egress gateway: audit log %s is writable again (%d write(s) failed)", self.target, failed)
+
+    def _failed(self) -> None:
+        self.write_failures += 1
+        self._outage_failures += 1
+        if self.failing_since is None:
+            self.failing_since = time.time()
 
     def append_line(self, line: str) -> None:
         """Write a line another process built with record() (`--workers`: the workers' lines reach
@@ -269,6 +389,13 @@ class AuditLog:
 
     def _emit(self, line: str) -> str | None:
         """Chain (if chaining), rotate (if due) and write one serialised line; returns its prev."""
+        try:
+            return self._emit_locked(line)
+        except OSError:
+            self._failed()
+            raise
+
+    def _emit_locked(self, line: str) -> str | None:
         prev = None
         with self._lock:
             if self._stream is None:
@@ -312,11 +439,46 @@ class AuditLog:
 class PipeAuditLog(AuditLog):
     """A worker's audit log (`--workers`): lines go down a pipe to the supervisor, which chains,
     rotates and writes them (AuditLog.append_line). A broken pipe (the supervisor is gone) raises,
-    so decisions fail closed. Target `fd:N`."""
+    so decisions fail closed. Target `fd:N`.
 
-    def __init__(self, target: str):
+    The supervisor cannot write a line it has not been sent yet, so it says whether its file is
+    writable in a shared byte (`STATE_FD_ENV`, mapped here): while it is not 0 (the errno of the
+    supervisor's failed write), every line raises before it is sent, and decisions fail closed
+    just as they do without workers. One byte read per line; no round trip."""
+
+    def __init__(self, target: str, state_fd: int | None = None):
         self.fd = int(target[3:])
+        self._state: mmap.mmap | None = None
+        if state_fd is None:
+            value = os.environ.get(STATE_FD_ENV, "")
+            state_fd = int(value) if value.isdigit() else None
+        if state_fd is not None:
+            self._state = mmap.mmap(state_fd, 1, mmap.MAP_SHARED, mmap.PROT_READ)
         super().__init__(target)
+
+    @property
+    def supervisor_errno(self) -> int:
+        """0 while the supervisor can write the audit file, else the errno of its failed write."""
+        return self._state[0] if self._state is not None else 0
+
+    @property
+    def writable(self) -> bool:
+        return self.supervisor_errno == 0 and self.failing_since is None
+
+    def _emit_locked(self, line: str) -> str | None:
+        code = self.supervisor_errno
+        if code:
+            raise OSError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
+        return super()._emit_locked(line)
+
+    def recover(self, **extra: Any) -> None:
+        """The supervisor writes the line that ends an outage: here the state only clears."""
+        if self.failing_since is not None:
+            code = self.supervisor_errno
+            if code:
+                raise OSError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
+            self.failing_since = None
+            self._outage_failures = 0
 
     def _open(self) -> None:
         if self._stream is None:

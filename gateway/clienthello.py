@@ -65,3 +65,107 @@ def check_passthrough_hello(sni: str | None, extensions: Iterable[tuple[int, byt
     if entries[0][1] != sni.encode("ascii", "replace"):
         return Decision.deny("bad_client_hello", "the TLS server_name extension does not say what was checked")
     return None
+
+
+# -- reading a ClientHello off the wire, within a budget -------------------------------------------
+
+NEED_MORE, COMPLETE, TOO_LARGE, MALFORMED = "need_more", "complete", "too_large", "malformed"
+HANDSHAKE = 0x16
+CLIENT_HELLO = 0x01
+MAX_RECORD = 2**14  # RFC 8446 5.1: a plaintext record holds at most 2^14 bytes
+# Real clients send their hello in one record (four at most for 64 KiB); tools that fragment it to
+# evade DPI use a handful. Each record costs a round of the reader's loop: thousands of 1-byte
+# records would cost the event loop more than the bytes they carry.
+MAX_RECORDS = 256
+DEFAULT_MAX_CLIENT_HELLO_BYTES = 64 * 1024
+
+
+class ClientHelloReader:
+    """The first TLS records of a connection, fed in the pieces they arrive in, until they hold a
+    whole ClientHello: sans I/O, linear in the bytes fed, memory bounded by the budget.
+
+    mitmproxy's own reader re-parses its whole buffer on every read and joins records by
+    concatenation (quadratic), and waits for as many bytes as the handshake header declares (up to
+    16 MiB). Here the declared length is checked against `max_bytes` as soon as the handshake
+    header is known (right after the first record header when it holds four bytes or more), and
+    a record is judged by its header: nothing over the budget is ever buffered. A hello in more than
+    MAX_RECORDS records is refused as too large too.
+
+    `verdict` is NEED_MORE until it settles on COMPLETE, TOO_LARGE or MALFORMED (`error` says why).
+    Once COMPLETE, `canonical()` gives the same handshake bytes in as few records as TLS allows
+    (byte for byte what was sent when it came in one record, as real clients send it), followed by
+    whatever came after: a hello fragmented into thousands of tiny records costs mitmproxy's parser
+    (and the upstream, for a relayed tunnel) no more than one in a single record."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_CLIENT_HELLO_BYTES):
+        self.max_bytes = max_bytes
+        self.verdict = NEED_MORE
+        self.error = ""
+        self.length: int | None = None  # the handshake message's size, its 4-byte header included
+        self.version = b""  # the first record's legacy version: kept for the canonical records
+        self.payload = bytearray()  # the handshake bytes of the complete records read so far
+        self.rest = bytearray()  # what came after the record that completed the ClientHello
+        self.records = 0  # complete records read
+        self._pending = bytearray()  # an incomplete record, header included
+
+    def feed(self, data: bytes) -> str:
+        if self.verdict == COMPLETE:
+            self.rest += data
+        if self.verdict != NEED_MORE:
+            return self.verdict
+        pending = self._pending
+        pending += data
+        at = 0
+        while self.verdict == NEED_MORE and len(pending) - at >= 5:
+            content_type, major, minor = pending[at], pending[at + 1], pending[at + 2]
+            size = int.from_bytes(pending[at + 3 : at + 5], "big")
+            if content_type != HANDSHAKE or major != 3 or minor > 3:
+                return self._settle(MALFORMED, "a record that is not a TLS handshake record came before the "
+                                               "ClientHello was complete")
+            if size == 0:
+                return self._settle(MALFORMED, "an empty TLS record")
+            if size > MAX_RECORD:
+                return self._settle(TOO_LARGE, f"a TLS record of {size} bytes (TLS allows {MAX_RECORD})")
+            if self.records >= MAX_RECORDS:
+                return self._settle(TOO_LARGE, f"the TLS ClientHello spans more than {MAX_RECORDS} records")
+            if not self.version:
+                self.version = bytes(pending[at + 1 : at + 3])
+            if self.length is None:  # the payload holds at most 3 bytes so far: this is cheap
+                header = bytes(self.payload) + bytes(pending[at + 5 : at + 5 + min(size, 4)])
+                if header and header[0] != CLIENT_HELLO:
+                    return self._settle(MALFORMED, "the first TLS handshake message is not a ClientHello")
+                if len(header) >= 4:
+                    self.length = int.from_bytes(header[1:4], "big") + 4
+                    if self.length > self.max_bytes:
+                        return self._settle(TOO_LARGE, f"the TLS ClientHello declares {self.length} bytes "
+                                                       f"(limit {self.max_bytes})")
+            if len(pending) - at - 5 < size:
+                break  # the record is still incomplete: its body is not copied until it is whole
+            self.payload += pending[at + 5 : at + 5 + size]
+            self.records += 1
+            at += 5 + size
+            if self.length is not None and len(self.payload) >= self.length:
+                self.verdict = COMPLETE
+                self.rest = pending[at:]
+                at = len(pending)
+        del pending[:at]
+        return self.verdict
+
+    def _settle(self, verdict: str, error: str) -> str:
+        self.verdict, self.error = verdict, error
+        self._pending = bytearray()
+        self.payload = bytearray()
+        return verdict
+
+    @property
+    def hello(self) -> bytes:
+        """The ClientHello handshake message (its 4-byte header included), once COMPLETE."""
+        return bytes(self.payload[: self.length]) if self.verdict == COMPLETE and self.length else b""
+
+    def canonical(self) -> bytes:
+        """The handshake bytes read, in records of at most 2^14 bytes, then what came after."""
+        out = bytearray()
+        for start in range(0, len(self.payload), MAX_RECORD):
+            chunk = self.payload[start : start + MAX_RECORD]
+            out += bytes([HANDSHAKE]) + self.version + len(chunk).to_bytes(2, "big") + chunk
+        return bytes(out + self.rest)

@@ -27,7 +27,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "sni_mismatch": (421, "the TLS SNI names another host than the pinned destination"),
     "sni_required": (421, "a passthrough (inspect: false) connection needs a TLS SNI naming its destination"),
     "ech_refused": (403, "Encrypted ClientHello hides the destination of a passthrough (inspect: false) connection"),
-    "bad_client_hello": (400, "the TLS ClientHello is ambiguous (repeated extensions or server names)"),
+    "bad_client_hello": (400, "the TLS ClientHello is malformed, or ambiguous (repeated extensions or server names)"),
+    "client_hello_too_large": (400, "the TLS ClientHello (or one of its records) is over egress_max_client_hello_bytes "
+                                    "(connection closed)"),
+    "client_hello_timeout": (408, "the TLS ClientHello did not arrive within egress_client_hello_timeout "
+                                  "(connection closed)"),
     "host_mismatch": (421, "the Host header names another host than the pinned destination"),
     "authority_mismatch": (421, "the request authority names another host than the pinned destination"),
     # 400: malformed or not inspectable
@@ -61,6 +65,21 @@ REASONS: dict[str, tuple[int, str]] = {
     "revoked": (403, "a policy reload no longer allows this open connection, which was closed (audit and metrics "
                      "only: no status is sent)"),
     "too_many_connections": (503, "the sandbox has too many connections open"),
+    "too_many_streams": (503, "an HTTP/2 stream over the concurrent-stream limit was refused (RST_STREAM "
+                              "REFUSED_STREAM: no status is sent)"),
+    "reset_flood": (503, "the HTTP/2 client reset streams faster than the limit; the connection was closed "
+                         "(GOAWAY ENHANCE_YOUR_CALM: no status is sent)"),
+    "buffer_budget": (503, "buffering this body would pass the per-connection (or per-sandbox) buffer budget"),
+    "connection_rate_limited": (503, "the sandbox opens new connections faster than the gateway allows; closed at "
+                                     "accept (audit and metrics only: no status is sent)"),
+    "rate_limited": (429, "the sandbox (or its rule) sends requests faster than the gateway or its policy limits "
+                          "allow; nothing was sent (Retry-After says when to try again)"),
+    "upload_quota_exceeded": (429, "the request body would pass the upload budget of the sandbox or rule (policy "
+                                   "limits); refused at its head or cut off before its end went upstream"),
+    "download_quota_exceeded": (429, "the download budget of the sandbox or rule (policy limits) is spent; nothing "
+                                     "was sent"),
+    "credential_rate_limited": (429, "the credential the rule injects was used more often than its policy limit "
+                                     "allows; nothing was sent"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),
@@ -82,6 +101,7 @@ class Decision:
     rule: str | None = None
     notes: list[str] = field(default_factory=list)
     would_deny: bool = False  # report mode: allowed, but the allowlist would have refused it
+    retry_after: float | None = None  # a rate or budget refusal: seconds until it would pass (Retry-After)
 
     @property
     def verdict(self) -> str:
@@ -97,10 +117,11 @@ class Decision:
         return cls(True, "allowed", message, rule)
 
     @classmethod
-    def deny(cls, reason: str, message: str, rule: str | None = None, notes: list[str] | None = None) -> "Decision":
+    def deny(cls, reason: str, message: str, rule: str | None = None, notes: list[str] | None = None,
+             retry_after: float | None = None) -> "Decision":
         if reason not in REASONS:
             raise KeyError(f"unknown reason code {reason!r}")
-        return cls(False, reason, message, rule, notes or [])
+        return cls(False, reason, message, rule, notes or [], retry_after=retry_after)
 
     def body(self) -> str:
         """The short text body of a refusal: what happened, which reason and rule."""

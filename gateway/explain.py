@@ -25,7 +25,7 @@ from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
 from .methods import overrides as overrides_in
 from .paths import PathError, normalise_path
 from .placeholders import ShapeTokens
-from .policy import DEFAULT_PORTS, Policy, Rule, Scope
+from .policy import DEFAULT_PORTS, LIMIT_KEYS, Policy, Rule, Scope
 from .resolver import ResolveError
 
 Resolve = Callable[[Host], Sequence[IPAddress]]  # raises ResolveError
@@ -89,6 +89,51 @@ class Credential:
     secrets: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class AppliedLimit:
+    """A policy limit that counts this request (explain has no live counters: the limit, not what is left)."""
+
+    owner: str  # "sandbox ID" | "rule ID"
+    key: str  # a LIMIT_KEYS name
+    value: int
+    counted: str  # what one counter covers
+    reason: str  # the refusal once it is used up
+
+    def describe(self) -> str:
+        unit = LIMIT_KEYS[self.key][1]
+        return f"{self.owner}: {self.key} {self.value} {unit} ({self.counted}; over it 429 {self.reason})"
+
+
+LIMIT_REASONS = {"requests_per_minute": "rate_limited", "upload_bytes_per_hour": "upload_quota_exceeded",
+                 "download_bytes_per_hour": "download_quota_exceeded",
+                 "requests_per_credential_per_minute": "credential_rate_limited"}
+
+
+def applied_limits(policy: Policy, scope: Scope, rule: Rule | None, injected: Sequence[str]) -> list[AppliedLimit]:
+    """The `limits:` that count a request the gateway lets through: its sandbox's and its rule's."""
+    out: list[AppliedLimit] = []
+    who = f"sandbox {scope.sandbox}" if scope.sandbox else "all clients (no sandboxes section)"
+    if scope.sandbox is not None:
+        for key, value in policy.sandbox_limits(scope.sandbox).items():
+            if key == "requests_per_credential_per_minute":
+                for secret in injected:
+                    out.append(AppliedLimit(f"sandbox {scope.sandbox}", key, value,
+                                            f"this sandbox's requests with secrets.{secret}", LIMIT_REASONS[key]))
+            else:
+                out.append(AppliedLimit(f"sandbox {scope.sandbox}", key, value, "every rule of this sandbox",
+                                        LIMIT_REASONS[key]))
+    if rule is not None:
+        for key, value in rule.limits.items():
+            if key == "requests_per_credential_per_minute":
+                for secret in injected:
+                    out.append(AppliedLimit(f"rule {rule.id}", key, value,
+                                            f"secrets.{secret} on this rule, every sandbox together",
+                                            LIMIT_REASONS[key]))
+            else:
+                out.append(AppliedLimit(f"rule {rule.id}", key, value, f"this rule, for {who}", LIMIT_REASONS[key]))
+    return out
+
+
 @dataclass
 class Explanation:
     target: Target
@@ -107,6 +152,7 @@ class Explanation:
     notes: list[str] = field(default_factory=list)
     headers: tuple[tuple[str, str], ...] = ()  # given with -H: the request's header fields
     overrides: tuple[str, ...] = ()  # the method overrides in the headers and the URL, described
+    limits: list[AppliedLimit] = field(default_factory=list)  # the policy limits that count it
 
     @property
     def verdict(self) -> str:
@@ -144,6 +190,8 @@ class Explanation:
             "resolve_error": self.resolve_error,
             "credentials": [{"target": c.target, "name": c.name, "secrets": list(c.secrets)} for c in self.credentials],
             "injected": self.injected,
+            "limits": [{"owner": x.owner, "key": x.key, "value": x.value, "counted": x.counted, "reason": x.reason}
+                       for x in self.limits],
             "notes": list(self.notes),
             "exit": self.exit_status,
         }
@@ -284,8 +332,17 @@ def explain(
     mode = policy.mode
     if rule is not None:
         mode = rule.mode or mode
+    limits: list[AppliedLimit] = []
+    if decision.allowed and target.scheme != "tcp":
+        injected = list(dict.fromkeys(name for c in credentials for name in c.secrets))
+        limits = applied_limits(policy, scope, rule if rule is not None and rule.id == decision.rule else None,
+                                injected)
+        if limits:
+            notes.append("limits: explain knows no live counters; the gateway refuses with 429 once a limit is "
+                         "used up (and applies its own per-sandbox request and connection rates, egress_* options)")
     return Explanation(target, method, scope, scope_text, policy_decision, decision, candidates, path,
-                       resolution, verdicts, resolve_error, credentials, mode, notes, tuple(headers), overrides)
+                       resolution, verdicts, resolve_error, credentials, mode, notes, tuple(headers), overrides,
+                       limits)
 
 
 def _resolve(policy: Policy, host: Host, given: Sequence[IPAddress] | None, resolve: Resolve | None):
@@ -404,6 +461,9 @@ def render_text(e: Explanation) -> str:
             lines.append(f"  {c.target} {c.name} <- {', '.join('secrets.' + s for s in c.secrets)}")
     else:
         lines.append("credentials injected: none")
+    if e.limits:
+        lines.append("limits that count this request:")
+        lines.extend(f"  {x.describe()}" for x in e.limits)
     for note in e.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines) + "\n"

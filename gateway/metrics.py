@@ -35,6 +35,7 @@ MODES = frozenset({"regular", "transparent", "dns"})
 CHECK_KINDS = frozenset({"destination", "request", "tcp", "dns"})
 RELOAD_RESULTS = frozenset({"ok", "error"})
 DIRECTIONS = frozenset({"sent", "received"})
+USAGE_DIRECTIONS = frozenset({"upload", "download"})
 
 REQUEST_EVENTS = frozenset({"request"})
 FAILURE_EVENTS = frozenset({"response", "error", "request_body"})  # refusals after the policy allowed the request
@@ -132,9 +133,28 @@ class GatewayMetrics:
             "egress_revoked_connections", "Open connections closed because a policy change no longer allows them, "
             "by kind (tunnel, http, passthrough, tcp, websocket, request).", ["kind"], registry=r,
         )
+        self.limited_bytes = Counter(
+            "egress_limited_bytes", "Body bytes counted against the policy's limits: budgets (upload_bytes_per_hour, "
+            "download_bytes_per_hour), by sandbox, rule and direction (upload|download).",
+            ["sandbox", "rule", "direction"], registry=r,
+        )
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,
         )
+        self.audit_write_failures = Counter(
+            "egress_audit_write_failures", "Audit lines that could not be written (disk full, read-only, the "
+            "supervisor's file unwritable): each failed its decision closed (500 internal_error).", registry=r,
+        )
+        self.audit_writable = Gauge(
+            "egress_audit_writable", "1 while the audit log can be written, 0 from a failed write until a write "
+            "succeeds again (with workers: 0 if any worker says so).", registry=r, multiprocess_mode="livemin",
+        )
+        self.audit_suppressed = Counter(
+            "egress_audit_suppressed_refusals", "Refusals over their sandbox's audit line budget: counted in a "
+            "'suppressed' summary line instead of a line each (every refusal still counts in the other metrics).",
+            registry=r,
+        )
+        self.audit_writable.set(1)
         self._lock = threading.Lock()
         self._rules: set[str] = set()
         self._sandboxes: set[str] = set()
@@ -208,12 +228,14 @@ class GatewayMetrics:
     def on_decision(self, entry: dict[str, Any]) -> None:
         """One recorded entry (audit keys plus private "_" keys); see docs/metrics.md."""
         event = entry.get("event")
+        repeated = entry.get("repeated")  # one line that stands for several refusals (HTTP/2 floods)
+        weight = repeated if isinstance(repeated, int) and not isinstance(repeated, bool) and repeated > 0 else 1
         if event in REQUEST_EVENTS:
             rule = self.rule_label(entry.get("rule"))
             self.requests.labels(
                 self.sandbox_label(entry.get("sandbox")), rule,
                 self.decision_label(entry.get("decision")), self.reason_label(entry.get("reason")),
-            ).inc()
+            ).inc(weight)
             injected = entry.get("injected")
             if isinstance(injected, (list, tuple)):
                 for secret in dict.fromkeys(s for s in injected if isinstance(s, str)):
@@ -222,7 +244,7 @@ class GatewayMetrics:
             self.connections.labels(
                 self.mode_label(entry.get("mode")), self.decision_label(entry.get("decision")),
                 self.reason_label(entry.get("reason")),
-            ).inc()
+            ).inc(weight)
             if event == "connection" and entry.get("reason") == "revoked" and entry.get("decision") == "deny":
                 kind = entry.get("kind")
                 self.revoked.labels(kind if kind in REVOKED_KINDS else OTHER).inc()
@@ -235,6 +257,14 @@ class GatewayMetrics:
         elif event == RELOAD_EVENT:
             result = entry.get("result")
             self.reloads.labels(result if result in RELOAD_RESULTS else "error").inc()
+
+    def audit_state(self, writable: bool, failures: int = 0, suppressed: int = 0) -> None:
+        """The audit log's state: writable now, and failures and suppressed refusals since last told."""
+        self.audit_writable.set(1 if writable else 0)
+        if failures > 0:
+            self.audit_write_failures.inc(failures)
+        if suppressed > 0:
+            self.audit_suppressed.inc(suppressed)
 
     def connection_opened(self, mode: str) -> None:
         self.active_connections.labels(self.mode_label(mode)).inc()
@@ -249,6 +279,10 @@ class GatewayMetrics:
     def relayed(self, direction: str, rule: Any, count: int) -> None:
         if count > 0 and direction in DIRECTIONS:
             self.bytes.labels(direction, self.rule_label(rule)).inc(count)
+
+    def limited(self, sandbox: Any, rule: Any, direction: str, count: int) -> None:
+        if count > 0 and direction in USAGE_DIRECTIONS:
+            self.limited_bytes.labels(self.sandbox_label(sandbox), self.rule_label(rule), direction).inc(count)
 
     def metric_names(self) -> Iterable[str]:
         """Every sample name this registry exposes (in the text format), labelled or not yet."""

@@ -29,6 +29,7 @@ from .globs import PathGlob
 from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
 from .placeholders import NO_POSITIONS, Positions
+from .ratelimit import parse_size
 from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
 
 SCHEMES = ("http", "https")
@@ -46,18 +47,46 @@ RESOLVER_KEYS = {"static_hosts"}
 RULE_KEYS = {
     "id", "hosts", "ports", "schemes", "methods", "paths", "protocol", "mode",
     "inject", "allow_wildcard_credentials", "allow_plaintext_credentials", "inspect",
-    "foreign_credentials", "placeholders", "allow_body",
+    "foreign_credentials", "placeholders", "allow_body", "limits",
 }
 FOREIGN_KEYS = {"headers", "query"}
 PLACEHOLDER_KEYS = {"query", "path"}
 INJECT_KEYS = {"header", "query", "value"}
 SECRET_SOURCE_KEYS = {"env", "file"}
 MODES = ("enforce", "report")
-SANDBOX_KEYS = {"id", "source_ips", "rules"}
+SANDBOX_KEYS = {"id", "source_ips", "rules", "limits"}
 PROTOCOLS = ("http", "tcp")
-HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths", "allow_body")
+HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths", "allow_body", "limits")
+# `limits:` keys -> (window in seconds, unit): request counts per minute, body bytes per hour.
+LIMIT_KEYS: dict[str, tuple[float, str]] = {
+    "requests_per_minute": (60.0, "requests"),
+    "upload_bytes_per_hour": (3600.0, "bytes"),
+    "download_bytes_per_hour": (3600.0, "bytes"),
+    "requests_per_credential_per_minute": (60.0, "requests"),
+}
 DEFAULT_SANDBOX_ID = "default"
 DEFAULT_POLICY_NAME = "default.yaml"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A `limits:` mapping (a sandbox's or a rule's): None for a key not set. Enforced by
+    addons/rate_limits.py over sliding windows (gateway/ratelimit.py)."""
+
+    requests_per_minute: int | None = None
+    upload_bytes_per_hour: int | None = None
+    download_bytes_per_hour: int | None = None
+    requests_per_credential_per_minute: int | None = None
+
+    def items(self) -> list[tuple[str, int]]:
+        """The keys set, in LIMIT_KEYS order."""
+        return [(k, getattr(self, k)) for k in LIMIT_KEYS if getattr(self, k) is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.items())
+
+
+NO_LIMITS = Limits()
 
 
 @dataclass(frozen=True)
@@ -86,6 +115,7 @@ class Rule:
     # True: GET, HEAD, OPTIONS and DELETE requests may carry a body (gateway/bodies.py: off by
     # default, since an origin that ignores it reads it as the next request on the connection).
     allow_body: bool = False
+    limits: Limits = NO_LIMITS  # per sandbox using the rule (credentials: per secret, every sandbox together)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -115,6 +145,7 @@ class Sandbox:
     id: str
     rule_ids: frozenset[str]
     location: Location
+    limits: Limits = NO_LIMITS  # over every request of the sandbox, whatever its rule
 
 
 @dataclass(frozen=True)
@@ -153,6 +184,11 @@ class Policy:
     def __post_init__(self) -> None:
         self.rules_by_id = {r.id: r for r in self.rules}
         self._scopes = {s.id: Scope(s.id, s.rule_ids) for s in self.sandboxes or ()}
+        self.sandboxes_by_id = {s.id: s for s in self.sandboxes or ()}
+
+    def sandbox_limits(self, sandbox_id: str | None) -> Limits:
+        sandbox = self.sandboxes_by_id.get(sandbox_id or "") if sandbox_id is not None else None
+        return sandbox.limits if sandbox is not None else NO_LIMITS
 
     def scope_for(self, client: IPAddress | None = None, sandbox_id: str | None = None) -> Scope:
         """The rules a client may use, by sandbox id or by source address (most specific range wins);
@@ -483,12 +519,52 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
         foreign = _foreign_credentials(v, fields["foreign_credentials"], f"{path}.foreign_credentials", foreign_default)
     if "placeholders" in fields:
         positions = _placeholders(v, fields["placeholders"], f"{path}.placeholders")
+    limits = NO_LIMITS
+    if "limits" in fields:
+        limits = _limits(v, fields["limits"], f"{path}.limits")
+        if limits.requests_per_credential_per_minute is not None and "inject" not in fields:
+            v.error(fields["limits"], f"{path}.limits.requests_per_credential_per_minute",
+                    "applies only to a rule that injects credentials (inject)")
 
     if rule_id is None or not hosts:
         return None
     return Rule(rule_id, index, tuple(hosts), schemes, ports, methods, globs, patterns, node.location, protocol,
                 injections, rule_mode, flags["allow_wildcard_credentials"], flags["allow_plaintext_credentials"],
-                inspect, foreign_credentials=foreign, placeholders=positions, allow_body=flags["allow_body"])
+                inspect, foreign_credentials=foreign, placeholders=positions, allow_body=flags["allow_body"],
+                limits=limits)
+
+
+def _limits(v: _Validator, node: Node, path: str) -> Limits:
+    """`limits: {requests_per_minute: N, upload_bytes_per_hour: SIZE, ...}`: positive whole numbers;
+    the byte keys also take sizes like `100MiB` or `1.5GB`."""
+    fields = v.mapping(node, path, set(LIMIT_KEYS))
+    if fields is None:
+        return NO_LIMITS
+    if not fields:
+        v.error(node, path, f"must set at least one of {', '.join(LIMIT_KEYS)}")
+    values: dict[str, int] = {}
+    for key, item in fields.items():
+        if key not in LIMIT_KEYS:
+            continue
+        p = f"{path}.{key}"
+        unit = LIMIT_KEYS[key][1]
+        if unit == "bytes" and isinstance(item.value, str):
+            try:
+                value = parse_size(item.value)
+            except ValueError as exc:
+                v.error(item, p, f"{item.value!r}: {exc}")
+                continue
+        elif isinstance(item.value, bool) or not isinstance(item.value, int):
+            hint = "a number of bytes or a size like 100MiB" if unit == "bytes" else "a whole number of requests"
+            v.error(item, p, f"{item.value!r}: must be {hint}")
+            continue
+        else:
+            value = item.value
+        if not 1 <= value <= 2**53:
+            v.error(item, p, f"{item.value!r}: must be at least 1 (remove the key for no limit)")
+            continue
+        values[key] = value
+    return Limits(**values)
 
 
 def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
@@ -552,6 +628,7 @@ PASSTHROUGH_FORBIDDEN_KEYS = {
     "paths": "paths cannot be checked inside an uninspected (inspect: false) TLS tunnel",
     "inject": "credentials cannot be injected into an uninspected (inspect: false) TLS tunnel",
     "allow_body": "request bodies cannot be checked inside an uninspected (inspect: false) TLS tunnel",
+    "limits": "requests and their bytes cannot be counted inside an uninspected (inspect: false) TLS tunnel",
 }
 
 
@@ -729,8 +806,9 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
                     v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
                 elif name is not None:
                     granted.add(name)
+        limits = _limits(v, fields["limits"], f"{path}.limits") if "limits" in fields else NO_LIMITS
         if sandbox_id is not None:
-            sandboxes.append(Sandbox(sandbox_id, frozenset(granted), item.location))
+            sandboxes.append(Sandbox(sandbox_id, frozenset(granted), item.location, limits))
     return tuple(sandboxes), sources
 
 

@@ -312,6 +312,8 @@ def render_text(files: list[FileResult], verbose: bool = False) -> str:
                 status = "PASS" if r.passed else "FAIL"
                 lines.append(f"  {status} {r.case.location}: {r.case.label}")
                 lines.extend(f"       {why}" for why in r.failures)
+                if verbose:
+                    lines.extend(f"       limit: {x.describe()}" for x in r.explanation.limits)
     invalid = sum(1 for f in files if f.errors)
     if invalid:
         lines.append(f"{invalid} test file{'s' if invalid > 1 else ''} invalid")
@@ -330,7 +332,8 @@ def as_dict(files: list[FileResult]) -> dict:
                 "cases": [
                     {"line": r.case.location.line, "path": r.case.path, "label": r.case.label, "passed": r.passed,
                      "failures": r.failures, "decision": r.explanation.decision.reason, "verdict": r.explanation.verdict,
-                     "rule": r.explanation.decision.rule, "injected": r.explanation.injected}
+                     "rule": r.explanation.decision.rule, "injected": r.explanation.injected,
+                     "limits": r.explanation.as_dict()["limits"]}
                     for r in f.results
                 ],
             }

@@ -13,6 +13,11 @@ state between connections, so nothing has to be shared but:
   per supervisor); every worker serves the sum on the shared metrics port;
 - the audit log: every worker writes its lines down a pipe of its own to the supervisor, the one
   writer of the file, which chains and rotates the one stream (gateway.audit.AuditLog.append_line).
+  When a write fails (disk full), the supervisor keeps the line (and those behind it) in memory and
+  raises a shared one-byte flag (an unlinked file every worker maps, `STATE_FD_ENV`): from then on
+  every worker fails its decisions closed, as one process does. The supervisor retries every
+  POLL_SECONDS; once the held lines and an `audit_log` line are written, it lowers the flag.
+  The lines a worker sent before it saw the flag are not lost but late (see docs/faults.md).
 
 A worker that dies is started again (with a back-off when it keeps dying young); the others keep
 serving. SIGTERM/SIGINT drain every worker and exit 0 when all have. Workers die with the
@@ -23,8 +28,10 @@ Nothing here knows mitmproxy: a worker is a command line (`worker_command`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -36,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .audit import AuditLog
+from .audit import STATE_FD_ENV, AuditLog
 
 logger = logging.getLogger("egress")
 
@@ -50,6 +57,9 @@ MAX_WORKERS = 256
 YOUNG_SECONDS = 10.0  # a worker that dies younger than this is restarted with a growing delay
 MAX_BACKOFF_SECONDS = 30.0
 POLL_SECONDS = 0.1
+# Worker lines held while the audit file cannot be written: what the workers sent before they saw
+# the flag (bounded by what they decide in that instant). Beyond this, lines are lost and logged.
+MAX_HELD_LINES = 100_000
 
 
 def worker_index() -> int | None:
@@ -155,9 +165,19 @@ class Supervisor:
         self.metrics_dir = tempfile.mkdtemp(prefix="egress-metrics-")
         self.env[MULTIPROC_ENV] = self.metrics_dir
         self.stopping = False
-        self.audit_errors = 0  # worker lines lost (malformed, or the write failed): logged each time
+        self.audit_errors = 0  # worker lines lost (malformed, or beyond MAX_HELD_LINES): logged
         self._signals: list[int] = []
         self._audit_lock = threading.Lock()
+        self.held: list[str] = []  # worker lines not written yet: the audit file is failing
+        self.held_total = 0  # lines ever held (written late)
+        self._held_since = 0.0
+        self._state_file = None
+        self._state: mmap.mmap | None = None  # the flag workers read: 0 writable, else an errno
+        if audit is not None and audit.target is not None:
+            self._state_file = tempfile.TemporaryFile(prefix="egress-audit-state-")
+            self._state_file.write(b"\0")
+            self._state_file.flush()
+            self._state = mmap.mmap(self._state_file.fileno(), 1, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     # --- running -----------------------------------------------------------------------------------
 
@@ -183,6 +203,7 @@ class Supervisor:
                     self._stop_all()
                     return 1
                 self._restart_due()
+                self._retry_audit()
                 time.sleep(POLL_SECONDS)
             return self._stop_all()
         finally:
@@ -221,10 +242,13 @@ class Supervisor:
         os.set_blocking(ready_read, False)
         env = dict(self.env, **{WORKER_ENV: str(worker.index), SUPERVISOR_ENV: str(os.getpid()),
                                READY_FD_ENV: str(ready_write)})
+        state_fd = self._state_file.fileno() if self._state_file is not None and write_fd is not None else None
+        if state_fd is not None:
+            env[STATE_FD_ENV] = str(state_fd)
         try:
             worker.process = subprocess.Popen(
                 self.worker_command(worker.index, write_fd), env=env,
-                pass_fds=tuple(fd for fd in (write_fd, ready_write) if fd is not None),
+                pass_fds=tuple(fd for fd in (write_fd, ready_write, state_fd) if fd is not None),
             )
         except BaseException:
             os.close(ready_read)
@@ -251,15 +275,75 @@ class Supervisor:
                     continue
                 try:
                     line = raw[:-1].decode("ascii")
-                    with self._audit_lock:
-                        self.audit.append_line(line)
-                except (ValueError, UnicodeDecodeError):
+                except UnicodeDecodeError:
+                    line = None
+                try:
+                    if line is None:
+                        raise ValueError("not ASCII")
+                    self.append(line)
+                except ValueError:
                     self.audit_errors += 1
                     logger.error("egress gateway: worker %d: malformed audit line dropped", index)
-                except OSError as exc:
-                    self.audit_errors += 1
-                    logger.error("egress gateway: audit log write failed: %s (worker %d's line lost)",
-                                 exc.strerror, index)
+
+    def append(self, line: str) -> None:
+        """One worker line into the file; if the file cannot be written, held (in order) and the
+        workers told to fail closed. ValueError for a line that is not an audit line."""
+        with self._audit_lock:
+            if not self.audit_writable:  # failing: keep the order, the retry writes them all
+                self._hold(line)
+                return
+            try:
+                self.audit.append_line(line)
+            except OSError as exc:
+                self._set_state(exc.errno or errno.EIO)
+                self._held_since = time.time()
+                self._hold(line)
+                logger.error("egress gateway: audit log write failed: %s; every worker now refuses its decisions "
+                             "(500 internal_error) until it can be written again (the line is held, not lost)",
+                             exc.strerror)
+
+    def _hold(self, line: str) -> None:
+        if len(self.held) >= MAX_HELD_LINES:
+            self.audit_errors += 1
+            if self.audit_errors == 1 or self.audit_errors % 1000 == 0:
+                logger.error("egress gateway: audit log still failing: %d held lines already; a worker's line is "
+                             "lost (%d so far)", len(self.held), self.audit_errors)
+            return
+        self.held.append(line)
+        self.held_total += 1
+
+    def _set_state(self, code: int) -> None:
+        if self._state is not None:
+            self._state[0] = min(max(code, 1), 255) if code else 0
+
+    @property
+    def audit_writable(self) -> bool:
+        return self._state is None or self._state[0] == 0
+
+    def _retry_audit(self) -> None:
+        """While the audit file is failing: write the held lines, then the line that ends the
+        outage, then let the workers decide again. A write that fails leaves the rest held."""
+        if self.audit is None or self.audit_writable:
+            return
+        with self._audit_lock:
+            written = 0
+            try:
+                for line in self.held:
+                    self.audit.append_line(line)
+                    written += 1
+                late = written
+                self.audit.recover(late_lines=late, message=(
+                    f"the audit log is writable again: {self.audit._outage_failures} write(s) failed since "
+                    f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(self._held_since))}; the {late} line(s) "
+                    "above were held by the supervisor and written late (decided before the workers knew); "
+                    "every other decision meanwhile was refused (500 internal_error)"))
+            except OSError:
+                return
+            finally:
+                del self.held[:written]
+            self._set_state(0)
+            logger.warning("egress gateway: audit log %s is writable again; %d held line(s) written, workers "
+                           "decide again", self.audit.target, late)
 
     def _check_ready(self) -> None:
         for worker in self.workers:
@@ -364,7 +448,14 @@ class Supervisor:
             if worker.process is not None and worker.process.poll() is None:
                 worker.process.kill()
         if self.audit is not None:
+            self._retry_audit()
+            if self.held:
+                logger.error("egress gateway: audit log %s still not writable: %d held worker line(s) lost",
+                             self.audit.target, len(self.held))
             self.audit.close()
+        if self._state is not None:
+            self._state.close()
+            self._state_file.close()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 

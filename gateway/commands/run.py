@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from ..audit import AuditLog
+from ..audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, AuditLog
 from ..policy import PolicyError, load_default_policy, load_policy
 from ..workers import MAX_WORKERS, WORKERS_ENV, Supervisor, default_workers, log_to_stderr, worker_index
 from . import EXIT_INVALID
@@ -59,11 +59,12 @@ def register(sub) -> None:
         "(check with `egress-gateway audit verify`)",
     )
     run.add_argument(
-        "--audit-max-bytes", metavar="N", type=_non_negative_int, default=0,
-        help="rotate the audit log file before it would exceed N bytes (PATH -> PATH.1 -> ...); 0: never",
+        "--audit-max-bytes", metavar="N", type=_non_negative_int, default=argparse.SUPPRESS,
+        help=f"rotate the audit log file before it would exceed N bytes (PATH -> PATH.1 -> ...); 0: never "
+        f"(default: {DEFAULT_MAX_BYTES}, 100 MiB, for a file; stdout does not rotate)",
     )
     run.add_argument(
-        "--audit-backups", metavar="K", type=_positive_int, default=5,
+        "--audit-backups", metavar="K", type=_positive_int, default=DEFAULT_BACKUPS,
         help="rotated audit log files to keep with --audit-max-bytes",
     )
     run.add_argument(
@@ -192,13 +193,16 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
         return 1
     audit = None
     if args.audit_log:
+        max_bytes = getattr(args, "audit_max_bytes", None)
+        if max_bytes is None:
+            max_bytes = 0 if args.audit_log == "-" else DEFAULT_MAX_BYTES
         try:
-            audit = AuditLog(args.audit_log, chain=args.audit_chain, max_bytes=args.audit_max_bytes,
+            audit = AuditLog(args.audit_log, chain=args.audit_chain, max_bytes=max_bytes,
                              backups=args.audit_backups)
         except OSError as exc:
             print(f"egress-gateway: cannot open audit log {args.audit_log}: {exc.strerror}", file=sys.stderr)
             return 1
-        if args.audit_max_bytes and args.audit_log == "-":
+        if max_bytes and args.audit_log == "-":
             print("egress-gateway: audit log rotation (--audit-max-bytes) needs a file, not stdout", file=sys.stderr)
             return 2
     # The CA is made by a short-lived child: importing mitmproxy would cost the supervisor, which

@@ -13,11 +13,14 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.helpers import connect_proxy, get, tunnel
+from tests.support.gateway import free_port
 
 from .harness import drain, make_gateway
 
@@ -69,6 +72,31 @@ def audit_lines(path: Path) -> tuple[list[dict], list[bytes]]:
     return good, bad
 
 
+def endpoint(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def metric(port: int, name: str) -> float | None:
+    for line in endpoint(port, "/metrics")[1].splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def wait_ready(port: int, ready: bool, wait: float = 10.0) -> tuple[int, str]:
+    """/readyz once it says `ready` (or the last answer, after `wait` s)."""
+    deadline = time.monotonic() + wait
+    while True:
+        status, body = endpoint(port, "/readyz")
+        if (status == 200) == ready or time.monotonic() > deadline:
+            return status, body
+        time.sleep(0.1)
+
+
 def fetch(gateway, n: int, host: str = "allowed.test"):
     with connect_proxy(gateway) as conn:
         return get(conn, f"http://{host}/req/{n}", host)
@@ -85,10 +113,13 @@ def full_disk(tmp_path_factory, upstreams, pki):
     tiny.mkdir()
     mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny))
     audit = tiny / "audit.jsonl"
-    gateway = make_gateway(base, upstreams, pki, RULES, audit_path=audit, args=["--set", "tcp_timeout=5"])
+    port = free_port()
+    gateway = make_gateway(base, upstreams, pki, RULES, audit_path=audit,
+                           args=["--set", "tcp_timeout=5", "--metrics", f"127.0.0.1:{port}"])
     seen: dict = {}
     try:
         assert fetch(gateway, 0).status == 200
+        seen["ready_before"] = wait_ready(port, True)
         filler = fill(tiny)
         upstreams.reset()
         # The file's last page still has room for a few lines; then every write fails.
@@ -107,8 +138,14 @@ def full_disk(tmp_path_factory, upstreams, pki):
                 seen[name] = drain(conn.sock, 3)
         seen["untouched"] = upstreams.untouched("other.test") and not upstreams.tls["allowed.test"].touched
         seen["log_while_full"] = gateway.log()
-        # Space again.
+        seen["ready_while_full"] = wait_ready(port, False)
+        seen["writable_while_full"] = metric(port, "egress_audit_writable")
+        seen["failures_while_full"] = metric(port, "egress_audit_write_failures_total")
+        # Space again: the gateway notices by itself, without a request (a pod out of its Service
+        # gets none), and the first line after the outage says what happened.
         filler.unlink()
+        seen["ready_after"] = wait_ready(port, True)
+        seen["writable_after"] = metric(port, "egress_audit_writable")
         seen["after"] = fetch(gateway, 100)
         seen["records"], seen["bad_lines"] = audit_lines(audit)
         seen["alive"] = gateway.process.poll() is None
@@ -142,6 +179,22 @@ def test_disk_full_refuses_instead_of_allowing_unrecorded(full_disk):
     assert full_disk["alive"] and full_disk["after"].status == 200
     assert any(r["path"] == "/req/100" and r["decision"] == "allow" for r in full_disk["records"]) or \
         full_disk["bad_lines"], full_disk["records"][-3:]
+
+
+def test_disk_full_is_said_in_readyz_and_metrics_and_recovers_without_traffic(full_disk):
+    assert full_disk["ready_before"][0] == 200, full_disk["ready_before"]
+    status, body = full_disk["ready_while_full"]
+    assert status == 503 and "audit_log: FAIL" in body and "500 internal_error" in body, (status, body)
+    assert full_disk["writable_while_full"] == 0
+    assert full_disk["failures_while_full"] and full_disk["failures_while_full"] >= 1
+    status, body = full_disk["ready_after"]
+    assert status == 200 and "audit_log: ok" in body, (status, body)
+    assert full_disk["writable_after"] == 1
+    [outage] = [r for r in full_disk["records"] if r["event"] == "audit_log"]
+    assert outage["failed_writes"] >= 1 and outage["failing_since"], outage
+    # It comes before the first decision recorded after the outage.
+    paths = [r["event"] if r["event"] == "audit_log" else r["path"] for r in full_disk["records"]]
+    assert paths.index("audit_log") < paths.index("/req/100"), paths[-5:]
 
 
 def test_disk_full_leaves_the_audit_log_one_record_per_line(full_disk):

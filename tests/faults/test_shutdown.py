@@ -145,10 +145,18 @@ def test_sigterm_under_load(tmp_path, upstreams, pki):
     duplicates = [i for i, c in collections.Counter(ids).items() if c > 1]
     assert not duplicates, duplicates
     audited = {i: r for i, r in zip(ids, requests)}
-    # every answer the clients got was decided and recorded, with the same verdict
+    # every answer the clients got was decided and recorded, with the same verdict: an allow on a
+    # line of its own; a refusal too, or counted in a `suppressed` line (past the sandbox's audit
+    # budget; the pending counts are written when the gateway stops)
+    suppressed = sum(r["count"] for r in records if r["event"] == "suppressed" and r["suppressed_event"] == "request")
+    counted = []
     for rid, (_, status, _, _) in answers.items():
+        if rid not in audited and status == 403:
+            counted.append(rid)
+            continue
         assert rid in audited, f"answered without an audit line: {rid}"
         assert audited[rid]["decision"] == ("allow" if status == 200 else "deny"), (rid, audited[rid])
+    assert len(counted) <= suppressed, f"refused without an audit line or a count: {len(counted)} > {suppressed}"
     # every request an upstream saw has its allow line
     forwarded = {m.group(1) for r in upstreams.plain["allowed.test"].requests
                  for m in [re.search(r"id=([\w-]+)", r.path)] if m}

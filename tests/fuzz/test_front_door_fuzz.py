@@ -227,7 +227,9 @@ def front(tmp_path_factory, upstreams, pki):
     if can_isolate_dns():
         dns = shared_loopback_dns(f"{upstreams.block}.153")  # .53 belongs to tests/faults
     gateway = make_gateway(tmp_path_factory.mktemp("front-door"), upstreams, pki, RULES, dns=dns, args=[
-        "--set", f"tcp_timeout={TCP_TIMEOUT}", "--set", "egress_max_connections_per_sandbox=0"])
+        "--set", f"tcp_timeout={TCP_TIMEOUT}", "--set", "egress_max_connections_per_sandbox=0",
+        "--set", "egress_max_new_connections_per_second_per_sandbox=0",
+        "--set", "egress_max_requests_per_second_per_sandbox=0"])
     upstreams.reset()
     if dns is not None:
         dns.reset()

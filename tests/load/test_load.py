@@ -1,7 +1,7 @@
 """Load: 1,000 concurrent client connections against one gateway, for a sustained period.
 
-One gateway process (`egress_max_connections_per_sandbox=2000`: every client here comes from
-127.0.0.1, one "sandbox" for the limiter) takes, at the same time:
+One gateway process (`egress_max_connections_per_sandbox=2000` and the per-sandbox rates off: every
+client here comes from 127.0.0.1, one "sandbox" for the limiters) takes, at the same time:
 
 (a) 1,000 kept-alive tunnels: CONNECT load.test:443, TLS inside (the gateway's CA verified), then a
     request every EGRESS_LOAD_INTERVAL seconds (default 15, jittered) on each, for the hold phase
@@ -47,6 +47,10 @@ CONNECTIONS = int(os.environ.get("EGRESS_LOAD_CONNECTIONS", "1000"))
 INTERVAL = float(os.environ.get("EGRESS_LOAD_INTERVAL", "15"))
 NEW_RATE = float(os.environ.get("EGRESS_LOAD_NEW_RATE", "5"))
 LIMIT_FOR_LOAD = 2000
+# Every client here is 127.0.0.1, standing for a thousand sandboxes: the per-sandbox rates
+# (addons/rate_limits.py; tested in tests/e2e/test_rate_limits.py) would refuse the ramp-up.
+RATES_OFF = ["--set", "egress_max_new_connections_per_second_per_sandbox=0",
+             "--set", "egress_max_requests_per_second_per_sandbox=0"]
 WARMUP_TUNNELS = 5
 MAX_KIB_PER_CONNECTION = 200       # (peak - idle) / connections
 RETURNED_FRACTION = 0.5            # after closing, RSS must give back at least half of the growth
@@ -112,6 +116,17 @@ class LoadRun:
                    HOLD_GROWTH_FRACTION * self.stats.new_allowed_done * self.kib_per_connection)
 
 
+
+def decisions(audit: list[dict]) -> Counter:
+    """(event, decision, reason) -> how many: a line each, plus what `suppressed` lines count."""
+    out: Counter = Counter()
+    for a in audit:
+        if a["event"] == "suppressed":
+            out[a["suppressed_event"], a["decision"], a["reason"]] += a["count"]
+        else:
+            out[a["event"], a["decision"], a["reason"]] += 1
+    return out
+
 def _wait_active(url: str, at_most: float, timeout: float = 15.0) -> float:
     """egress_active_connections once it is <= at_most (or its value after `timeout` s)."""
     deadline = time.monotonic() + timeout
@@ -141,7 +156,8 @@ def load_run(tmp_path_factory, upstreams, pki, load_upstream) -> LoadRun:
     upstreams.reset()
     gateway = start_load_gateway(
         tmp_path_factory.mktemp("load"), upstreams, pki, load_upstream,
-        ["--set", f"egress_max_connections_per_sandbox={LIMIT_FOR_LOAD}", "--metrics", f"127.0.0.1:{metrics_port}"])
+        ["--set", f"egress_max_connections_per_sandbox={LIMIT_FOR_LOAD}", "--metrics", f"127.0.0.1:{metrics_port}",
+         *RATES_OFF])
     cfg = LoadConfig("127.0.0.1", gateway.port, str(gateway.ca_cert), LOAD_HOST, "other.test",
                      connections=CONNECTIONS, hold_seconds=HOLD_SECONDS, request_interval=INTERVAL,
                      new_rate=NEW_RATE)
@@ -221,7 +237,9 @@ def summary(run: LoadRun) -> str:
     hold_time = ph["held"] - ph["hold_start"]
     ramp_time = ph["ramped"] - ph["ramp_start"]
     hold_requests = len(s.hold_request_latencies)
-    events = Counter((a["event"], a["decision"]) for a in run.audit)
+    events: Counter = Counter()
+    for (event, decision, _), count in decisions(run.audit).items():
+        events[event, decision] += count
     up = {k: run.upstream_after.get(k, 0) - run.upstream_before.get(k, 0) for k in ("connections", "requests", "errors")}
     load_avg = open("/proc/loadavg").read().split()[:3]
     rows = [
@@ -313,10 +331,11 @@ def test_rss_returns_toward_baseline_after_close(load_run):
 
 def test_audit_lines_equal_decisions(load_run):
     s = load_run.stats
-    events = Counter((a["event"], a["decision"], a["reason"]) for a in load_run.audit)
+    events = decisions(load_run.audit)
     connect_lines = sum(v for k, v in events.items() if k[0] == "connect")
     request_lines = sum(v for k, v in events.items() if k[0] == "request")
-    assert (connect_lines, request_lines) == (s.connects_sent, s.requests_sent)  # one line per decision
+    # one line per decision (refusals past the audit budget counted in `suppressed` lines instead)
+    assert (connect_lines, request_lines) == (s.connects_sent, s.requests_sent)
     # ... and each line says what the client was told
     assert events["connect", "allow", "allowed"] == s.connects_allowed
     assert events["connect", "deny", "no_rule"] == s.connects_denied
@@ -353,7 +372,7 @@ def test_connection_limit_refuses_n_plus_1_under_load(tmp_path, upstreams, pki, 
     upstreams.reset()
     gateway = start_load_gateway(tmp_path, upstreams, pki, load_upstream,
                                  ["--set", f"egress_max_connections_per_sandbox={LIMIT}",
-                                  "--metrics", f"127.0.0.1:{metrics_port}"])
+                                  "--metrics", f"127.0.0.1:{metrics_port}", *RATES_OFF])
     try:
         assert _wait_active(metrics_url, 0) == 0  # the start-up probe's connection is gone
         cfg = LoadConfig("127.0.0.1", gateway.port, str(gateway.ca_cert), LOAD_HOST, "other.test")

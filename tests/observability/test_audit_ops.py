@@ -158,3 +158,20 @@ def test_no_secret_values_in_the_audit_log(tmp_path, upstreams, pki):
         assert value(scraped, "egress_credential_injections_total", secret="API_KEY", rule="tls") == 1
     finally:
         assert gateway.stop() == 0
+
+
+def test_rotation_is_on_by_default_for_a_file_and_stdout_still_works(tmp_path, upstreams, pki):
+    """The audit log's disk budget: 100 MiB x 5 backups unless told otherwise; stdout cannot rotate
+    and must still start with the defaults."""
+    gateway, _ = gateway_with_metrics(tmp_path / "file", upstreams, pki, RULES)
+    try:
+        assert "rotated at 104857600 bytes, 5 kept" in gateway.log(), gateway.log()[-2000:]
+    finally:
+        assert gateway.stop() == 0
+    gateway, _ = gateway_with_metrics(tmp_path / "stdout", upstreams, pki, RULES, args=["--audit-log", "-"])
+    try:
+        assert proxy_get(gateway, "http://allowed.test/to-stdout").status == 200
+        wait_for(lambda: '"path":"/to-stdout"' in gateway.log(), what="the line on stdout")
+        assert "rotated at" not in gateway.log()
+    finally:
+        assert gateway.stop() == 0

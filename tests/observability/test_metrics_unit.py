@@ -163,3 +163,16 @@ def test_signal_hub_calls_every_subscriber():
     hub.subscribe(signal.SIGHUP, lambda: calls.append("policy"))
     hub.dispatch(signal.SIGHUP)
     assert calls == ["audit", "policy"]
+
+
+def test_bytes_counted_against_limits_by_sandbox_rule_and_direction(metrics):
+    metrics.limited("ci", "pypi", "upload", 600)
+    metrics.limited("ci", "pypi", "download", 800)
+    metrics.limited("10.1.2.3", "pypi", "download", 5)  # never an address as a label value
+    metrics.limited("ci", "pypi", "sideways", 1)
+    metrics.limited("ci", "pypi", "upload", 0)
+    s = scraped(metrics)
+    assert value(s, "egress_limited_bytes_total", sandbox="ci", rule="pypi", direction="upload") == 600
+    assert value(s, "egress_limited_bytes_total", sandbox="ci", rule="pypi", direction="download") == 800
+    assert value(s, "egress_limited_bytes_total", sandbox="none", rule="pypi", direction="download") == 5
+    assert value(s, "egress_limited_bytes_total") == 1405

@@ -158,7 +158,7 @@ def test_the_sni_is_compared_canonically(gateway, pki, pass_upstreams, authority
     assert [(r.path, r.sni) for r in pass_upstreams.pass_tls.requests] == [("/canonical", sni)]
 
 
-def test_a_fragmented_client_hello_is_reassembled_and_relayed_as_sent(gateway, pki, pass_upstreams):
+def test_a_fragmented_client_hello_is_reassembled_and_relayed(gateway, pki, pass_upstreams):
     conn = open_tunnel(gateway, "pass.test:443")
     tls = FragmentedTLS(conn.sock, pki.ca_cert, "pass.test", record_size=24, segment_size=7)
     with Conn(tls) as wrapped:

@@ -18,7 +18,7 @@ CATEGORIES: dict[str, str] = {
     "restating": "destination restating (SNI, Host, :authority, absolute-form, keep-alive, coalescing)",
     "connect": "CONNECT edge cases (ports, malformed authorities, userinfo, nesting, own ports)",
     "host-header": "Host header shapes (duplicates, folding, NUL, dots, case, ports, IPv6, empty)",
-    "h2": "HTTP/2 header injection and downgrade splitting",
+    "h2": "HTTP/2 header injection, downgrade splitting and rapid reset",
     "hostnames": "host name tricks (suffixes, confusables, IDNA, encodings, userinfo, backslash)",
     "ip": "IP encodings and special ranges (metadata, CGNAT, mapped/NAT64/6to4/Teredo)",
     "dns": "DNS (rebinding, exfiltration through names, DoH/DoT)",

@@ -120,6 +120,37 @@ def test_h2_data_beyond_content_length(rt):
     nothing_reached(rt.everything())
 
 
+def test_h2_rapid_reset_sends_nothing_upstream(rt):
+    """CVE-2023-44487: HEADERS+RST_STREAM pairs as fast as they can be written, to an allowed
+    host. A gateway that starts an upstream request per stream and drops it only later sends
+    cancelled requests upstream (it did: ~1,000 of 6,000); here the flood ends in GOAWAY
+    ENHANCE_YOUR_CALM and no upstream sees a byte."""
+    import h2.errors
+    import h2.events
+
+    with tls_tunnel(rt.gateway, "allowed.test:443", alpn=["h2"]) as tls:
+        client = H2Client(tls)
+        try:
+            for _ in range(40):
+                for _ in range(25):
+                    stream = client.h2.get_next_available_stream_id()
+                    client.h2.send_headers(stream, BASE, end_stream=True)
+                    client.h2.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
+                client._flush()
+        except OSError:
+            pass  # closed by the gateway mid-flood
+        goaway = None
+        tls.sock.settimeout(5)
+        try:
+            while goaway is None and (data := tls.sock.recv(65536)):
+                goaway = next((e for e in client.h2.receive_data(data)
+                               if isinstance(e, h2.events.ConnectionTerminated)), None)
+        except OSError:
+            pass
+    assert goaway is not None and goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, goaway
+    nothing_reached(rt.everything())
+
+
 def _transparent_h2(world) -> Conn:
     return start_tls(Conn(world.connect(ALLOWED, 443)), world.gateway, "allowed.test", ["h2"])
 

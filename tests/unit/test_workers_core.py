@@ -98,3 +98,56 @@ def test_a_broken_pipe_fails_the_record(tmp_path):
         worker.record(event="request", decision="allow")
     worker.close()
     os.close(write_fd)
+
+
+def test_supervisor_holds_lines_it_cannot_write_and_flags_every_worker(tmp_path):
+    """The supervisor→worker protocol of a full audit disk, without processes: a failed write raises
+    the shared byte (a worker's record() then fails closed before sending anything), the line and
+    every later one are held in order, and the retry writes them, then the outage line, then clears."""
+    from gateway.workers import Supervisor
+
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path), chain=True)
+    supervisor = Supervisor(2, lambda index, fd: ["true"], audit=audit)
+    read_fd, write_fd = os.pipe()
+    worker = PipeAuditLog(f"fd:{write_fd}", state_fd=supervisor._state_file.fileno())
+    try:
+        line = lambda n: json.dumps({"event": "request", "decision": "allow", "path": f"/{n}"})  # noqa: E731
+        supervisor.append(line(1))
+        real = audit._stream
+        audit._stream = FullStream(real)
+        supervisor.append(line(2))  # the write fails: held, and the flag is up
+        supervisor.append(line(3))  # arrived meanwhile: held behind it, not tried
+        assert supervisor.held == [line(2), line(3)] and not supervisor.audit_writable
+        assert not worker.writable and worker.supervisor_errno == 28
+        with pytest.raises(OSError, match="No space left on device"):
+            worker.record(event="request", decision="allow", path="/refused")
+        supervisor._retry_audit()  # still full
+        assert supervisor.held == [line(2), line(3)] and not supervisor.audit_writable
+        audit._stream = real
+        supervisor._retry_audit()
+        assert supervisor.held == [] and supervisor.audit_writable and worker.supervisor_errno == 0
+        worker.maintain()
+        assert worker.writable
+        records = [json.loads(x) for x in path.read_text().splitlines()]
+        assert [r.get("path") for r in records] == ["/1", "/2", "/3", None]
+        assert records[-1]["event"] == "audit_log" and records[-1]["late_lines"] == 2
+        assert verify_chain([str(path)]).ok
+    finally:
+        worker.close()
+        os.close(read_fd)
+        supervisor._cleanup()
+
+
+class FullStream:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def write(self, data):
+        raise OSError(28, "No space left on device")
+
+    def fileno(self):
+        return self.inner.fileno()
+
+    def close(self):
+        self.inner.close()

@@ -1,0 +1,169 @@
+"""HTTP/2 budgets per client connection: the options, and the two pieces of mitmproxy's HTTP/2
+stack the gateway replaces to enforce them (the budgets themselves: gateway/h2budget.py; the
+server layer that applies them: addons/layers.py `GatewayHttp2Server`).
+
+- `LimitedH2Connection` (the client-facing h2 connection) advertises
+  `egress_h2_max_concurrent_streams` and refuses a stream over it with RST_STREAM REFUSED_STREAM
+  (h2 itself would raise TooManyStreamsError and mitmproxy would tear the whole connection down),
+  still decoding its header block so that HPACK stays in step. It also remembers which streams the
+  client reset in the same read, so that the server never starts a request for one of them.
+- `GatewayHttp2Client` (the upstream h2 connection) drains its queue of streams waiting for a free
+  upstream stream slot in a loop: mitmproxy's resumes the next queued stream from inside the call
+  that handled the previous one, so a run of queued streams that each close at once (opened and
+  reset by the client while they waited) recursed once per stream until RecursionError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import h2.connection
+import h2.errors
+import h2.events
+import h2.stream
+from hyperframe.frame import RstStreamFrame
+from mitmproxy.proxy.layers.http._base import HttpEvent, ReceiveHttp
+from mitmproxy.proxy.layers.http._http2 import Http2Client
+from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
+
+from gateway import h2budget
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_concurrent_streams: int = h2budget.DEFAULT_MAX_CONCURRENT_STREAMS
+    max_resets: int = h2budget.DEFAULT_MAX_RESETS
+    reset_window: float = h2budget.DEFAULT_RESET_WINDOW
+    max_buffered_bytes: int = h2budget.DEFAULT_MAX_BUFFERED_BYTES
+
+    @classmethod
+    def from_options(cls, options) -> "Limits":
+        """The current options (defaults where an embedding did not load this addon)."""
+        def get(name, default):
+            return getattr(options, name, default)
+
+        return cls(max(1, int(get("egress_h2_max_concurrent_streams", cls.max_concurrent_streams))),
+                   max(0, int(get("egress_h2_max_resets", cls.max_resets))),
+                   max(0.001, float(get("egress_h2_reset_window", cls.reset_window))),
+                   max(0, int(get("egress_h2_max_buffered_bytes", cls.max_buffered_bytes))))
+
+
+class StreamRefused(h2.events.Event):
+    """A HEADERS frame opened a stream over the concurrency limit; it was answered with
+    RST_STREAM REFUSED_STREAM and exists nowhere else."""
+
+    def __init__(self, stream_id: int, headers) -> None:
+        self.stream_id = stream_id
+        self.headers = headers
+
+    def __repr__(self) -> str:
+        return f"<StreamRefused stream_id:{self.stream_id}>"
+
+
+class LimitedH2Connection(BufferedH2Connection):
+    def __init__(self, config, max_streams: int):
+        super().__init__(config)
+        self.stream_limit = max_streams
+        # Advertised in the first SETTINGS frame; acknowledged here at once (as mitmproxy does for
+        # its own settings) so that h2's own check and the one below agree from the first frame.
+        self.local_settings.max_concurrent_streams = max_streams
+        self.local_settings.acknowledge()
+        self.reset_in_batch: frozenset[int] = frozenset()
+
+    def receive_data(self, data: bytes):
+        self.reset_in_batch = frozenset()
+        events = super().receive_data(data)
+        self.reset_in_batch = frozenset(e.stream_id for e in events if isinstance(e, h2.events.StreamReset))
+        return events
+
+    def _receive_headers_frame(self, frame):
+        stream_id = frame.stream_id
+        if (stream_id not in self.streams and stream_id > self.highest_inbound_stream_id and stream_id % 2 == 1
+                and self.open_inbound_streams >= self.stream_limit):
+            headers = h2.connection._decode_headers(self.decoder, frame.data)  # HPACK state must stay in step
+            events = self.state_machine.process_input(h2.connection.ConnectionInputs.RECV_HEADERS)
+            self.highest_inbound_stream_id = stream_id
+            # Later frames on it get what h2 does for a stream it reset itself (RST_STREAM again;
+            # the connection window still counts their DATA).
+            self._closed_streams[stream_id] = h2.stream.StreamClosedBy.SEND_RST_STREAM
+            refusal = RstStreamFrame(stream_id)
+            refusal.error_code = h2.errors.ErrorCodes.REFUSED_STREAM
+            return [refusal], [*events, StreamRefused(stream_id, headers)]
+        return super()._receive_headers_frame(frame)
+
+
+class GatewayHttp2Client(Http2Client):
+    """mitmproxy's upstream HTTP/2 connection with an iterative stream queue (see the module
+    docstring); otherwise the same code as Http2Client._handle_event (mitmproxy 12.3)."""
+
+    _draining = False
+
+    def _no_free_streams(self) -> bool:
+        return self.h2_conn.open_outbound_streams >= (
+            self.provisional_max_concurrency or self.h2_conn.remote_settings.max_concurrent_streams)
+
+    def _handle_event(self, event):
+        if isinstance(event, HttpEvent):
+            ours = self.our_stream_id.get(event.stream_id, None)
+            if ours is None:
+                # A stream already waiting keeps waiting behind its own first event.
+                if event.stream_id in self.stream_queue or self._no_free_streams():
+                    self.stream_queue[event.stream_id].append(event)
+                    return
+                ours = self.h2_conn.get_next_available_stream_id()
+                self.our_stream_id[event.stream_id] = ours
+                self.their_stream_id[ours] = event.stream_id
+            event.stream_id = ours
+
+        for cmd in self._handle_event2(event):
+            if isinstance(cmd, ReceiveHttp):
+                cmd.event.stream_id = self.their_stream_id[cmd.event.stream_id]
+            yield cmd
+
+        if self._draining:
+            return  # the outer call goes on with the queue
+        self._draining = True
+        try:
+            while self.stream_queue and not self._no_free_streams():
+                events = self.stream_queue.pop(next(iter(self.stream_queue)))  # FIFO
+                for queued in events:
+                    yield from self._handle_event(queued)
+        finally:
+            self._draining = False
+
+
+def install() -> None:
+    """Make mitmproxy's HTTP layer build `GatewayHttp2Client` for upstream h2 connections
+    (HttpLayer and HttpClient look the class up in their module at run time)."""
+    from mitmproxy.proxy.layers import http as http_layers
+
+    http_layers.Http2Client = GatewayHttp2Client
+
+
+class Http2Limits:
+    """Declares the HTTP/2 budget options; the HTTP/2 server reads them per connection."""
+
+    def __init__(self) -> None:
+        install()
+
+    def load(self, loader) -> None:
+        loader.add_option(
+            "egress_h2_max_concurrent_streams", int, h2budget.DEFAULT_MAX_CONCURRENT_STREAMS,
+            "HTTP/2: streams one client connection may have open at once (advertised in SETTINGS; "
+            "a stream over it is refused with RST_STREAM REFUSED_STREAM, reason too_many_streams).",
+        )
+        loader.add_option(
+            "egress_h2_max_resets", int, h2budget.DEFAULT_MAX_RESETS,
+            "HTTP/2: streams reset on one connection (by the client, or refused by the gateway) within "
+            "egress_h2_reset_window seconds before it is closed with GOAWAY ENHANCE_YOUR_CALM "
+            "(reason reset_flood; 0: no limit).",
+        )
+        loader.add_option(
+            "egress_h2_reset_window", int, int(h2budget.DEFAULT_RESET_WINDOW),
+            "HTTP/2: the sliding window of egress_h2_max_resets, in seconds.",
+        )
+        loader.add_option(
+            "egress_h2_max_buffered_bytes", int, h2budget.DEFAULT_MAX_BUFFERED_BYTES,
+            "HTTP/2: request-body bytes one client connection may have buffered in the gateway at once "
+            "(a stream that would pass it gets 503, reason buffer_budget; 0: no limit).",
+        )

@@ -1,0 +1,450 @@
+"""Rates and budgets per sandbox: the gateway's own defence (options) and the policy's `limits:`.
+
+Gateway-wide (options, always on, whatever the policy says), one token bucket per sandbox (per
+client address when the policy has no sandboxes section):
+- new connections: over `egress_max_new_connections_per_second_per_sandbox` (burst
+  `egress_new_connection_burst_per_sandbox`) a connection is closed right after accept, before any
+  byte is read: audit `connection_rate_limited`, no status (like `too_many_connections`);
+- requests: over `egress_max_requests_per_second_per_sandbox` (burst
+  `egress_request_burst_per_sandbox`) an allowed request is answered 429 `rate_limited` with
+  Retry-After, and nothing goes upstream.
+
+Policy `limits:` (gateway/policy.py `Limits`, a sandbox's and a rule's), over sliding windows
+(gateway/ratelimit.py): requests per minute, upload and download bytes per hour, requests per
+credential per minute. Decided at the request head, after the guards allowed it and before
+anything goes upstream (`RequestLimits.check`, called by RequestGuard so that the request has one
+audit line with its final verdict); request body bytes are counted as they arrive and a body that
+would pass the upload budget is cut off before its end goes upstream; response bytes are counted
+as they go to the client and, once the download budget is spent, the next request is refused (a
+response under way is not cut off). Only requests the guards allowed count (report mode's
+`would_deny` included): a refused request costs no budget. Limits are never relaxed by report mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from mitmproxy import ctx, exceptions, http
+
+from gateway.decision import Decision, verdict_fields
+from gateway.engine import Engine
+from gateway.policy import LIMIT_KEYS, Policy, Scope
+from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow
+
+from .audit_fields import connection_fields, decision_fields, flow_fields
+from .method_body import BODY_CHECK
+from .revocation import close_client
+from .state import ConnectionState, GatewayState
+
+CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
+
+# Defaults (README options table): a ceiling against floods, far above what a package install needs
+# (pip keeps ~10 pooled connections per host, npm up to 15 sockets; a few hundred small requests a
+# second at most), with bursts for a cold start. Not a fair share of a worker (the reference 2-core
+# machine serves ~330 keep-alive HTTPS requests and ~77 new TLS tunnels a second per worker,
+# docs/performance.md): deployments packing many sandboxes on few workers should lower them.
+DEFAULT_REQUESTS_PER_SECOND = 200.0
+DEFAULT_REQUEST_BURST = 400
+DEFAULT_CONNECTIONS_PER_SECOND = 50.0
+DEFAULT_CONNECTION_BURST = 100
+
+
+@dataclass
+class Charge:
+    """What an allowed request's bytes are counted against, and how metrics label them."""
+
+    sandbox: str | None
+    rule: str | None
+    upload: list[tuple[Hashable, SlidingWindow]] = field(default_factory=list)
+    download: list[tuple[Hashable, SlidingWindow]] = field(default_factory=list)
+
+
+def _describe(key: Hashable) -> str:
+    kind, sandbox, rule, secret, name = key  # type: ignore[misc]
+    if kind == "sandbox":
+        where = f"sandbox {sandbox}" + (f" credential {secret}" if secret else "")
+    elif kind == "credential":
+        where = f"rule {rule} credential {secret}"
+    else:
+        where = f"rule {rule}" + (f" for sandbox {sandbox}" if sandbox else "")
+    return f"{where} limits.{name}"
+
+
+def limit_of(policy: Policy, key: Hashable) -> int | None:
+    """The limit `key` has under `policy`, or None when the policy no longer has it (a reload)."""
+    kind, sandbox, rule_id, secret, name = key  # type: ignore[misc]
+    if kind == "sandbox":
+        found = policy.sandboxes_by_id.get(sandbox)
+        if found is None or (secret is not None and secret not in policy.secrets):
+            return None
+        return getattr(found.limits, name)
+    rule = policy.rules_by_id.get(rule_id)
+    if rule is None:
+        return None
+    if kind == "credential":
+        return getattr(rule.limits, name) if secret in rule.secrets else None
+    if sandbox is None:
+        return getattr(rule.limits, name) if policy.sandboxes is None else None
+    found = policy.sandboxes_by_id.get(sandbox)
+    if found is None or rule_id not in found.rule_ids:
+        return None
+    return getattr(rule.limits, name)
+
+
+class Limiter:
+    """The state every class here shares: the buckets, the windows, the clock."""
+
+    def __init__(self, state: GatewayState, clock: Clock = time.monotonic):
+        self.state = state
+        self.clock = clock
+        self.requests = BucketTable(DEFAULT_REQUESTS_PER_SECOND, DEFAULT_REQUEST_BURST, clock=clock)
+        self.connections = BucketTable(DEFAULT_CONNECTIONS_PER_SECOND, DEFAULT_CONNECTION_BURST, clock=clock)
+        self.quotas = Quotas(clock)
+        state.install_listeners.append(self._on_install)
+
+    def key(self, conn: ConnectionState, scope: Scope | None = None) -> str:
+        """Like addons/limits.py: the sandbox, or the client address without a sandboxes section."""
+        engine = self.state.engine
+        if engine is not None and engine.policy.sandboxes is not None:
+            return f"sandbox:{(scope or self.state.scope(conn)).sandbox}"
+        return f"address:{conn.address}"
+
+    def _on_install(self, engine: Engine) -> None:
+        """A reload keeps the counters whose (sandbox, rule, credential, key) the new policy still
+        has, under its new limits; the others go."""
+        policy = engine.policy
+        self.quotas.keep(lambda key: limit_of(policy, key))
+
+    def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):
+        """(key, window, LIMIT_KEYS name) for every policy limit on this request: its sandbox's, then its
+        rule's (a credential limit once per injected secret). Windows are made on first use: their
+        keys come from the policy, so they are bounded by it, not by traffic."""
+        sandbox = scope.sandbox
+        rule = policy.rules_by_id.get(rule_id or "")
+        sets = []
+        own = policy.sandbox_limits(sandbox)
+        if own:
+            sets.append((own, ("sandbox", sandbox, None)))
+        if rule is not None and rule.limits:
+            sets.append((rule.limits, ("rule", sandbox, rule.id)))
+        out = []
+        for limits, (kind, sid, rid) in sets:
+            for name, limit in limits.items():
+                period = LIMIT_KEYS[name][0]
+                if name == "requests_per_credential_per_minute":
+                    for secret in injected:
+                        if kind == "rule":
+                            key = ("credential", None, rid, secret, name)  # every sandbox together
+                        else:
+                            key = (kind, sid, None, secret, name)
+                        out.append((key, self.quotas.window(key, limit, period), name))
+                else:
+                    key = (kind, sid, rid, None, name)
+                    out.append((key, self.quotas.window(key, limit, period), name))
+        return out
+
+
+def _rate(text: str, name: str) -> float:
+    """A rate option: a decimal number >= 0 (a string option, since mitmproxy's --set parses no floats)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}") from None
+    if not rate >= 0 or rate == float("inf"):
+        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}")
+    return rate
+
+
+class ConnectionRate:
+    """New connections per second per sandbox: over the bucket, closed at accept."""
+
+    def __init__(self, limiter: Limiter):
+        self.limiter = limiter
+        self.state = limiter.state
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_max_new_connections_per_second_per_sandbox", str, f"{DEFAULT_CONNECTIONS_PER_SECOND:g}",
+            "New client connections accepted per second per sandbox (per client address without a sandboxes "
+            "section), sustained; over it a connection is closed at accept (connection_rate_limited). 0: no limit.",
+        )
+        loader.add_option(
+            "egress_new_connection_burst_per_sandbox", int, DEFAULT_CONNECTION_BURST,
+            "New connections a sandbox may open at once above its per-second rate (token bucket size).",
+        )
+
+    def configure(self, updated: set[str]):
+        names = {"egress_max_new_connections_per_second_per_sandbox", "egress_new_connection_burst_per_sandbox"}
+        if updated & names:
+            rate = _rate(ctx.options.egress_max_new_connections_per_second_per_sandbox,
+                         "egress_max_new_connections_per_second_per_sandbox")
+            burst = ctx.options.egress_new_connection_burst_per_sandbox
+            if burst < 0:
+                raise exceptions.OptionsError("egress_new_connection_burst_per_sandbox must be >= 0")
+            self.limiter.connections.configure(rate, burst)
+
+    def client_connected(self, client):
+        if client.error:
+            return  # refused already (too_many_connections)
+        if client.transport_protocol == "udp":
+            return  # DNS mode: every query may come from a new source port; not a connection to count
+        try:
+            conn = self.state.connection(client.id, client.peername)
+            key = self.limiter.key(conn)
+            wait = self.limiter.connections.take(key)
+        except Exception:  # fail closed: a connection the gateway could not count is not served
+            logging.getLogger("egress").exception("egress gateway: the connection rate check failed")
+            client.error = "egress gateway: internal error"
+            return
+        if not wait:
+            return
+        table = self.limiter.connections
+        client.error = "egress gateway: new connections too fast"
+        refusal = Decision.deny(
+            "connection_rate_limited", f"more than {table.rate:g} new connections a second for {key} "
+            f"(burst {table.burst:g}); closed at accept", retry_after=wait)
+        self.state.record(event="connection", **connection_fields(conn, key.partition(":")[2]),
+                          **verdict_fields(refusal, status_sent=False))
+
+
+class RequestLimits:
+    """Requests per second per sandbox (the defence) and the policy's `limits:` at the request head,
+    and the upload budget on the body as it arrives."""
+
+    def __init__(self, limiter: Limiter):
+        self.limiter = limiter
+        self.state = limiter.state
+        self.state.request_limiters.append(self.check)
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_max_requests_per_second_per_sandbox", str, f"{DEFAULT_REQUESTS_PER_SECOND:g}",
+            "Allowed HTTP requests per second per sandbox (per client address without a sandboxes section), "
+            "sustained; over it a request is answered 429 rate_limited with Retry-After. 0: no limit.",
+        )
+        loader.add_option(
+            "egress_request_burst_per_sandbox", int, DEFAULT_REQUEST_BURST,
+            "Requests a sandbox may send at once above its per-second rate (token bucket size).",
+        )
+
+    def configure(self, updated: set[str]):
+        if updated & {"egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox"}:
+            rate = _rate(ctx.options.egress_max_requests_per_second_per_sandbox,
+                         "egress_max_requests_per_second_per_sandbox")
+            burst = ctx.options.egress_request_burst_per_sandbox
+            if burst < 0:
+                raise exceptions.OptionsError("egress_request_burst_per_sandbox must be >= 0")
+            self.limiter.requests.configure(rate, burst)
+
+    def check(self, flow: http.HTTPFlow, decision: Decision, scope: Scope, engine: Engine,
+              injected: list[str]) -> Decision | None:
+        """Called by RequestGuard for an allowed request, before its audit line: a refusal, or None
+        (then the request is charged). An exception here refuses the request (RequestGuard fails closed)."""
+        limiter = self.limiter
+        conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
+        key = limiter.key(conn, scope)
+        # The defence counts attempts: a token is spent even if a policy limit below refuses.
+        if wait := limiter.requests.take(key):
+            table = limiter.requests
+            return Decision.deny("rate_limited", f"more than {table.rate:g} requests a second for {key} "
+                                 f"(burst {table.burst:g}); nothing was sent", decision.rule, retry_after=wait)
+        windows = limiter.windows(engine.policy, scope, decision.rule, injected)
+        if not windows:
+            return None
+        now = limiter.clock()
+        declared = _declared_length(flow.request)
+        counted: list[SlidingWindow] = []
+        charge = Charge(scope.sandbox, decision.rule)
+        for key_, window, name in windows:
+            if name in ("requests_per_minute", "requests_per_credential_per_minute"):
+                if not window.fits(1, now):
+                    reason = "rate_limited" if name == "requests_per_minute" else "credential_rate_limited"
+                    return Decision.deny(reason, f"{_describe(key_)} is {window.limit} (used up); nothing was sent",
+                                         decision.rule, retry_after=window.retry_after(1, now))
+                counted.append(window)
+            elif name == "download_bytes_per_hour":
+                if not window.fits(1, now):
+                    return Decision.deny("download_quota_exceeded",
+                                         f"{_describe(key_)} is {window.limit} bytes (spent); nothing was sent",
+                                         decision.rule, retry_after=window.retry_after(1, now))
+                charge.download.append((key_, window))
+            else:  # upload_bytes_per_hour
+                if declared and not window.fits(declared, now):
+                    return Decision.deny("upload_quota_exceeded",
+                                         f"the request body ({declared} bytes) is more than is left of "
+                                         f"{_describe(key_)} ({window.remaining(now)} of {window.limit} bytes); "
+                                         f"nothing was sent", decision.rule,
+                                         retry_after=window.retry_after(declared, now))
+                charge.upload.append((key_, window))
+        for window in counted:  # only once every limit passed: a refused request costs nothing
+            window.add(1, now)
+        if charge.upload or charge.download:
+            flow.metadata[CHARGE] = charge
+        return None
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """After RequestGuard planned the body's checks: the upload budget goes first in line."""
+        charge = flow.metadata.get(CHARGE)
+        if charge is None or not charge.upload or flow.response is not None:
+            return
+        flow.metadata[BODY_CHECK] = UploadCheck(self, flow, charge, flow.metadata.get(BODY_CHECK))
+
+
+def _declared_length(request: http.Request) -> int:
+    values = request.headers.get_all("content-length")
+    if len(values) != 1 or not values[0].strip().isdigit():
+        return 0  # none, or malformed (refused elsewhere): counted as it streams
+    return int(values[0].strip())
+
+
+class UploadCheck:
+    """Counts the request body against the upload windows as it arrives, before each chunk goes on;
+    the chunk that would pass a budget refuses the body (429 upload_quota_exceeded) and nothing of it
+    is sent. Then hands the chunk to the body check that was there (method overrides, empty bodies).
+    Same interface as addons/method_body.py `BodyOverrideCheck`."""
+
+    def __init__(self, limits: RequestLimits, flow: http.HTTPFlow, charge: Charge, then):
+        self.limits = limits
+        self.flow = flow
+        self.charge = charge
+        self.then = then
+        self.refused = False
+
+    def feed(self, data: bytes) -> Decision | None:
+        if self.refused:
+            return None
+        try:
+            refusal = self._count(data)
+        except Exception:  # fail closed: a body that could not be counted does not go on
+            logging.getLogger("egress").exception("egress gateway: the upload budget check failed")
+            self.refused = True
+            refusal = Decision.deny("internal_error", "the gateway failed while counting the request body against "
+                                    "its upload budget; its end was not sent", self.charge.rule)
+            self._record(refusal)
+        if refusal is not None:
+            return refusal
+        return self.then.feed(data) if self.then is not None else None
+
+    def _count(self, data: bytes) -> Decision | None:
+        if data:
+            limiter = self.limits.limiter
+            now = limiter.clock()
+            for key, window in self.charge.upload:
+                if not window.fits(len(data), now):
+                    self.refused = True
+                    refusal = Decision.deny(
+                        "upload_quota_exceeded", f"the request body passed {_describe(key)} ({window.limit} bytes); "
+                        f"its end was not sent", self.charge.rule, retry_after=window.retry_after(len(data), now))
+                    self._record(refusal)
+                    return refusal
+            for _key, window in self.charge.upload:
+                window.add(len(data), now)
+            self.limits.state.count_usage(self.charge.sandbox, self.charge.rule, "upload", len(data))
+        return None
+
+    def finish(self) -> Decision | None:
+        if self.refused:
+            return None
+        return self.then.finish() if self.then is not None else None
+
+    def trailers(self) -> Decision | None:
+        if self.refused:
+            return None
+        return self.then.trailers() if self.then is not None else None
+
+    @property
+    def pending(self) -> bool:
+        return not self.refused and self.then is not None and self.then.pending
+
+    def _record(self, refusal: Decision) -> None:
+        try:
+            state = self.limits.state
+            conn = state.connections.get(self.flow.client_conn.id)
+            fields = flow_fields(self.flow, conn, self.charge.sandbox)
+            pin = self.flow.metadata.get("egress_pin")
+            state.record(event="request_body", **(fields | decision_fields(refusal, pin)))
+        except Exception:
+            logging.getLogger("egress").exception("egress gateway: could not record a refusal")
+
+
+def _counting(inner, count: Callable[[int], None]):
+    """A response stream callable counting the bytes `inner` (True: pass-through) passes on."""
+    def stream(data: bytes):
+        out = data if inner is True else inner(data)
+        if isinstance(out, (bytes, bytearray)):
+            count(len(out))
+            return out
+        out = list(out)
+        count(sum(len(chunk) for chunk in out))
+        return out
+    return stream
+
+
+class DownloadMeter:
+    """Response bytes of a request with a download budget, counted as they go to the client (after
+    BodyStreaming and the redactor decided how the response travels). A response under way is not
+    cut off: once the budget is spent, the next request is refused at its head."""
+
+    def __init__(self, limiter: Limiter):
+        self.limiter = limiter
+        self.state = limiter.state
+
+    def _count(self, charge: Charge, n: int) -> None:
+        if n <= 0:
+            return
+        now = self.limiter.clock()
+        for _key, window in charge.download:
+            window.add(n, now)
+        self.state.count_usage(charge.sandbox, charge.rule, "download", n)
+
+    @staticmethod
+    def _from_upstream(flow: http.HTTPFlow) -> bool:
+        """A response an upstream sent (not a refusal the gateway made after the head was allowed)."""
+        return flow.response is not None and flow.server_conn.timestamp_start is not None
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        charge = flow.metadata.get(CHARGE)
+        if charge is None or not charge.download or not self._from_upstream(flow):
+            return
+        if flow.response.stream:
+            flow.response.stream = _counting(flow.response.stream, lambda n: self._count(charge, n))
+            flow.metadata[CHARGE + "_streamed"] = True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        charge = flow.metadata.get(CHARGE)
+        if (charge is None or not charge.download or not self._from_upstream(flow)
+                or flow.metadata.get(CHARGE + "_streamed")):
+            return
+        self._count(charge, len(flow.response.raw_content or b""))
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """WebSocket messages count too: from the sandbox against the upload budget, to it against the
+        download budget; a message that would pass the upload budget is dropped and the WebSocket closed."""
+        charge = flow.metadata.get(CHARGE)
+        if charge is None or flow.websocket is None or not flow.websocket.messages:
+            return
+        message = flow.websocket.messages[-1]
+        size = len(message.content)
+        if not message.from_client:
+            self._count(charge, size)
+            return
+        now = self.limiter.clock()
+        for key, window in charge.upload:
+            if not window.fits(size, now):
+                message.drop()
+                refusal = Decision.deny("upload_quota_exceeded", f"a WebSocket message passed {_describe(key)} "
+                                        f"({window.limit} bytes); dropped, the WebSocket closed", charge.rule,
+                                        retry_after=window.retry_after(size, now))
+                conn = self.state.connections.get(flow.client_conn.id)
+                self.state.record(event="request_body", **(flow_fields(flow, conn, charge.sandbox)
+                                                           | decision_fields(refusal, flow.metadata.get("egress_pin"))))
+                flow.kill()
+                close_client(flow.client_conn.id)  # killing the flow alone leaves a WebSocket's sockets open
+                return
+        for _key, window in charge.upload:
+            window.add(size, now)
+        if charge.upload:
+            self.state.count_usage(charge.sandbox, charge.rule, "upload", size)

@@ -1,0 +1,130 @@
+"""The noisy-neighbour benchmark (issue 15; not a test, see bench/README.md): what one hostile
+sandbox costs another sandbox on the same gateway worker.
+
+    .venv/bin/python bench/noisy.py                          # every attack, about 3 minutes
+    .venv/bin/python bench/noisy.py --only h2_rapid_reset --samples 100
+    .venv/bin/python bench/noisy.py --set egress_h2_max_concurrent_streams=1000   # a looser budget
+
+For each attack a fresh gateway (one worker, this checkout, its default budgets unless `--set`
+says otherwise) is started in front of a loopback TLS origin (tests/support/noisy.py). Sandbox B
+(its own source address and `sandboxes` entry) times its simple request: a fresh CONNECT tunnel,
+TLS, `GET /ok`, close. First `--samples` of them alone (B's baseline, measured in the same run
+against the same process), then as many while sandbox A runs the attack, repeated until B has
+`--samples` samples during it. The gateway's RSS is sampled every 10 ms from idle to the attack's
+end. Figures: B's p50 and p99 during the attack against its baseline (target: p99 ≤ 2x), the
+gateway's peak RSS against its idle RSS (target: under 1.5x idle + the budgets), what A saw, and
+how many audit lines A made. Traffic stays on 127.0.0.0/8.
+
+Attacks (sandbox A): HTTP/2 streams that buffer and never end (100 x 900 KB), a decompression bomb
+on a credential-bound rule (300 MB of brotli zeros), a never-finished 8 MiB TLS ClientHello,
+HTTP/2 rapid reset (6,000 HEADERS + RST_STREAM), a flood of kept-alive requests, a flood of new
+connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support import noisy  # noqa: E402
+
+BLOCK = "127.250.0"  # outside the blocks test sessions take (127.20-219.0.0/24)
+os.environ["EGRESS_WORKERS"] = "1"  # one worker: A and B share its event loop, and its RSS is the process's
+
+
+def run_attack(name: str, args) -> dict:
+    attack = noisy.ATTACKS[name]
+    extra = [x for item in args.set for x in ("--set", item)]
+    with tempfile.TemporaryDirectory() as tmp:
+        world = noisy.make_world(Path(tmp), BLOCK, extra, bomb_size=args.bomb_mb << 20)
+        try:
+            for _ in range(5):  # warm: certificates minted, code paths hot
+                noisy.victim_request(world)
+            idle = world.rss_kib()
+            baseline = [noisy.victim_request(world) for _ in range(args.samples)]
+            sampler = noisy.RssSampler(world)
+            sampler.start()
+            victim = noisy.Victim(world)
+            hold = threading.Event()
+            outcomes = []
+            started = time.monotonic()
+            victim.start()
+            victim.first.wait(noisy.TIMEOUT)
+            if name == "h2_held_streams":  # one connection held open while B measures
+                holder = threading.Thread(target=lambda: outcomes.append(attack(world, hold=hold)), daemon=True)
+                holder.start()
+                while len(victim.samples) < args.samples and time.monotonic() - started < args.max_seconds:
+                    time.sleep(0.05)  # the benchmark's own pacing, not a synchronisation
+                hold.set()
+                holder.join(noisy.TIMEOUT)
+            else:
+                while len(victim.samples) < args.samples and time.monotonic() - started < args.max_seconds:
+                    outcomes.append(attack(world))
+            victim.stop()
+            peak = sampler.stop()
+            alive = world.gateway.process.poll() is None
+            attacker_lines = len(world.audit_lines(world.attacker))
+        finally:
+            world.stop()
+    base, during = noisy.summary(baseline), noisy.summary(victim.samples)
+    seen: dict = {"repeats": len(outcomes), "statuses": {}, "resets": 0, "goaway": set(), "closed": 0, "notes": set()}
+    for outcome in outcomes:
+        for status, n in outcome.statuses.items():
+            seen["statuses"][status] = seen["statuses"].get(status, 0) + n
+        seen["resets"] += outcome.resets
+        if outcome.goaway is not None:
+            seen["goaway"].add(outcome.goaway)
+        seen["closed"] += outcome.closed
+        seen["notes"].update(outcome.notes)
+    seen["goaway"], seen["notes"] = sorted(seen["goaway"]), sorted(seen["notes"])[:5]
+    return {"attack": name, "baseline": base, "during": during, "victim_errors": victim.errors[:5],
+            "victim_failed": len(victim.errors) + during["requests"] - during["ok"],
+            "p50_ratio": during["p50_ms"] / base["p50_ms"], "p99_ratio": during["p99_ms"] / base["p99_ms"],
+            "idle_rss_mib": idle / 1024, "peak_rss_mib": peak / 1024, "rss_ratio": peak / idle,
+            "alive": alive, "attacker_audit_lines": attacker_lines, "attacker_saw": seen}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", action="append", choices=sorted(noisy.ATTACKS), help="attacks to run (repeatable)")
+    parser.add_argument("--samples", type=int, default=60, help="B's requests in the baseline and during each attack")
+    parser.add_argument("--max-seconds", type=float, default=40.0, help="the longest an attack is repeated for")
+    parser.add_argument("--bomb-mb", type=int, default=300, help="decoded size of the decompression bomb (MiB)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a gateway option")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    results = []
+    for name in args.only or list(noisy.ATTACKS):
+        print(f"... {name}", file=sys.stderr, flush=True)
+        results.append(run_attack(name, args))
+    print(f"B: fresh tunnel + TLS + GET per request, {args.samples} alone then {args.samples}+ during each attack\n")
+    print("| attack (sandbox A) | B p50 ms (base → during) | B p99 ms (base → during) | p99 ratio | B failed | "
+          "RSS MiB (idle → peak) | RSS ratio | A audit lines | A saw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        saw = r["attacker_saw"]
+        what = ", ".join(f"{n}x{s}" for s, n in sorted(saw["statuses"].items()))
+        if saw["resets"]:
+            what += f", {saw['resets']} resets"
+        if saw["goaway"]:
+            what += f", GOAWAY {saw['goaway']}"
+        if saw["closed"]:
+            what += f", closed {saw['closed']}/{saw['repeats']}"
+        print(f"| {r['attack']} | {r['baseline']['p50_ms']:.1f} → {r['during']['p50_ms']:.1f} | "
+              f"{r['baseline']['p99_ms']:.1f} → {r['during']['p99_ms']:.1f} | {r['p99_ratio']:.2f} | "
+              f"{r['victim_failed']} | {r['idle_rss_mib']:.0f} → {r['peak_rss_mib']:.0f} | {r['rss_ratio']:.2f} | "
+              f"{r['attacker_audit_lines']} | {what.strip(', ')}{'' if r['alive'] else ' (GATEWAY DIED)'} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Per-connection HTTP/2 budgets, as plain state machines (no I/O, no mitmproxy): the gateway's
+HTTP/2 server (addons/layers.py `GatewayHttp2Server`) feeds them what the client does and acts on
+their answers.
+
+- `ResetTracker`: streams reset on one connection (by the client's RST_STREAM, or refused by the
+  gateway) in a sliding window. Over the threshold the connection is closed with GOAWAY
+  ENHANCE_YOUR_CALM: the CVE-2023-44487 "rapid reset" class, where a client opens and cancels
+  streams faster than a server can drop the work each one started. The default, 200 in 10 s, is
+  in the range others chose: nginx (1.25.3) refuses new streams past 2 x max_concurrent_streams
+  per read; Go's x/net/http2 closes with ENHANCE_YOUR_CALM once more than 4 x MaxConcurrentStreams
+  handlers wait (`too_many_early_resets`); Envoy (1.27.1) closes a connection once more than 50%
+  of at least 500 streams were reset within 1 s of opening; Node.js rate-limits incoming
+  RST_STREAM with a token bucket of 1,000 (burst) and 33 per second. A browser or an agent that
+  cancels a request now and then stays far below it.
+- `RefusalAggregator`: one audit line per connection per interval and reason for refusals that a
+  client can provoke at will (a refused stream costs it one HEADERS frame): the first in each
+  interval is written at once, the rest are counted and written as one line with `repeated`.
+- `BufferLedger`: request-body bytes held in memory per connection (bodies mitmproxy buffers until
+  their end, and bytes queued for a stream whose head is still being decided). A stream whose next
+  DATA frame would take the sum past the budget is refused instead of the sum growing.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_CONCURRENT_STREAMS = 100  # what h2 (and so mitmproxy) advertised; nginx 128, Go 250
+DEFAULT_MAX_RESETS = 200
+DEFAULT_RESET_WINDOW = 10.0  # seconds
+DEFAULT_MAX_BUFFERED_BYTES = 8 * 1024 * 1024
+AGGREGATE_INTERVAL = 1.0  # seconds: at most one audit line per connection, reason and interval
+
+
+class ResetTracker:
+    """Counts resets over the last `window` seconds; `note` answers whether the limit is passed.
+
+    Memory is O(limit): only the last `limit` timestamps matter to a sliding window of `limit`."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_RESETS, window: float = DEFAULT_RESET_WINDOW):
+        self.limit = max(0, int(limit))
+        self.window = float(window)
+        self._times: collections.deque[float] = collections.deque(maxlen=self.limit + 1 if self.limit else 1)
+        self.total = 0
+
+    def note(self, now: float) -> bool:
+        """One more reset at `now` (monotonic seconds). True: more than `limit` in `window`."""
+        self.total += 1
+        if not self.limit:  # 0: no limit
+            return False
+        self._times.append(now)
+        return len(self._times) > self.limit and now - self._times[0] <= self.window
+
+    def recent(self, now: float) -> int:
+        return sum(1 for t in self._times if now - t <= self.window)
+
+
+@dataclass
+class _Pending:
+    started: float
+    suppressed: int = 0
+
+
+class RefusalAggregator:
+    """Which refusals get their own audit line. `note(reason, now)` returns the count the line
+    written now stands for (1 plus what was held back from the previous interval), or None when
+    this one is only counted; `flush()` returns what is still held back (at connection close)."""
+
+    def __init__(self, interval: float = AGGREGATE_INTERVAL):
+        self.interval = interval
+        self._pending: dict[str, _Pending] = {}
+
+    def note(self, reason: str, now: float) -> int | None:
+        pending = self._pending.get(reason)
+        if pending is not None and now - pending.started < self.interval:
+            pending.suppressed += 1
+            return None
+        held = pending.suppressed if pending is not None else 0
+        self._pending[reason] = _Pending(now)
+        return 1 + held
+
+    def due(self, now: float) -> dict[str, int]:
+        """Held-back counts whose interval has ended (to write on a timer), removed from here."""
+        out = {}
+        for reason, pending in list(self._pending.items()):
+            if now - pending.started >= self.interval:
+                if pending.suppressed:
+                    out[reason] = pending.suppressed
+                del self._pending[reason]
+        return out
+
+    @property
+    def held_back(self) -> bool:
+        """Whether some refusal is counted but not written yet."""
+        return any(p.suppressed for p in self._pending.values())
+
+    def flush(self) -> dict[str, int]:
+        out = {reason: p.suppressed for reason, p in self._pending.items() if p.suppressed}
+        self._pending.clear()
+        return out
+
+
+@dataclass
+class BufferLedger:
+    """Bytes held per stream, against one budget for the connection (0: no budget)."""
+
+    budget: int = DEFAULT_MAX_BUFFERED_BYTES
+    held: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.held.values())
+
+    def admit(self, stream_id: int, size: int) -> bool:
+        """Hold `size` more bytes for the stream if the budget allows; False (nothing held) if not."""
+        if self.budget and self.total + size > self.budget:
+            return False
+        self.held[stream_id] = self.held.get(stream_id, 0) + size
+        return True
+
+    def release(self, stream_id: int) -> None:
+        self.held.pop(stream_id, None)

