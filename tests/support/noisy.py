@@ -278,11 +278,13 @@ def victim_request(world: World) -> tuple[float, int]:
 
 
 class Victim(threading.Thread):
-    """Sandbox B, timing its simple request over and over until `stop()`."""
+    """Sandbox B, timing its simple request over and over until `stop()`, at most one every `pace`
+    seconds (0: back to back; B has rate limits of its own too)."""
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, pace: float = 0.0):
         super().__init__(daemon=True)
         self.world = world
+        self.pace = pace
         self.samples: list[tuple[float, int]] = []
         self.errors: list[str] = []
         self._halt = threading.Event()
@@ -290,11 +292,14 @@ class Victim(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
+            started = time.monotonic()
             try:
                 self.samples.append(victim_request(self.world))
                 self.first.set()
             except (OSError, ssl.SSLError, ValueError) as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            if self.pace:
+                self._halt.wait(max(0.0, self.pace - (time.monotonic() - started)))
 
     def stop(self) -> "Victim":
         self._halt.set()

@@ -1,0 +1,99 @@
+"""One sandbox cannot hurt the others (issue 15): sandbox A runs each attack of the noisy-neighbour
+benchmark (bench/noisy.py) while sandbox B keeps making its simple request through the same
+worker. Each attack must end in its documented refusal (an audit line with its reason code), B
+must be served throughout (every request 200, none failed), the gateway must stay alive, and A's
+audit lines must stay bounded. Timing is the benchmark's business, not this test's: nothing here
+measures latency.
+
+Budgets are set lower than their defaults where the default would make the test slow (a budget of
+`egress_*` seconds or requests the attack would otherwise need minutes to exhaust); each such
+option says so below.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.support import noisy
+
+pytestmark = pytest.mark.load
+
+OCTETS = (250, 251, 252)  # origin, sandbox A, sandbox B, in the session block
+
+# attack -> (kwargs, the reason code its refusal is audited with, most audit lines A may write)
+CASES = {
+    "h2_held_streams": (dict(streams=300, per_stream=900_000), "too_many_streams", 400),
+    "decompression_bomb": (dict(times=2), "response_too_large", 10),
+    "huge_client_hello": (dict(), "client_hello_too_large", 5),
+    "h2_rapid_reset": (dict(streams=6000), "reset_flood", 400),
+    "request_flood": (dict(connections=4, requests=600), "rate_limited", 300),
+    "connection_flood": (dict(count=300), "connection_rate_limited", 300),
+}
+
+# Lower than the defaults so the floods reach them within a few hundred requests on a slow machine
+# (the defaults are generous: an agent running pip opens dozens of connections a second). B makes
+# at most VICTIM_RATE requests a second, each on a new connection: under its own budgets.
+ARGS = [
+    "--set", "egress_max_requests_per_second_per_sandbox=20", "--set", "egress_request_burst_per_sandbox=40",
+    "--set", "egress_max_new_connections_per_second_per_sandbox=20", "--set", "egress_new_connection_burst_per_sandbox=40",
+]
+VICTIM_RATE = 10
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, upstreams):
+    world = noisy.make_world(tmp_path_factory.mktemp("noisy"), upstreams.block, ARGS, bomb_size=300 << 20,
+                             octets=OCTETS)
+    yield world
+    world.stop()
+
+
+def _lines_after(world, source: str, start: int) -> list[dict]:
+    return [e for e in world.gateway.audit()[start:] if str(e.get("client", "")).startswith(source + ":")]
+
+
+def _wait_for_reason(world, start: int, reason: str, timeout: float = noisy.TIMEOUT) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = _lines_after(world, world.attacker, start)
+        if any(e.get("reason") == reason for e in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)  # polling the audit file for the line the refusal writes
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_attack_is_refused_while_the_other_sandbox_is_served(world, name):
+    kwargs, reason, max_lines = CASES[name]
+    start = len(world.gateway.audit())
+    victim = noisy.Victim(world, pace=1 / VICTIM_RATE)
+    victim.start()
+    assert victim.first.wait(noisy.TIMEOUT), victim.errors
+    served_before = len(victim.samples)
+    if name == "h2_held_streams":
+        hold = threading.Event()
+        outcomes: list = []
+        holder = threading.Thread(target=lambda: outcomes.append(noisy.h2_held_streams(world, hold=hold, **kwargs)),
+                                  daemon=True)
+        holder.start()
+        lines = _wait_for_reason(world, start, reason)
+        hold.set()
+        holder.join(noisy.TIMEOUT)
+    else:
+        noisy.ATTACKS[name](world, **kwargs)
+        lines = _wait_for_reason(world, start, reason)
+    # B is served during and after the attack: a request that starts after the refusal completes
+    after = len(victim.samples)
+    deadline = time.monotonic() + noisy.TIMEOUT
+    while len(victim.samples) <= after and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim.stop()
+    assert world.gateway.process.poll() is None, world.gateway.log()[-3000:]
+    assert any(e.get("reason") == reason for e in lines), sorted({e.get("reason") for e in lines})
+    assert not victim.errors, victim.errors
+    assert all(status == 200 for _, status in victim.samples), victim.samples
+    assert len(victim.samples) > served_before
+    assert len(lines) <= max_lines, (len(lines), sorted({e.get("reason") for e in lines}))
+    assert not [e for e in _lines_after(world, world.victim, start) if e.get("decision") != "allow"]
