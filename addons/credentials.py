@@ -30,6 +30,7 @@ from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
 
+from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .state import GatewayState
 
@@ -293,7 +294,8 @@ class ResponseRedactor:
         response.headers["Content-Length"] = str(len(body))
         response.headers["X-Egress-Reason"] = decision.reason
         response.stream = _Replacement(body)
-        self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
+        self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
+                          host=flow.request.pretty_host)
 
     @fail_closed(_kill_on_error)
     async def response(self, flow: http.HTTPFlow) -> None:
@@ -351,12 +353,20 @@ class ResponseRedactor:
 
     def _refuse_buffered(self, flow: http.HTTPFlow, decision: Decision) -> None:
         flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
-        self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
+        self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
+                          host=flow.request.pretty_host)
+
+    def _where(self, flow: http.HTTPFlow) -> dict:
+        """The client, sandbox and mode of a response line: a refusal is counted against its
+        sandbox (audit aggregation, metrics) and found by its client like every other line."""
+        conn = self.state.connections.get(flow.client_conn.id) if flow.client_conn is not None else None
+        sandbox = self.state.scope(conn).sandbox if conn is not None and self.state.engine is not None else None
+        return connection_fields(conn, sandbox)
 
     def _cut_off(self, flow: http.HTTPFlow, reason: str) -> None:
         cut = Decision.deny(reason, "the streamed response to a credential-bound request was cut off")
         # Its head was already sent: no refusal status reached the client.
-        self.state.record(event="response", **verdict_fields(cut, status_sent=False),
+        self.state.record(event="response", **self._where(flow), **verdict_fields(cut, status_sent=False),
                           host=flow.request.pretty_host if flow.request else None)
 
     def error(self, flow: http.HTTPFlow) -> None:
