@@ -14,6 +14,7 @@ requests that carried a credential, and in response headers of all requests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from urllib.parse import quote
 
@@ -24,15 +25,17 @@ from gateway.credentials import placeholder
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
-from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, decode_whole, streaming_decoder
+from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, stream_decoder
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
 
+from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
+BUFFER_ACCOUNT = "egress_buffer_account"  # flow.metadata key: its stream's share of the buffer ledger (layers.py)
 
 
 class CredentialInjector:
@@ -132,6 +135,20 @@ def _body_size_limit() -> int | None:
     return human.parse_size(ctx.options.body_size_limit) if hasattr(ctx.options, "body_size_limit") else None
 
 
+async def _decode_buffered(flow: http.HTTPFlow, encoding: str, limit: int) -> bytes:
+    """A buffered compressed body decoded in pieces (gateway/decompress.py), each charged to the
+    stream's buffer budget before it is kept, with the event loop free between them: a body that
+    decodes to tens of MiB does not stall every other client of the worker while it does."""
+    account = flow.metadata.get(BUFFER_ACCOUNT)
+    out = bytearray()
+    for piece in decode_pieces(encoding, flow.response.raw_content or b"", limit):
+        if account is not None and not account.reserve(len(piece)):
+            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+        out += piece
+        await asyncio.sleep(0)
+    return bytes(out)
+
+
 def _kill_on_error(self, flow, *rest, error: Exception) -> None:
     flow.kill()
 
@@ -150,26 +167,40 @@ class _BodyRedactor:
         self.on_failure = on_failure
         self.failed = False
 
-    def __call__(self, chunk: bytes) -> bytes:
+    def __call__(self, chunk: bytes):
         if self.failed:
             return b""
-        try:
-            if self.decoder is None:
+        if self.decoder is None:
+            try:
                 return self.redactor(chunk)
+            except Exception as exc:
+                return self._fail(exc)
+        return self._decoded(chunk)
+
+    def _decoded(self, chunk: bytes):
+        """The redacted output of one compressed chunk, a piece at a time (mitmproxy sends each as
+        it comes): what a chunk decodes to is never held whole (up to RATIO_GRACE for a bomb)."""
+        try:
             if chunk:
-                return self.redactor(self.decoder.decompress(chunk))
-            tail = self.decoder.flush()
-            return self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
+                for piece in self.decoder.pieces(chunk):
+                    if piece:
+                        yield self.redactor(piece)
+            else:
+                tail = self.decoder.flush()
+                yield self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
         except Exception as exc:
-            self.failed = True
-            too_large = isinstance(exc, DecodedTooLarge)
-            logging.getLogger("egress").warning(
-                "egress gateway: the response to a credential-bound request was cut off (%s)",
-                "decoded body over its budget" if too_large else type(exc).__name__)
-            if self.on_failure is not None:
-                self.on_failure(self.flow, "response_too_large" if too_large else "undecodable_response")
-            self.flow.kill()
-            return b""
+            yield self._fail(exc)
+
+    def _fail(self, exc: Exception) -> bytes:
+        self.failed = True
+        too_large = isinstance(exc, DecodedTooLarge)
+        logging.getLogger("egress").warning(
+            "egress gateway: the response to a credential-bound request was cut off (%s)",
+            "decoded body over its budget" if too_large else type(exc).__name__)
+        if self.on_failure is not None:
+            self.on_failure(self.flow, "response_too_large" if too_large else "undecodable_response")
+        self.flow.kill()
+        return b""
 
 
 class _Replacement:
@@ -226,7 +257,7 @@ class ResponseRedactor:
         elif plan is Plan.DECODE_BUFFERED:
             response.stream = False  # decoded and redacted in `response`, or a clean 502
         elif plan is Plan.DECODE_STREAM:
-            decoder = streaming_decoder(why, _body_size_limit())  # the one coding the plan found
+            decoder = stream_decoder(why, _body_size_limit())  # the one coding the plan found
             del response.headers["content-encoding"]
             response.headers.pop("content-length", None)
             if not (flow.request.is_http2 or flow.request.is_http3):
@@ -263,17 +294,18 @@ class ResponseRedactor:
         response.headers["Content-Length"] = str(len(body))
         response.headers["X-Egress-Reason"] = decision.reason
         response.stream = _Replacement(body)
-        self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
+        self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
+                          host=flow.request.pretty_host)
 
     @fail_closed(_kill_on_error)
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
         try:
-            self._redact_response(flow)
+            await self._redact_response(flow)
         finally:
             if flow.websocket is None:  # a WebSocket's messages still follow: kept until websocket_end
                 self.state.secret_memory.unpin(flow.id)
 
-    def _redact_response(self, flow: http.HTTPFlow) -> None:
+    async def _redact_response(self, flow: http.HTTPFlow) -> None:
         redactor = self.redactor()
         if redactor is None or flow.response is None:
             return
@@ -286,7 +318,12 @@ class ResponseRedactor:
         if encoding:
             limit = min(_body_size_limit() or DEFAULT_BUFFERED_LIMIT, DEFAULT_BUFFERED_LIMIT)
             try:
-                body = decode_whole(encoding[0], flow.response.raw_content or b"", limit)
+                body = await _decode_buffered(flow, encoding[0], limit)
+            except OverBudget:
+                self._refuse_buffered(flow, Decision.deny(
+                    "buffer_budget", "decoding the compressed response for redaction would pass the connection's "
+                    "or the sandbox's buffer budget"))
+                return
             except DecodedTooLarge:
                 self._refuse_buffered(flow, Decision.deny(
                     "response_too_large", f"the compressed response decodes to more than {limit} bytes"))
@@ -316,12 +353,20 @@ class ResponseRedactor:
 
     def _refuse_buffered(self, flow: http.HTTPFlow, decision: Decision) -> None:
         flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
-        self.state.record(event="response", **verdict_fields(decision), host=flow.request.pretty_host)
+        self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
+                          host=flow.request.pretty_host)
+
+    def _where(self, flow: http.HTTPFlow) -> dict:
+        """The client, sandbox and mode of a response line: a refusal is counted against its
+        sandbox (audit aggregation, metrics) and found by its client like every other line."""
+        conn = self.state.connections.get(flow.client_conn.id) if flow.client_conn is not None else None
+        sandbox = self.state.scope(conn).sandbox if conn is not None and self.state.engine is not None else None
+        return connection_fields(conn, sandbox)
 
     def _cut_off(self, flow: http.HTTPFlow, reason: str) -> None:
         cut = Decision.deny(reason, "the streamed response to a credential-bound request was cut off")
         # Its head was already sent: no refusal status reached the client.
-        self.state.record(event="response", **verdict_fields(cut, status_sent=False),
+        self.state.record(event="response", **self._where(flow), **verdict_fields(cut, status_sent=False),
                           host=flow.request.pretty_host if flow.request else None)
 
     def error(self, flow: http.HTTPFlow) -> None:

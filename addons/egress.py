@@ -14,6 +14,7 @@ except ImportError:
     # Loaded by path from a checkout (mitmdump -s addons/egress.py): make the project importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from addons.budget import BufferBudget  # noqa: E402
 from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
 from addons.credentials import ResponseRedactor  # noqa: E402
@@ -44,6 +45,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         OutputGuard(redactor.redactor),  # early: mitmproxy's flow writers are off before any flow exists
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
+        BufferBudget(state),
         ConnectionRate(limiter),  # after the concurrent-connection limit: a refused connection takes no token
         LayerGuard(state),
         Http2Limits(),  # the HTTP/2 budgets' options; upstream h2 connections drain their queue in a loop

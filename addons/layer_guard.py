@@ -40,7 +40,8 @@ from gateway.revocation import Established
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import TLS_ALERT_HANDSHAKE_FAILURE, GatewayHttpLayer, HoldLayer, RefusalLayer, TargetFormHttpLayer
+from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, HoldLayer,
+                     RefusalLayer, TargetFormHttpLayer)
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -285,9 +286,12 @@ class LayerGuard:
         else:
             self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
 
-    @staticmethod
-    def _head_limits() -> tuple[int, float]:
-        return ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout)
+    def _head_limits(self) -> tuple[int, float, BodyLimits]:
+        """The limits of an HTTP layer: head size and time (its HTTP/1 server), and the bodies'
+        buffer budget and idle timeout (its streams)."""
+        idle = float(getattr(ctx.options, "egress_body_idle_timeout", DEFAULT_BODY_IDLE_TIMEOUT))
+        return (ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout),
+                BodyLimits(self.state.buffer_account, idle))
 
     def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
                     status_sent: bool = True, **fields) -> Decision:
@@ -298,7 +302,7 @@ class LayerGuard:
         server's `event` and `repeated` count; `status_sent=False`: no HTTP status went out."""
         conn = self.state.connections.get(context.client.id)
         pin = conn.tunnel if conn else None
-        upstream = decision.reason in ("upstream_failed", "response_too_large")
+        upstream = decision.reason in ("upstream_failed", "response_too_large", "response_body_timeout")
         method = method or getattr(request, "method", None)
         line = dict(
             event="error" if upstream else "connect" if method == "CONNECT" else "request",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from mitmproxy import flow as mitm_flow
 from mitmproxy.net.http import http1
@@ -36,6 +37,7 @@ from mitmproxy.proxy.layers.http._events import (
     RequestProtocolError,
     RequestTrailers,
     ResponseData,
+    ResponseHeaders,
     ResponseEndOfMessage,
     ResponseProtocolError,
 )
@@ -52,12 +54,14 @@ import h2.errors
 import h2.events
 
 from gateway import h2budget
+from gateway.budget import Account
 from gateway.decision import Decision
 from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
 from . import h2_backpressure, h2_limits
 from .http1 import ServerFraming
+from .credentials import BOUND, BUFFER_ACCOUNT
 from .method_body import BODY_CHECK
 from .respond import raw_http_refusal, refusal_headers
 
@@ -81,6 +85,24 @@ _ERROR_REASONS = {
 TARGET_FORM_ATTR = "_egress_target_form"  # "origin" | "absolute" | "authority" | "asterisk"
 RAW_AUTHORITY_ATTR = "_egress_raw_authority"
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
+HOLD_BODY = "egress_hold_body"  # flow.metadata key (addons/request_guard.py, which imports this module)
+DEFAULT_BODY_IDLE_TIMEOUT = 120.0
+QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
+
+
+class BodyIdleCheck(events.Event):
+    """Sent by the HTTP layer to its streams when a body may have gone past the idle timeout: one
+    timer per connection, not per stream (a pending timer keeps its target alive until it fires)."""
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What bounds a stream's bodies: `account(context)` its share of the buffer ledger
+    (gateway/budget.py; None: not charged), `idle_timeout` the seconds a body may go without a
+    byte before its stream ends (0: no limit)."""
+
+    account: Callable[[object], Account | None] | None = None
+    idle_timeout: float = DEFAULT_BODY_IDLE_TIMEOUT
 
 
 class RefusalLayer(layer.Layer):
@@ -244,10 +266,15 @@ def protocol_error_decision(event) -> Decision:
     return Decision.deny(reason, f"{what}: {failure_detail(event.message)}")
 
 
-def _report(on_refusal: OnRefusal, context, decision: Decision, request=None, method: str | None = None) -> Decision:
-    """Audit a refusal; returns the decision to send (its message redacted by the listener)."""
+def _report(on_refusal: OnRefusal, context, decision: Decision, request=None, method: str | None = None,
+            status_sent: bool = True) -> Decision:
+    """Audit a refusal; returns the decision to send (its message redacted by the listener).
+    `status_sent`: False for a message cut off after its head went out (no refusal status)."""
     try:
-        return on_refusal(context, decision, request, method or getattr(request, "method", None)) or decision
+        method = method or getattr(request, "method", None)
+        if not status_sent:
+            return on_refusal(context, decision, request, method, status_sent=False) or decision
+        return on_refusal(context, decision, request, method) or decision
     except Exception:  # e.g. the audit disk is full: the refusal still goes out
         logging.getLogger("egress").exception("egress gateway: could not record a refusal")
         return decision
@@ -541,12 +568,188 @@ class GatewayHttpStream(HttpStream):
       goes on: a buffered body is checked whole before the upstream connection is opened; a streamed
       one chunk by chunk, holding back the last byte while the body ends inside an override field
       (only its end can settle that one), so that a refusal aborts the upstream stream before the
-      origin has a complete request."""
+      origin has a complete request;
+    - every buffered body charged to the buffer ledger (gateway/budget.py) before it grows: over
+      the connection's or the sandbox's budget, a body that may stream switches to streaming (what
+      mitmproxy does above `stream_large_bodies`), one that must stay buffered (a credential-bound
+      response, a body held for its check) is refused, 503 `buffer_budget`;
+    - a body that stops moving ends its stream after `idle_timeout` seconds without a byte: a
+      request body 408 `request_body_timeout` (its upstream stream aborted), a response body 504
+      `response_body_timeout` while nothing was sent, cut off after."""
 
     _streamed_request = 0
     _streamed_response = 0
     _held = b""  # the last byte of a streamed request body that ends inside an override field so far
+    _checked_ahead = 0  # bytes at the start of the next streamed chunk its body check has already seen
     on_refusal: OnRefusal | None = None  # set by the HTTP layer that makes the stream
+    body_limits: BodyLimits = BodyLimits()
+    _account: Account | None = None
+    _request_moved: float | None = None  # when the request body last moved (None: not under way)
+    _response_moved: float | None = None
+
+    # -- the buffer ledger -------------------------------------------------------------------------
+
+    def _charge(self, n: int) -> bool:
+        """Reserve `n` more buffered bytes for this stream; False if over budget (nothing charged)."""
+        if self._account is None:
+            make = self.body_limits.account
+            account = make(self.context) if make is not None else None
+            if account is None:
+                return True
+            self._account = account
+            if self.flow is not None:
+                self.flow.metadata[BUFFER_ACCOUNT] = account  # a decode buffer is charged to it too
+        return self._account.reserve(n)
+
+    def _release(self, done: bool = True) -> None:
+        """Give back what this stream's buffers held; `done`: the stream is over (its account
+        closed, so the ledger forgets it), else a buffer was handed on and more may come."""
+        if self._account is not None:
+            if done:
+                self._account.close()
+                self._account = None
+            else:
+                self._account.release()
+
+    def _over_budget(self) -> Decision:
+        room = self._account.room() if self._account is not None else None
+        return Decision.deny("buffer_budget", "buffering this body would pass the connection's or the sandbox's "
+                             f"buffer budget ({room or 0} bytes left); nothing more was buffered")
+
+    # -- events ------------------------------------------------------------------------------------
+
+    _queued: dict[int, int] | None = None  # id -> bytes of body events queued while paused, charged
+    _uncharged = 0  # bytes queued over the budget, within QUEUE_ALLOWANCE
+    _overflowed = False  # a queued body piece was over budget: dropped, and the stream ends on resume
+
+    def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """While the stream waits (for an upstream connection, a hook), mitmproxy queues what
+        arrives: body bytes queued are charged too. Past the budget a stream may queue
+        QUEUE_ALLOWANCE more (what comes with its head, before it could switch to streaming); past
+        that the piece is dropped and the stream ends as soon as it resumes, 503 `buffer_budget`."""
+        if self._paused is not None and isinstance(event, (RequestData, ResponseData)):
+            n = len(event.data)
+            if self._overflowed:
+                return
+            if self._charge(n):
+                if self._queued is None:
+                    self._queued = {}
+                self._queued[id(event)] = n
+            elif self._uncharged + n <= QUEUE_ALLOWANCE:
+                self._uncharged += n
+            else:
+                self._overflowed = True
+                return
+        yield from super().handle_event(event)
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if self._queued and isinstance(event, (RequestData, ResponseData)):
+            taken = self._queued.pop(id(event), None)
+            if taken is not None and self._account is not None:
+                self._account.release(taken)  # charged again below if it is buffered
+        if self._overflowed:
+            self._overflowed = False
+            if self.client_state != self.state_errored and self.flow is not None:
+                answered = self.server_state in (self.state_stream_response_body, self.state_done)
+                yield from self._abort(self._over_budget(), upstream=self.client_state == self.state_stream_request_body
+                                       or self.server_state != self.state_wait_for_response_headers,
+                                       status_sent=not answered)
+            return
+        if isinstance(event, BodyIdleCheck):
+            yield from self._idle_deadline()
+            return
+        now = time.monotonic()
+        if isinstance(event, (RequestHeaders, ResponseHeaders)):
+            if not event.end_stream:
+                if isinstance(event, RequestHeaders):
+                    self._request_moved = now
+                else:
+                    self._response_moved = now
+        elif isinstance(event, RequestData):
+            if self._request_moved is not None:
+                self._request_moved = now
+        elif isinstance(event, ResponseData):
+            if self._response_moved is not None:
+                self._response_moved = now
+        elif isinstance(event, (RequestEndOfMessage, RequestProtocolError)):
+            self._request_moved = None
+        elif isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
+            self._response_moved = None
+        yield from super()._handle_event(event)
+        if self.client_state in (self.state_done, self.state_errored) and self.server_state in (
+                self.state_done, self.state_errored):
+            self._release()
+
+    def passthrough(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """After an upgrade (WebSocket) the child layer owns the connection; a body check is this
+        stream's, not the child's."""
+        if isinstance(event, BodyIdleCheck):
+            return
+        yield from super().passthrough(event)
+
+    def flow_done(self) -> layer.CommandGenerator[None]:
+        self._request_moved = self._response_moved = None
+        self._release()
+        yield from super().flow_done()
+
+    # -- a body that stops moving ------------------------------------------------------------------
+
+    def _idle_since(self) -> float | None:
+        """When the oldest body of this stream still under way last moved (None: none is)."""
+        moved = []
+        if self._request_moved is not None and self.client_state in (
+                self.state_consume_request_body, self.state_stream_request_body):
+            moved.append(self._request_moved)
+        if self._response_moved is not None and self.server_state in (
+                self.state_consume_response_body, self.state_stream_response_body):
+            moved.append(self._response_moved)
+        return min(moved) if moved else None
+
+    def _idle_deadline(self) -> layer.CommandGenerator[None]:
+        timeout = self.body_limits.idle_timeout
+        if not timeout or self.flow is None:
+            return
+        now = time.monotonic()
+        request_on = self._request_moved is not None and self.client_state in (
+            self.state_consume_request_body, self.state_stream_request_body)
+        response_on = self._response_moved is not None and self.server_state in (
+            self.state_consume_response_body, self.state_stream_response_body)
+        answered = self.server_state in (self.state_stream_response_body, self.state_done)
+        if request_on and now - self._request_moved >= timeout:
+            decision = Decision.deny("request_body_timeout",
+                                     f"the request body sent nothing for {timeout:g}s; the request was abandoned")
+            yield from self._abort(decision, upstream=self.client_state == self.state_stream_request_body
+                                   or self.server_state != self.state_wait_for_response_headers,
+                                   status_sent=not answered)
+        elif response_on and now - self._response_moved >= timeout:
+            decision = Decision.deny("response_body_timeout",
+                                     f"the upstream response body sent nothing for {timeout:g}s")
+            yield from self._abort(decision, upstream=True,
+                                   status_sent=self.server_state == self.state_consume_response_body)
+
+    def _abort(self, decision: Decision, upstream: bool, status_sent: bool = True,
+               audited: bool = False) -> layer.CommandGenerator[None]:
+        """End the stream both ways with `decision`: the client gets the refusal if nothing of the
+        answer went out yet (else its response is cut off), an upstream stream under way is aborted
+        unfinished. Audited here unless `audited`."""
+        self._held = b""
+        self._request_moved = self._response_moved = None
+        if not audited and self.on_refusal is not None:
+            decision = _report(self.on_refusal, self.context, decision, self.flow.request, status_sent=status_sent)
+        self.flow.error = mitm_flow.Error(f"egress gateway: {decision.message}")
+        setattr(self.flow.request, REFUSAL_ATTR, decision)
+        yield HttpErrorHook(self.flow)
+        refusal = ResponseProtocolError(self.stream_id, decision.message, ErrorCode.GENERIC_CLIENT_ERROR)
+        setattr(refusal, REFUSAL_ATTR, decision)
+        yield SendHttp(refusal, self.context.client)
+        if upstream:
+            yield SendHttp(RequestProtocolError(self.stream_id, decision.message, ErrorCode.GENERIC_CLIENT_ERROR),
+                           self.context.server)
+        self.client_state = self.server_state = self.state_errored
+        self.flow.live = False
+        self._release()
+
+    # -- request bodies ----------------------------------------------------------------------------
 
     def state_wait_for_request_headers(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, RequestHeaders):
@@ -558,6 +761,9 @@ class GatewayHttpStream(HttpStream):
             # Refused at its head: the body is read to keep the connection's framing and thrown
             # away, not buffered (mitmproxy would switch a large one to streaming, which cannot
             # coexist with the gateway's answer, and crash the stream).
+            return
+        if isinstance(event, RequestData) and not self._charge(len(event.data)):
+            yield from self._request_over_budget(event)
             return
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
         if check is not None and isinstance(event, (RequestData, RequestTrailers, RequestEndOfMessage)):
@@ -572,6 +778,23 @@ class GatewayHttpStream(HttpStream):
                 return
         yield from super().state_consume_request_body(event)
 
+    def _request_over_budget(self, event: RequestData) -> layer.CommandGenerator[None]:
+        """A buffered request body over the budget: streamed on from here (its check goes on chunk
+        by chunk), or, when it must stay buffered, refused before anything went upstream."""
+        decision = self.flow.metadata.get("egress_decision")
+        if HOLD_BODY in self.flow.metadata or decision is None or not decision.allowed:
+            yield from self._abort(self._over_budget(), upstream=False)
+            return
+        buffered = bytes(self.request_body_buf)
+        self.request_body_buf.clear()
+        self._release(done=False)
+        self.flow.request.stream = True
+        yield from self.start_request_stream()
+        if self.client_state != self.state_stream_request_body:
+            return  # the upstream connection failed: already answered
+        self._checked_ahead = len(buffered)  # its check saw the buffered part already
+        yield from self.state_stream_request_body(RequestData(event.stream_id, buffered + event.data))
+
     def state_stream_request_body(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, RequestData):
             self._streamed_request += len(event.data)
@@ -579,7 +802,8 @@ class GatewayHttpStream(HttpStream):
                 return
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
         if check is not None and isinstance(event, RequestData):
-            if (refusal := check.feed(event.data)) is not None:
+            fresh, self._checked_ahead = event.data[self._checked_ahead:], 0
+            if fresh and (refusal := check.feed(fresh)) is not None:
                 yield from self._refuse_body(refusal, upstream=True)
                 return
             data, self._held = self._held + event.data, b""
@@ -640,18 +864,24 @@ class GatewayHttpStream(HttpStream):
     def _refuse_body(self, decision: Decision, upstream: bool) -> layer.CommandGenerator[None]:
         """The body named a method the rule does not allow (already audited by the check): the
         client gets the refusal, and an upstream stream already under way is aborted unfinished."""
-        self._held = b""
-        self.flow.error = mitm_flow.Error(f"egress gateway: {decision.message}")
-        setattr(self.flow.request, REFUSAL_ATTR, decision)
-        yield HttpErrorHook(self.flow)
-        refusal = ResponseProtocolError(self.stream_id, decision.message, ErrorCode.GENERIC_CLIENT_ERROR)
-        setattr(refusal, REFUSAL_ATTR, decision)
-        yield SendHttp(refusal, self.context.client)
-        if upstream:
-            yield SendHttp(RequestProtocolError(self.stream_id, decision.message, ErrorCode.GENERIC_CLIENT_ERROR),
-                           self.context.server)
-        self.client_state = self.server_state = self.state_errored
-        self.flow.live = False
+        yield from self._abort(decision, upstream, audited=True)
+
+    # -- response bodies ---------------------------------------------------------------------------
+
+    def state_consume_response_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, ResponseData) and not self._charge(len(event.data)):
+            if BOUND in self.flow.metadata:
+                # Buffered to be decoded and redacted whole: it cannot stream as it is.
+                yield from self._abort(self._over_budget(), upstream=True)
+                return
+            buffered = bytes(self.response_body_buf)
+            self.response_body_buf.clear()
+            self._release(done=False)
+            self.flow.response.stream = True
+            yield from self.start_response_stream()
+            yield from self.state_stream_response_body(ResponseData(event.stream_id, buffered + event.data))
+            return
+        yield from super().state_consume_response_body(event)
 
     def state_stream_response_body(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, ResponseData):
@@ -677,6 +907,7 @@ class GatewayHttpStream(HttpStream):
         yield SendHttp(RequestProtocolError(self.stream_id, message, code), self.context.server)
         self.client_state = self.server_state = self.state_errored
         self.flow.live = False
+        self._release()
         return True
 
 
@@ -684,13 +915,48 @@ class GatewayHttpLayer(HttpLayer):
     """HttpLayer whose HTTP/1 client side is a `GatewayHttp1Server`."""
 
     def __init__(self, context, mode, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
-                 head_timeout: float = DEFAULT_HEAD_TIMEOUT):
+                 head_timeout: float = DEFAULT_HEAD_TIMEOUT, body_limits: BodyLimits | None = None):
         super().__init__(context, mode)
         self.on_refusal = on_refusal
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
+        self.body_limits = body_limits or BodyLimits()
+
+    _idle_wakeup: commands.RequestWakeup | None = None
 
     def _handle_event(self, event: events.Event):
+        if isinstance(event, events.Wakeup) and event.command is self._idle_wakeup:
+            self._idle_wakeup = None
+            yield from self._check_idle_bodies()
+            return
+        yield from self._handle(event)
+        if self._idle_wakeup is None and self.body_limits.idle_timeout > 0 and self._bodies_under_way():
+            self._idle_wakeup = commands.RequestWakeup(self.body_limits.idle_timeout)
+            yield self._idle_wakeup
+
+    def _bodies_under_way(self) -> list[float]:
+        """When each body under way on this connection last moved."""
+        found = []
+        for stream in self.streams.values():
+            if isinstance(stream, GatewayHttpStream) and (since := stream._idle_since()) is not None:
+                found.append(since)
+        return found
+
+    def _check_idle_bodies(self) -> layer.CommandGenerator[None]:
+        """Each stream whose body went without a byte for the idle timeout ends (it decides how);
+        then the timer is set for the next one due, while any stream is left."""
+        timeout = self.body_limits.idle_timeout
+        now = time.monotonic()
+        for stream in list(self.streams.values()):
+            since = stream._idle_since() if isinstance(stream, GatewayHttpStream) else None
+            if since is not None and now - since >= timeout:
+                yield from self.event_to_child(stream, BodyIdleCheck())
+        due = self._bodies_under_way()
+        if due and timeout > 0:
+            self._idle_wakeup = commands.RequestWakeup(max(timeout - (now - min(due)), 0.05))
+            yield self._idle_wakeup
+
+    def _handle(self, event: events.Event):
         if isinstance(event, events.Start):
             if is_h3_alpn(self.context.client.alpn):
                 server = Http3Server(self.context.fork())
@@ -718,6 +984,7 @@ class GatewayHttpLayer(HttpLayer):
     def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:
         stream = self.streams[stream_id] = self.stream_class(self.context.fork(), stream_id)
         stream.on_refusal = self.on_refusal
+        stream.body_limits = self.body_limits
         yield from self.event_to_child(self.streams[stream_id], events.Start())
 
     stream_class: type[HttpStream] = GatewayHttpStream

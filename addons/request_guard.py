@@ -20,7 +20,7 @@ from mitmproxy import http
 
 from gateway import bodies, methods
 from gateway.decision import Decision, verdict_fields
-from gateway.decompress import streaming_decoder
+from gateway.decompress import request_decoder
 from gateway.engine import Engine, Pin, RequestFacts, body_override_refusal
 from gateway.hopbyhop import forwardable
 from gateway.hostnames import HostError, parse_authority
@@ -148,7 +148,7 @@ class RequestGuard:
         checked as it arrives, before it goes on (addons/method_body.py). With no rule behind the
         decision (report mode's `no_rule`), only the overrides that are always refused count."""
         rule = engine.policy.rules_by_id.get(decision.rule or "")
-        scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request), streaming_decoder)
+        scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request), request_decoder)
         if scanner is None:
             return None
         wire = flow.request.method

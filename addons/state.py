@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.audit import AuditLog
+from gateway.budget import Account, Ledger
 from gateway.decision import Decision
 from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine, Pin
@@ -79,6 +80,20 @@ class GatewayState:
         # response redactor, the log filter, the audit scrubber and refusal pages all redact.
         self.secret_memory = SecretMemory()
         self._secrets_seen: tuple | None = None
+        # Bytes buffered per connection and per sandbox (limits set by addons/budget.py).
+        self.buffers = Ledger()
+
+    def sandbox_key(self, conn: ConnectionState | None) -> str:
+        """What a per-sandbox budget counts against: the sandbox, or the client address when the
+        policy has no sandboxes section (as addons/limits.py does)."""
+        if self.engine is not None and self.engine.policy.sandboxes is not None:
+            return f"sandbox:{self.scope(conn).sandbox}"
+        return f"address:{conn.address if conn is not None else None}"
+
+    def buffer_account(self, context) -> Account:
+        """A new share of the buffer ledger for a buffer of this layer context's client."""
+        client = context.client
+        return self.buffers.account(client.id, self.sandbox_key(self.connections.get(client.id)))
 
     def redactor(self) -> Redactor | None:
         """The one redactor: every value the store holds now, every value held before (bounded),

@@ -24,6 +24,14 @@ class DecodedTooLarge(ValueError):
     pass
 
 
+class OverBudget(ValueError):
+    """Keeping the next decoded piece would pass the caller's memory budget (gateway/budget.py)."""
+
+
+PIECE = 1024 * 1024  # what a buffered decode produces per step, each step charged before it is kept
+INPUT_STEP = 4096  # compressed bytes given to a decoder at a time (see BoundedDecoder.pieces)
+
+
 class _Concatenated:
     """A coding whose body may be several streams back to back: gzip members (RFC 1952; Node and
     gzip(1) decode them all), zlib or raw deflate streams, zstd frames. Each stream is decoded to
@@ -176,16 +184,18 @@ DECODERS: dict[str, Callable[[], object]] = {
 class BoundedDecoder:
     """decompress(chunk) and flush() that never produce more than the budget (see the module)."""
 
-    def __init__(self, inner, limit: int | None):
+    def __init__(self, inner, limit: int | None, ratio: int = MAX_RATIO, grace: int = RATIO_GRACE):
         self.inner = inner
         self.limit = limit
+        self.ratio = ratio
+        self.grace = grace
         self.read = 0
         self.produced = 0
 
     def _room(self) -> int:
         room = self.limit - self.produced if self.limit is not None else 1 << 62
-        if self.produced + room > RATIO_GRACE:
-            room = min(room, max(RATIO_GRACE, self.read * MAX_RATIO) - self.produced)
+        if self.produced + room > self.grace:
+            room = min(room, max(self.grace, self.read * self.ratio) - self.produced)
         return max(room, 0)
 
     def _take(self, piece: bytes, room: int) -> bytes:
@@ -196,14 +206,23 @@ class BoundedDecoder:
         return piece
 
     def decompress(self, data: bytes) -> bytes:
-        self.read += len(data)
-        pieces = []
-        room = self._room()
-        pieces.append(self._take(self.inner.decompress(data, room + 1), room))
-        while self.inner.has_more():
+        return b"".join(self.pieces(data, 1 << 62))
+
+    def pieces(self, data: bytes, size: int = 0):
+        """The output for `data`, in pieces of at most about `size` bytes (PIECE by default), each
+        decoded only when the previous one was taken: a caller can stop between them (a budget,
+        a turn of the event loop) with nothing more allocated."""
+        size = size or PIECE
+        # The input goes in by steps, each counted before it is decoded: the ratio then bounds
+        # what the bytes read so far produced, not what a whole chunk (64 KiB x ratio) may.
+        for start in range(0, len(data), INPUT_STEP) or [0]:
+            segment = data[start:start + INPUT_STEP]
+            self.read += len(segment)
             room = self._room()
-            pieces.append(self._take(self.inner.decompress(b"", room + 1), room))
-        return b"".join(pieces)
+            yield self._take(self.inner.decompress(segment, min(room, size) + 1), room)
+            while self.inner.has_more():
+                room = self._room()
+                yield self._take(self.inner.decompress(b"", min(room, size) + 1), room)
 
     def flush(self) -> bytes:
         return self._take(self.inner.flush(), self._room())
@@ -218,22 +237,62 @@ class BoundedDecoder:
         return self.inner.trailing
 
 
-def streaming_decoder(content_encoding: str, limit: int | None = None) -> BoundedDecoder | None:
+def streaming_decoder(content_encoding: str, limit: int | None = None, ratio: int = MAX_RATIO,
+                      grace: int = RATIO_GRACE) -> BoundedDecoder | None:
     """A bounded decoder with decompress(chunk) and flush(), or None if the encoding is not supported."""
     encoding = content_encoding.strip().lower()
     factory = DECODERS.get(encoding)
-    return BoundedDecoder(factory(), limit) if factory is not None else None
+    return BoundedDecoder(factory(), limit, ratio, grace) if factory is not None else None
 
 
-def decode_whole(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT) -> bytes:
-    """A buffered body, decoded within `limit`; ValueError (DecodedTooLarge) if it does not fit or
-    does not decode."""
+# A request body is decoded only to be scanned for method overrides (gateway/methods.py), and every
+# decoded byte costs scanning time on the event loop: a tighter budget than a response's. A
+# compressed upload is rare, and one that inflates more than 100x past its first MiB rarer still;
+# over it the body is refused, 413 request_too_large (it cannot be checked).
+REQUEST_RATIO = 100
+REQUEST_GRACE = 1024 * 1024
+
+
+# A streamed body's decoded bytes go out (TLS, the socket) as they come, within the same turn of the
+# event loop as their input: a grace of 16 MiB would let 153 bytes of brotli send 16 MiB before the
+# ratio trips. Past its first MiB, a streamed body keeps to MAX_RATIO.
+STREAM_GRACE = 1024 * 1024
+
+
+def stream_decoder(content_encoding: str, limit: int | None = None) -> BoundedDecoder | None:
+    """The bounded decoder of a response body decoded on the fly (addons/credentials.py)."""
+    return streaming_decoder(content_encoding, limit, MAX_RATIO, STREAM_GRACE)
+
+
+def request_decoder(content_encoding: str) -> BoundedDecoder | None:
+    """The bounded decoder of a request body's coding, for the method-override scanner."""
+    return streaming_decoder(content_encoding, None, REQUEST_RATIO, REQUEST_GRACE)
+
+
+def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT):
+    """A buffered body's decoded bytes in pieces of at most about PIECE bytes, each decoded only when
+    the previous one was taken (a caller charges each to its budget, or lets other clients run in
+    between); ValueError (DecodedTooLarge) if it does not fit within `limit` or does not decode."""
     decoder = streaming_decoder(content_encoding, limit)
     if decoder is None:
         raise ValueError(f"unsupported Content-Encoding {content_encoding[:40]!r}")
     try:
-        return decoder.decompress(data) + decoder.flush()
+        yield from decoder.pieces(data)
+        yield decoder.flush()
     except DecodedTooLarge:
         raise
     except Exception as exc:
         raise ValueError(f"cannot decode: {type(exc).__name__}") from None
+
+
+def decode_whole(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT,
+                 reserve: Callable[[int], bool] | None = None) -> bytes:
+    """A buffered body, decoded within `limit`; ValueError (DecodedTooLarge) if it does not fit or
+    does not decode. `reserve(n)` is asked before each piece (decode_pieces) is kept, and a False
+    stops the decode (OverBudget) with nothing more allocated."""
+    out = bytearray()
+    for piece in decode_pieces(content_encoding, data, limit):
+        if reserve is not None and not reserve(len(piece)):
+            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+        out += piece
+    return bytes(out)

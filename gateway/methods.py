@@ -40,7 +40,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote_plus, unquote_to_bytes
 
@@ -911,34 +911,45 @@ class BodyScanner:
                 self._decoded.finish(found)
         return found
 
-    def _through(self, data: bytes) -> bytes:
-        for decoder in self.decoders:
-            data = decoder.decompress(data) if data else b""
-        return data
+    def _through(self, data: bytes, level: int = 0):
+        """What `data` decodes to through every coding, in pieces (BoundedDecoder.pieces): a chunk
+        that decodes to many MiB is scanned a piece at a time, never held whole."""
+        if level == len(self.decoders):
+            yield data
+            return
+        decoder = self.decoders[level]
+        pieces = decoder.pieces(data) if hasattr(decoder, "pieces") else [decoder.decompress(data)]
+        for piece in pieces:
+            if piece:
+                yield from self._through(piece, level + 1)
 
-    def _flushed(self) -> bytes:
+    def _flushed(self):
         data = b""
         for decoder in self.decoders:
             data = (decoder.decompress(data) if data else b"") + decoder.flush()
             if not getattr(decoder, "finished", lambda: True)():
                 raise ValueError("truncated")
-        return data
+        yield data
 
-    def _decode(self, step: Callable[[], bytes], found: list[Override]) -> None:
+    def _decode(self, step: Callable[[], Iterator[bytes]], found: list[Override]) -> None:
         from .decompress import DecodedTooLarge
 
-        try:
-            data = step()
-        except DecodedTooLarge as exc:
-            raise BodyTooLarge(str(exc)) from None
-        except Exception:
-            self._problem = "its Content-Encoding does not decode (or ends early)"
-            return
-        if any(getattr(d, "trailing", False) for d in self.decoders):
-            self._problem = "it has data after the end of its compressed stream"
-            return
-        if data:
-            self._decoded.feed(data, found)
+        pieces = step()
+        while True:
+            try:
+                data = next(pieces)
+            except StopIteration:
+                return
+            except DecodedTooLarge as exc:
+                raise BodyTooLarge(str(exc)) from None
+            except Exception:
+                self._problem = "its Content-Encoding does not decode (or ends early)"
+                return
+            if any(getattr(d, "trailing", False) for d in self.decoders):
+                self._problem = "it has data after the end of its compressed stream"
+                return
+            if data:
+                self._decoded.feed(data, found)
 
     @property
     def pending(self) -> bool:

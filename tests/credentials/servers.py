@@ -122,6 +122,31 @@ def brotli_bomb(size: int = 96 << 20) -> bytes:
     return _BOMB[0]
 
 
+_BOMBS: dict[str, bytes] = {}
+
+
+def bomb(encoding: str, size: int = 96 << 20) -> bytes:
+    """`size` zero bytes in `encoding` (br, gzip, deflate, zstd), made once, 1 MiB at a time."""
+    if encoding == "br":
+        return brotli_bomb(size)
+    if encoding not in _BOMBS:
+        import zlib
+
+        zeros, out = bytes(1 << 20), []
+        if encoding == "zstd":
+            try:
+                from backports import zstd
+            except ImportError:  # Python 3.14+
+                from compression import zstd  # type: ignore[no-redef]
+            compressor = zstd.ZstdCompressor()
+            out = [compressor.compress(zeros) for _ in range(size >> 20)] + [compressor.flush()]
+        else:
+            compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+            out = [compressor.compress(zeros) for _ in range(size >> 20)] + [compressor.flush()]
+        _BOMBS[encoding] = b"".join(out)
+    return _BOMBS[encoding]
+
+
 def incompressible(n: int) -> bytes:
     """Random punctuation: compresses poorly (about 4.4 bits a byte) and never looks like base64 or hex."""
     return bytes(_NOISE[b % len(_NOISE)] for b in os.urandom(n))
@@ -372,11 +397,13 @@ class EchoUpstream:
                 self.send(200, encoders[style](token).encode(), content_type="text/plain")
 
             def bomb(self, seen: Seen) -> None:
-                """A few hundred bytes of brotli that decode to 96 MiB (?te=cl|chunked)."""
-                data = brotli_bomb()
+                """A few hundred bytes of brotli that decode to 96 MiB (?te=cl|chunked; ?enc=gzip,
+                deflate or zstd for the same zeros in another coding)."""
+                encoding = self.query().get("enc", "br")
+                data = bomb(encoding)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Encoding", "br")
+                self.send_header("Content-Encoding", encoding)
                 if self.query().get("te") == "chunked":
                     self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()

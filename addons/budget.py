@@ -1,0 +1,75 @@
+"""Memory budgets of the bodies a client makes the gateway hold, and how long a body may stall.
+
+Every buffered body (a request below `stream_large_bodies`, a small response, a bound response
+decoded whole for redaction) is charged to the buffer ledger (gateway/budget.py) before it grows,
+per connection and per sandbox (per client address without a `sandboxes` section). Over budget, a
+body that may stream does; one that must stay whole is refused, 503 `buffer_budget` (the stream,
+addons/layers.py `GatewayHttpStream`, applies both). A body with no byte for
+`egress_body_idle_timeout` seconds ends its stream (`request_body_timeout`, `response_body_timeout`).
+
+WebSocket compression (permessage-deflate) is not negotiated: mitmproxy inflates it with no bound
+(wsproto's decompressor takes no max_length), so a few KiB of deflate in one message would become
+gigabytes in the worker. The offer is taken out of the upgrade request, and an upstream that answers
+with the extension anyway has it taken out of the answer: its compressed frames then fail the
+WebSocket (closed), never inflate.
+"""
+
+from __future__ import annotations
+
+from mitmproxy import ctx, http
+
+from gateway.budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
+
+from .layers import DEFAULT_BODY_IDLE_TIMEOUT
+from .state import GatewayState
+
+
+class BufferBudget:
+    def __init__(self, state: GatewayState):
+        self.state = state
+
+    def load(self, loader):
+        loader.add_option(
+            "egress_max_buffered_bytes_per_connection", int, DEFAULT_PER_CONNECTION,
+            "Bytes of bodies one client connection may have buffered at once (request and response "
+            "bodies, bound responses decoded for redaction); over it a body streams, or is refused "
+            "with 503 buffer_budget when it must stay whole. 0: no limit.",
+        )
+        loader.add_option(
+            "egress_max_buffered_bytes_per_sandbox", int, DEFAULT_PER_SANDBOX,
+            "The same, for all connections of one sandbox (one client address without a sandboxes "
+            "section). 0: no limit.",
+        )
+        loader.add_option(
+            "egress_body_idle_timeout", int, int(DEFAULT_BODY_IDLE_TIMEOUT),
+            "Seconds a request or response body may go without a byte before its stream ends "
+            "(408 request_body_timeout / 504 or cut off response_body_timeout). 0: no limit.",
+        )
+
+    def configure(self, updated: set[str]):
+        if updated & {"egress_max_buffered_bytes_per_connection", "egress_max_buffered_bytes_per_sandbox"}:
+            self.state.buffers.per_connection = max(ctx.options.egress_max_buffered_bytes_per_connection, 0) or None
+            self.state.buffers.per_sandbox = max(ctx.options.egress_max_buffered_bytes_per_sandbox, 0) or None
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        _drop_deflate(flow.request.headers)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None and flow.response.status_code == 101:
+            _drop_deflate(flow.response.headers)
+
+    def client_disconnected(self, client):
+        self.state.buffers.drop_connection(client.id)
+
+
+def _drop_deflate(headers: http.Headers) -> None:
+    """Sec-WebSocket-Extensions without permessage-deflate (any spelling, any parameters)."""
+    values = headers.get_all("sec-websocket-extensions")
+    if not values:
+        return
+    kept = [ext.strip() for value in values for ext in value.split(",")
+            if ext.strip() and ext.split(";", 1)[0].strip().lower() != "permessage-deflate"]
+    if kept:
+        headers.set_all("sec-websocket-extensions", [", ".join(kept)])
+    else:
+        headers.pop("sec-websocket-extensions", None)

@@ -1,0 +1,337 @@
+"""Memory budgets for buffered bodies, and bodies that stop moving (issue 15).
+
+- `egress_max_buffered_bytes_per_connection` / `_per_sandbox`: a buffered request body over its
+  budget streams on instead of growing (its upstream connection opens before the body is complete);
+- `egress_body_idle_timeout`: a request body that stops moving gets 408 `request_body_timeout`
+  (and no upstream connection when it was buffered, an aborted one when it streamed); a response
+  body that stops moving gets 504 `response_body_timeout` while its head was not sent, is cut off
+  after; bytes that keep coming (an SSE keep-alive comment) are movement.
+
+The stalling origin is a socket server on this session's loopback block (last octets 210-219).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+
+import pytest
+
+from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, start_tls, tunnel
+
+STALL_OCTET = 210
+RULES = """
+- id: allowed
+  hosts: [allowed.test]
+  schemes: [http, https]
+- id: stall
+  hosts: [stall.test]
+  schemes: [http, https]
+"""
+
+
+class StallingOrigin:
+    """Reads what comes, answers each connection's first request head with `answer` (after `after`
+    body bytes), then sends `drip` every `every` seconds `times` times, then `end` — or, with no
+    drip, holds the socket open. Records what it received and when a peer closed."""
+
+    def __init__(self, host: str, port: int, answer: bytes = b"", after: int = 0, drip: bytes = b"",
+                 every: float = 0.0, times: int = 0, end: bytes = b"", tls: ssl.SSLContext | None = None):
+        self.answer, self.after, self.drip, self.every, self.times, self.end = answer, after, drip, every, times, end
+        self.tls = tls
+        self.received = 0  # body bytes, over all connections
+        self.connections = 0
+        self.heads: list[bytes] = []
+        self.closed = threading.Event()  # a peer closed (the gateway gave up on it)
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(16)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _handle(self, client: socket.socket) -> None:
+        try:
+            if self.tls is not None:
+                client = self.tls.wrap_socket(client, server_side=True)
+            client.settimeout(0.2)
+            data, answered = b"", False
+            while not self._stop.is_set():
+                try:
+                    chunk = client.recv(65536)
+                except (TimeoutError, socket.timeout):
+                    chunk = None
+                if chunk == b"":
+                    self.closed.set()
+                    return
+                if chunk:
+                    if b"\r\n\r\n" in data:
+                        self.received += len(chunk)
+                    else:
+                        data += chunk
+                        if b"\r\n\r\n" in data:
+                            self.received += len(data.split(b"\r\n\r\n", 1)[1])
+                if not answered and b"\r\n\r\n" in data and self.received >= self.after:
+                    answered = True
+                    self.heads.append(data.split(b"\r\n\r\n", 1)[0])
+                    client.sendall(self.answer)
+                    if self.drip:
+                        for _ in range(self.times):
+                            time.sleep(self.every)
+                            client.sendall(self.drip)
+                        client.sendall(self.end)
+        except OSError:
+            self.closed.set()
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept(): the port is free again at once
+        except OSError:
+            pass
+        self._sock.close()
+
+
+@pytest.fixture
+def stall_address(upstreams):
+    return f"{upstreams.block}.{STALL_OCTET}"
+
+
+@pytest.fixture
+def origin(stall_address):
+    made: list[StallingOrigin] = []
+
+    def make(port: int = 80, **kw) -> StallingOrigin:
+        server = StallingOrigin(stall_address, port, **kw)
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.stop()
+
+
+@pytest.fixture
+def gateway_with(start_gateway, stall_address):
+    def start(*sets: str):
+        args = [a for s in sets for a in ("--set", s)]
+        return start_gateway(RULES, extra_static_hosts({"stall.test": stall_address}), args=args)
+    return start
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def _post_head(target: str, host: str, length: int) -> bytes:
+    return f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n" \
+           f"Content-Length: {length}\r\n\r\n".encode()
+
+
+# -- bodies that stop moving ----------------------------------------------------------------------
+
+
+def test_a_stalled_buffered_request_body_gets_408_and_no_upstream_connection(gateway_with, upstreams):
+    gateway = gateway_with("egress_body_idle_timeout=1")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(_post_head("http://allowed.test/upload", "allowed.test", 1000) + b"x" * 100)
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (408, "request_body_timeout"), response
+    assert conn.closed()
+    assert upstreams.untouched("allowed.test")
+    assert [a["reason"] for a in audit_for(gateway, conn.client, 2)][-1] == "request_body_timeout"
+
+
+def test_a_stalled_streamed_request_body_is_408_and_its_upstream_stream_aborted(gateway_with, origin):
+    upstream = origin()
+    gateway = gateway_with("egress_body_idle_timeout=1", "stream_large_bodies=1k")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(_post_head("http://stall.test/upload", "stall.test", 100_000) + b"x" * 5000)
+    assert _wait(lambda: upstream.received >= 5000)  # it streamed
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (408, "request_body_timeout"), response
+    assert upstream.closed.wait(5)  # the origin's request was abandoned unfinished
+    assert upstream.received < 100_000
+
+
+def test_a_stalled_response_body_before_its_head_went_out_is_504(gateway_with, origin):
+    upstream = origin(answer=b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"y" * 10)
+    gateway = gateway_with("egress_body_idle_timeout=1")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (504, "response_body_timeout"), response
+    assert upstream.closed.wait(5)
+    lines = audit_for(gateway, conn.client, 2)
+    assert lines[-1]["reason"] == "response_body_timeout" and lines[-1]["status"] == 504
+
+
+def test_a_stalled_streamed_response_body_is_cut_off(gateway_with, origin):
+    upstream = origin(answer=b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"6\r\ndata:1\r\n")
+    gateway = gateway_with("egress_body_idle_timeout=1")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/events HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    head = conn.read_until(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    while conn._fill():  # until the gateway closes: the body never ends properly
+        pass
+    assert b"data:1" in conn.buf and not conn.buf.endswith(b"0\r\n\r\n")
+    assert upstream.closed.wait(5)
+    lines = audit_for(gateway, conn.client, 2)
+    assert lines[-1]["reason"] == "response_body_timeout" and lines[-1]["status"] is None  # no status was sent
+
+
+def test_keep_alive_comments_are_movement(gateway_with, origin):
+    """An SSE stream that only sends keep-alive comments, each well within the timeout, is not cut."""
+    origin(answer=b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+           drip=b"3\r\n:\n\n\r\n", every=0.3, times=12, end=b"6\r\ndata:1\r\n0\r\n\r\n")
+    gateway = gateway_with("egress_body_idle_timeout=2")
+    conn = connect_proxy(gateway, timeout=15)
+    conn.send(b"GET http://stall.test/events HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    response = conn.read_response()
+    assert response.status == 200 and response.body.endswith(b"data:1"), response
+
+
+def test_a_stalled_response_body_on_an_http2_stream_in_a_tunnel_is_504(gateway_with, origin, pki, stall_address):
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["http/1.1"])
+    upstream = origin(443, answer=b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"y" * 10, tls=context)
+    gateway = gateway_with("egress_body_idle_timeout=1")
+    conn, answer = tunnel(gateway, "stall.test:443", timeout=10)
+    assert answer.status == 200
+    client = H2Client(start_tls(conn, gateway, "stall.test", alpn=["h2"]))
+    sid = client.send("stall.test", "/slow")
+    client.wait(sid, timeout=10)
+    entry = client.responses[sid]
+    assert entry["status"] == 504 and client.header(sid, "x-egress-reason") == "response_body_timeout", entry
+    assert upstream.closed.wait(5)
+
+
+def test_a_stalled_request_body_on_an_http2_stream_is_408(gateway_with, upstreams):
+    gateway = gateway_with("egress_body_idle_timeout=1")
+    conn, answer = tunnel(gateway, "allowed.test:443", timeout=10)
+    assert answer.status == 200
+    client = H2Client(start_tls(conn, gateway, "allowed.test", alpn=["h2"]))
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "allowed.test"),
+                                 (":path", "/upload"), ("content-length", "1000")])
+    client.h2.send_data(sid, b"x" * 100)
+    client._flush()
+    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    client.wait(sid, timeout=10)
+    assert client.responses[sid]["status"] == 408, client.responses[sid]
+    assert client.header(sid, "x-egress-reason") == "request_body_timeout"
+    assert upstreams.untouched("allowed.test")
+
+
+# -- buffer budgets --------------------------------------------------------------------------------
+
+
+def test_a_request_body_over_the_connection_budget_streams_instead_of_growing(gateway_with, origin):
+    """5,000 bytes of declared body, under stream_large_bodies (1m), would be buffered whole; over a
+    2,000-byte budget it streams: the origin has its first bytes before the body is complete."""
+    upstream = origin()
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=2000")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(_post_head("http://stall.test/upload", "stall.test", 5000) + b"x" * 3000)
+    assert _wait(lambda: upstream.received >= 3000), upstream.received
+    conn.send(b"x" * 2000)
+    assert _wait(lambda: upstream.received >= 5000), upstream.received
+
+
+def test_a_request_body_over_the_sandbox_budget_streams_and_the_other_connection_still_completes(
+        gateway_with, origin, upstreams):
+    """Two connections of one client address (one sandbox): the first holds 2,000 buffered bytes of
+    a 3,000-byte sandbox budget, so the second's body cannot be buffered too: it streams."""
+    upstream = origin()
+    gateway = gateway_with("egress_max_buffered_bytes_per_sandbox=3000")
+    first = connect_proxy(gateway, timeout=10)
+    first.send(_post_head("http://allowed.test/upload", "allowed.test", 2500) + b"a" * 2000)
+    _wait(lambda: False, 0.5)  # nothing observable: the first body is buffered (no upstream connection)
+    assert upstreams.untouched("allowed.test")
+    second = connect_proxy(gateway, timeout=10)
+    second.send(_post_head("http://stall.test/upload", "stall.test", 5000) + b"b" * 1500)
+    assert _wait(lambda: upstream.received >= 1500), upstream.received
+    first.send(b"a" * 500)
+    assert first.read_response().status == 200
+
+
+def test_a_response_over_the_budget_streams_and_arrives_whole(gateway_with):
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=20000")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://allowed.test/bytes/300000 HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+    response = conn.read_response()
+    assert response.status == 200 and len(response.body) == 300_000
+
+
+# -- WebSocket compression -------------------------------------------------------------------------
+
+
+def test_websocket_compression_is_never_negotiated(gateway_with, origin):
+    """mitmproxy would inflate permessage-deflate with no bound: the offer never reaches the
+    origin, and an origin that answers with it anyway has it taken out of the 101."""
+    accept = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # for the sample key of RFC 6455
+    upstream = origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + accept.encode() + b"\r\n"
+                             b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n\r\n")
+    gateway = gateway_with()
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits, x-other\r\n\r\n")
+    response = conn.read_response(head_only=True)
+    assert response.status == 101, response
+    assert not any("deflate" in v.lower() for v in response.headers_all("Sec-WebSocket-Extensions")), response.headers
+    head = upstream.heads[0].lower()
+    assert b"upgrade: websocket" in head and b"permessage-deflate" not in head and b"x-other" in head, head
+
+
+def test_http2_streams_over_the_connection_budget_do_not_all_stay_buffered(gateway_with, origin, pki, stall_address):
+    """Ten HTTP/2 streams of 300 KB declared bodies (buffered under stream_large_bodies) on one
+    connection with a 1 MB budget: the ones past it stream on (or are refused), so the origin sees
+    connections before any body is complete, and never more than the budget waits in the gateway."""
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-h2")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["http/1.1"])
+    upstream = origin(443, tls=context)
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=1000000")
+    conn, answer = tunnel(gateway, "stall.test:443", timeout=10)
+    assert answer.status == 200
+    client = H2Client(start_tls(conn, gateway, "stall.test", alpn=["h2"]))
+    for i in range(10):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "stall.test"),
+                                     (":path", f"/u{i}"), ("content-length", "400000")])
+        sent = 0
+        while sent < 300_000:
+            window = min(client.h2.local_flow_control_window(sid), 16384)
+            if window <= 0:
+                client.h2.receive_data(client.conn.sock.recv(65536))
+                client._flush()
+                continue
+            client.h2.send_data(sid, b"x" * window)
+            sent += window
+            client._flush()
+    assert _wait(lambda: upstream.connections >= 1 and upstream.received > 0), (upstream.connections, upstream.received)

@@ -1,0 +1,108 @@
+"""The buffer ledger (gateway/budget.py): whatever sequence of reservations and releases, no
+connection or sandbox holds more than its limit, and everything returns to zero."""
+
+from hypothesis import given, settings, strategies as st
+
+from gateway.budget import Ledger
+
+CONNECTIONS = ["c1", "c2", "c3", "c4"]
+SANDBOX_OF = {"c1": "s1", "c2": "s1", "c3": "s2", "c4": "s2"}
+
+steps = st.lists(st.tuples(
+    st.sampled_from(["open", "reserve", "release", "close", "drop"]),
+    st.sampled_from(CONNECTIONS),
+    st.integers(min_value=0, max_value=9),  # which of the connection's accounts
+    st.integers(min_value=0, max_value=300),
+), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(per_connection=st.one_of(st.none(), st.integers(1, 500)),
+       per_sandbox=st.one_of(st.none(), st.integers(1, 800)), ops=steps)
+def test_reservations_never_pass_a_limit_and_all_return_to_zero(per_connection, per_sandbox, ops):
+    ledger = Ledger(per_connection, per_sandbox)
+    accounts = {c: [] for c in CONNECTIONS}
+    for op, conn, index, n in ops:
+        mine = accounts[conn]
+        if op == "open" or not mine:
+            mine.append(ledger.account(conn, SANDBOX_OF[conn]))
+            continue
+        account = mine[index % len(mine)]
+        if op == "reserve":
+            before = ledger.held(connection=conn)
+            room = ledger.room(conn, SANDBOX_OF[conn])
+            granted = account.reserve(n)
+            assert granted == (not account.closed and (room is None or n <= room))
+            assert ledger.held(connection=conn) == before + (n if granted else 0)
+        elif op == "release":
+            account.release(n)
+        elif op == "close":
+            account.close()
+        else:
+            ledger.drop_connection(conn)
+            assert ledger.held(connection=conn) == 0
+        for c in CONNECTIONS:
+            held = sum(a.held for a in accounts[c])
+            assert ledger.held(connection=c) == held
+            assert per_connection is None or held <= per_connection
+        for s in set(SANDBOX_OF.values()):
+            held = sum(a.held for c in CONNECTIONS if SANDBOX_OF[c] == s for a in accounts[c])
+            assert ledger.held(sandbox=s) == held
+            assert per_sandbox is None or held <= per_sandbox
+    for mine in accounts.values():
+        for account in mine:
+            account.close()
+    assert ledger.held() == 0 and not ledger.connections and not ledger.sandboxes and not ledger._accounts
+
+
+def test_a_refused_reservation_charges_nothing_and_a_closed_account_takes_nothing():
+    ledger = Ledger(per_connection=100, per_sandbox=150)
+    a, b = ledger.account("c1", "s"), ledger.account("c2", "s")
+    assert a.reserve(100) and not a.reserve(1)
+    assert not b.reserve(51) and b.reserve(50) and ledger.held(sandbox="s") == 150
+    a.close()
+    assert not a.reserve(1) and ledger.held(sandbox="s") == 50 and b.reserve(50)
+    ledger.drop_connection("c2")
+    assert ledger.held() == 0 and b.closed
+
+
+# -- decoders keep to their budgets in pieces (gateway/decompress.py) -------------------------------
+
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gateway.decompress import (  # noqa: E402
+    PIECE, DecodedTooLarge, OverBudget, decode_whole, request_decoder, stream_decoder, streaming_decoder,
+)
+
+
+def _gzip_zeros(mib: int) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return b"".join([c.compress(bytes(1 << 20)) for _ in range(mib)] + [c.flush()])
+
+
+def test_a_buffered_decode_stops_at_the_first_piece_its_budget_refuses():
+    granted = []
+
+    def reserve(n: int) -> bool:
+        if sum(granted) + n > 3 * PIECE:
+            return False
+        granted.append(n)
+        return True
+
+    with pytest.raises(OverBudget):
+        decode_whole("gzip", _gzip_zeros(12), limit=64 << 20, reserve=reserve)
+    assert sum(granted) <= 3 * PIECE and max(granted) <= PIECE + 1
+
+
+@pytest.mark.parametrize("make, most", [(request_decoder, 1 << 20), (stream_decoder, 1 << 20),
+                                        (lambda e: streaming_decoder(e), 16 << 20)])
+def test_every_piece_is_small_and_a_bomb_trips_near_its_grace(make, most):
+    decoder = make("gzip")
+    produced = 0
+    with pytest.raises(DecodedTooLarge):
+        for piece in decoder.pieces(_gzip_zeros(40)):
+            assert len(piece) <= PIECE + 1
+            produced += len(piece)
+    assert produced <= most + PIECE
