@@ -450,6 +450,7 @@ class GatewayHttp2Server(Http2Server):
         decision = Decision.deny("reset_flood", f"more than {self.limits.max_resets} HTTP/2 streams reset in "
                                                 f"{self.limits.reset_window:g}s; the connection was closed (GOAWAY)")
         self._record(decision, None, event="connection", status_sent=False, resets=self.resets.total)
+        self._linger_close = True
         yield from self.protocol_error(f"egress gateway: {decision.message}", h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         return True
 
@@ -520,11 +521,36 @@ class GatewayHttp2Server(Http2Server):
             logging.getLogger("egress").exception("egress gateway: could not record a refusal")
             return decision
 
+    GOAWAY_LINGER = 2.0  # seconds a closed flood's GOAWAY may take to be read (RefusalLayer.LINGER)
+    _linger_close = False  # set when the gateway itself ends the connection with GOAWAY
+    _linger: commands.RequestWakeup | None = None
+
     def close_connection(self, msg: str) -> layer.CommandGenerator[None]:
         for reason, count in self.aggregate.flush().items():
             self._record(Decision.deny(reason, f"{count} more HTTP/2 streams refused ({reason})"), None,
                          repeated=count)
-        yield from super().close_connection(msg)
+        if not self._linger_close:
+            yield from super().close_connection(msg)
+            return
+        # The gateway's own GOAWAY (reset_flood): a full close while the flooder is still writing
+        # makes the kernel answer with a reset, which destroys the GOAWAY before the client reads it
+        # (the client then cannot tell a refusal from a crash). FIN first; the full close when the
+        # client closes or after GOAWAY_LINGER seconds, whatever it sends meanwhile thrown away.
+        yield commands.CloseTcpConnection(self.conn, half_close=True)
+        self._linger = commands.RequestWakeup(self.GOAWAY_LINGER)
+        yield self._linger
+        for stream_id in self.streams:
+            yield ReceiveHttp(self.ReceiveProtocolError(stream_id, msg, self.ReceiveProtocolError.code))
+        self.streams.clear()
+        self._handle_event = self._lingering
+
+    def _lingering(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if self._linger is not None and (
+                (isinstance(event, events.Wakeup) and event.command is self._linger)
+                or (isinstance(event, events.ConnectionClosed) and event.connection is self.conn)):
+            self._linger = None
+            h2_backpressure.release(self.context.client)
+            yield commands.CloseConnection(self.conn)
 
     # --- answers in the gateway's format --------------------------------------------------------
 

@@ -213,6 +213,48 @@ def test_a_rapid_reset_flood_ends_in_goaway_and_reaches_no_upstream(gateway, ups
     assert lines
 
 
+def test_the_goaway_of_a_flood_reaches_a_client_that_is_still_writing(gateway):
+    """A flooder that keeps writing after its GOAWAY is sent still gets to read the GOAWAY: the
+    gateway half-closes and lingers instead of closing with the flood unread (the kernel would
+    answer that with a reset, destroying the GOAWAY on its way), and closes in full once the client
+    does."""
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        for _ in range(4 * MAX_RESETS):
+            sid = client.h2.get_next_available_stream_id()
+            client.h2.send_headers(sid, _headers("allowed.test", "/flood-on"), end_stream=True)
+            client.h2.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        flood = client.h2.data_to_send()
+        for n in range(20000):
+            client.h2.ping(n.to_bytes(8, "big"))
+        flood += client.h2.data_to_send()  # ~340 KB the gateway will not want to read
+        writer = threading.Thread(target=lambda: _write_all(conn.sock, flood), daemon=True)
+        writer.start()
+        seen, ended = [], None
+        conn.sock.settimeout(WAIT)
+        while ended is None:
+            try:
+                data = conn.sock.recv(65536)
+            except OSError as exc:  # a reset, or TLS without close_notify: either way the end
+                ended = exc
+                break
+            if not data:
+                ended = "closed"
+                break
+            seen += client.h2.receive_data(data)
+        writer.join(WAIT)
+    goaway = [e for e in seen if isinstance(e, h2.events.ConnectionTerminated)]
+    assert not isinstance(ended, ConnectionResetError), (ended, seen[-3:])
+    assert goaway and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, (ended, seen[-3:])
+
+
+def _write_all(sock, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # closed by the gateway while still writing: what the test is about
+
+
 def test_a_stream_reset_while_its_upstream_connection_is_made_is_never_sent(gateway, gated):
     """The request was decided and its upstream connection is being made when the client resets
     it: once the connection is up, nothing of that stream goes upstream (mitmproxy sent the whole
