@@ -93,7 +93,7 @@ class RequestGuard:
             decision, pin, destination = await self._proxied(flow, scope, engine)
         # What the sandbox sent, read before any credential is injected or swapped in.
         sent = flow_fields(flow, conn, scope.sandbox)
-        overrides = [o.describe() for o in methods.overrides(_header_pairs(flow.request), flow.request.path)]
+        overrides = methods.described(methods.overrides(_header_pairs(flow.request), flow.request.path))
         if overrides:
             sent["method_override"] = overrides  # the methods the request names besides its own
         injected: list[str] = []
@@ -176,7 +176,7 @@ class RequestGuard:
 
         def record(refusal: Decision, found: list[methods.Override]) -> None:
             fields = {k: v for k, v in sent.items() if k != "method_override"} | decision_fields(refusal, pin)
-            fields["method_override"] = [o.describe() for o in found] or None
+            fields["method_override"] = methods.described(found) or None
             self.state.record(event="request_body", **fields)
 
         check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound, decision.rule, stale)
