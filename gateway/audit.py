@@ -82,6 +82,11 @@ RECOVERED_EVENT = "audit_log"
 logger = logging.getLogger("egress")
 
 
+class AuditWriteError(OSError):
+    """The audit log could not be written (or is known unwritable): the decision fails closed.
+    Expected while a disk is full, so callers log it without a traceback (addons/failclosed.py)."""
+
+
 def _clip(value: Any, depth: int = 0) -> Any:
     """Cap a value: strings at MAX_VALUE_LENGTH characters, lists and dicts at MAX_ITEMS entries
     (then "+N more"), nesting at MAX_DEPTH. The line as a whole is capped by `_fit`."""
@@ -491,9 +496,12 @@ class AuditLog:
         """Chain (if chaining), rotate (if due) and write one serialised line; returns its prev."""
         try:
             return self._emit_locked(line)
-        except OSError:
+        except AuditWriteError:
             self._failed()
             raise
+        except OSError as exc:
+            self._failed()
+            raise AuditWriteError(exc.errno, exc.strerror) from None
 
     def _emit_locked(self, line: str) -> str | None:
         prev = None
@@ -568,7 +576,7 @@ class PipeAuditLog(AuditLog):
     def _emit_locked(self, line: str) -> str | None:
         code = self.supervisor_errno
         if code:
-            raise OSError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
+            raise AuditWriteError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
         return super()._emit_locked(line)
 
     def recover(self, **extra: Any) -> None:
@@ -576,7 +584,7 @@ class PipeAuditLog(AuditLog):
         if self.failing_since is not None:
             code = self.supervisor_errno
             if code:
-                raise OSError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
+                raise AuditWriteError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
             self.failing_since = None
             self._outage_failures = 0
 
