@@ -28,7 +28,7 @@ from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
 from gateway.revocation import Established
 
-from .audit_fields import decision_fields, flow_fields
+from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
@@ -44,7 +44,7 @@ HOLD_BODY = "egress_hold_body"  # flow.metadata key: the request body is buffere
 def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
     decision = Decision.deny("internal_error", "the gateway failed while deciding this request")
     refuse(flow, decision)
-    self.state.record(event="request", **verdict_fields(decision))
+    self.state.record(event="request", **fallback_fields(self.state, flow.client_conn), **verdict_fields(decision))
 
 
 def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
