@@ -93,7 +93,10 @@ class RequestGuard:
             decision, pin, destination = await self._proxied(flow, scope, engine)
         # What the sandbox sent, read before any credential is injected or swapped in.
         sent = flow_fields(flow, conn, scope.sandbox)
-        overrides = methods.described(methods.overrides(_header_pairs(flow.request), flow.request.path))
+        facts = flow.metadata.get(FACTS)  # the overrides the decision found (once), if it got that far
+        found = facts.overrides if isinstance(facts, RequestFacts) else \
+            methods.overrides(_header_pairs(flow.request), flow.request.path)
+        overrides = methods.described(found)
         if overrides:
             sent["method_override"] = overrides  # the methods the request names besides its own
         injected: list[str] = []
