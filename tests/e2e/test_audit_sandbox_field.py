@@ -98,3 +98,19 @@ def test_fallback_refusals_name_the_client_and_sandbox_when_known():
     assert (fields["client"], fields["sandbox"]) == ("127.0.0.9:4242", None)
     fields = fallback_fields(_State({"c1": conn}, engine=object(), scope=None), _ClientConn())
     assert (fields["client"], fields["sandbox"]) == ("127.0.0.9:4242", None)
+
+
+def test_the_line_cap_is_an_option(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_audit_max_line_bytes=4096"])
+    with _from(gateway, f"{upstreams.block}.{UNCOVERED}") as conn:
+        from tests.e2e.helpers import get
+
+        assert get(conn, "http://allowed.test/" + "p" * 2000 + "?q=" + "x" * 2000, "allowed.test",
+                   extra=[("X-Pad", "y")]).status == 200
+        client = conn.client
+    deadline = time.monotonic() + 5
+    while not [a for a in gateway.audit() if a["client"] == client] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    raws = [raw for raw in gateway.audit_path.read_bytes().splitlines() if client.encode() in raw]
+    assert raws and all(len(raw) <= 4096 for raw in raws), [len(r) for r in raws]
+    assert "path" in __import__("json").loads(raws[0])["truncated"]

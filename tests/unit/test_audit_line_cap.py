@@ -124,3 +124,28 @@ def test_override_scanning_is_linear():
             methods.Override = real  # type: ignore[misc]
         counts.append(len(made))
     assert counts[1] <= 2 * counts[0] + 2 and counts[0] <= 4, counts
+
+
+def test_a_body_naming_too_many_distinct_overrides_is_refused():
+    """As for a header: past 64 distinct overrides the body counts as naming no method."""
+    from addons.method_body import BodyOverrideCheck
+    from gateway.decision import Decision
+
+    class Scanner:
+        problem = None
+        pending = False
+
+        def __init__(self, batches):
+            self.batches = batches
+
+        def feed(self, data):
+            return self.batches.pop(0)
+
+    batches = [[methods.Override("form", "_method", f"M{i}") for i in range(j * 40, j * 40 + 40)] for j in range(3)]
+    recorded = []
+    judge = lambda found: None if all(o.method for o in found) else Decision.deny("method_not_allowed", "x")  # noqa: E731
+    check = BodyOverrideCheck(Scanner(batches), judge, lambda d, f: recorded.append(f), bound=False)
+    assert check.feed(b"") is None  # 40 distinct, all allowed
+    refusal = check.feed(b"")  # 80 distinct: past the cap
+    assert refusal is not None and refusal.reason == "method_not_allowed"
+    assert len(recorded[0]) == methods.MAX_ELEMENTS + 1 and recorded[0][-1].method is None
