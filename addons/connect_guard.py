@@ -12,7 +12,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.hostnames import HostError, parse_authority
 from gateway.revocation import Established
 
-from .audit_fields import decision_fields, flow_fields
+from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .failclosed import fail_closed
 from .respond import refuse
 from . import passthrough
@@ -22,7 +22,7 @@ from .state import GatewayState
 def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
     decision = Decision.deny("internal_error", "the gateway failed while deciding this CONNECT")
     refuse(flow, decision)
-    self.state.record(event="connect", **verdict_fields(decision))
+    self.state.record(event="connect", **fallback_fields(self.state, flow.client_conn), **verdict_fields(decision))
 
 
 class ConnectGuard:

@@ -206,7 +206,7 @@ class ConnectionRate:
         refusal = Decision.deny(
             "connection_rate_limited", f"more than {table.rate:g} new connections a second for {key} "
             f"(burst {table.burst:g}); closed at accept", retry_after=wait)
-        self.state.record(event="connection", **connection_fields(conn, key.partition(":")[2]),
+        self.state.record(event="connection", **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
                           **verdict_fields(refusal, status_sent=False))
 
 

@@ -156,6 +156,8 @@ class GatewayState:
         if not self.decision_listeners and not self.audit.enabled:
             return fields  # no audit log, no metrics: nothing to build on the hot path
         private = {k: fields.pop(k) for k in [k for k in fields if k.startswith("_")]}
+        engine = self.engine
+        self.audit.sandboxed = engine is not None and engine.policy.sandboxes is not None
         entry = self.audit.record(**fields)
         if self.decision_listeners:
             event = entry | private
