@@ -5,9 +5,13 @@ client address when the policy has no sandboxes section):
 - new connections: over `egress_max_new_connections_per_second_per_sandbox` (burst
   `egress_new_connection_burst_per_sandbox`) a connection is closed right after accept, before any
   byte is read: audit `connection_rate_limited`, no status (like `too_many_connections`);
-- requests: over `egress_max_requests_per_second_per_sandbox` (burst
-  `egress_request_burst_per_sandbox`) an allowed request is answered 429 `rate_limited` with
-  Retry-After, and nothing goes upstream.
+- requests: every request head a sandbox sends (allowed or denied; HTTP/1, HTTP/2 streams,
+  WebSocket upgrades, CONNECT; in tunnels, transparent, on the proxy port) takes a token before any
+  decision work (`RequestLimits.gate`); over `egress_max_requests_per_second_per_sandbox` (burst
+  `egress_request_burst_per_sandbox`) it is answered 429 `rate_limited` with Retry-After, and
+  nothing goes upstream. A 429 closes an HTTP/1 connection after the answer (addons/respond.py) and
+  counts as a refused stream on HTTP/2 (addons/layers.py: a flood of them ends in GOAWAY), so a
+  flooder must open new connections, which the connection rate bounds.
 
 Policy `limits:` (gateway/policy.py `Limits`, a sandbox's and a rule's), over sliding windows
 (gateway/ratelimit.py): requests per minute, upload and download bytes per hour, requests per
@@ -16,8 +20,9 @@ anything goes upstream (`RequestLimits.check`, called by RequestGuard so that th
 audit line with its final verdict); request body bytes are counted as they arrive and a body that
 would pass the upload budget is cut off before its end goes upstream; response bytes are counted
 as they go to the client and, once the download budget is spent, the next request is refused (a
-response under way is not cut off). Only requests the guards allowed count (report mode's
-`would_deny` included): a refused request costs no budget. Limits are never relaxed by report mode.
+response under way is not cut off). Only requests the guards allowed count against `limits:` (report
+mode's `would_deny` included): a refused request costs no policy budget (it does cost a token of the
+gateway-wide request rate). Limits are never relaxed by report mode.
 """
 
 from __future__ import annotations
@@ -218,6 +223,7 @@ class RequestLimits:
         self.limiter = limiter
         self.state = limiter.state
         self.state.request_limiters.append(self.check)
+        self.state.request_gates.append(self.gate)
 
     def load(self, loader):
         loader.add_option(
@@ -239,18 +245,24 @@ class RequestLimits:
                 raise exceptions.OptionsError("egress_request_burst_per_sandbox must be >= 0")
             self.limiter.requests.configure(rate, burst)
 
+    def gate(self, conn: ConnectionState, scope: Scope) -> Decision | None:
+        """Called by RequestGuard and ConnectGuard for every request head and CONNECT, allowed or
+        not, before any decision work: a token from the sandbox's bucket, or 429 `rate_limited`. A
+        sandbox sending requests the rules deny spends its own budget, not the other sandboxes' share
+        of the worker."""
+        key = self.limiter.key(conn, scope)
+        if wait := self.limiter.requests.take(key):
+            table = self.limiter.requests
+            return Decision.deny("rate_limited", f"more than {table.rate:g} requests a second for {key} "
+                                 f"(burst {table.burst:g}); nothing was sent, and the connection is closed "
+                                 f"(HTTP/1)", retry_after=wait)
+        return None
+
     def check(self, flow: http.HTTPFlow, decision: Decision, scope: Scope, engine: Engine,
               injected: list[str]) -> Decision | None:
         """Called by RequestGuard for an allowed request, before its audit line: a refusal, or None
         (then the request is charged). An exception here refuses the request (RequestGuard fails closed)."""
         limiter = self.limiter
-        conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
-        key = limiter.key(conn, scope)
-        # The defence counts attempts: a token is spent even if a policy limit below refuses.
-        if wait := limiter.requests.take(key):
-            table = limiter.requests
-            return Decision.deny("rate_limited", f"more than {table.rate:g} requests a second for {key} "
-                                 f"(burst {table.burst:g}); nothing was sent", decision.rule, retry_after=wait)
         windows = limiter.windows(engine.policy, scope, decision.rule, injected)
         if not windows:
             return None

@@ -74,16 +74,70 @@ def test_requests_over_the_sandbox_bucket_get_429_and_never_go_upstream(start_ga
         for i in range(3):
             assert _get(conn, f"http://allowed.test/ok{i}").status == 200
         refused = _get(conn, "http://allowed.test/over")
-        assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "rate_limited", "plain")
+        # Decided before any rule is looked at: the bucket is taken first, so no rule is named.
+        assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "rate_limited", None)
         assert int(refused.header("Retry-After")) >= 1
+        assert refused.header("Connection") == "close"
         client = conn.client
     assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/ok0", "/ok1", "/ok2"]
     line = [a for a in audit_for(gateway, client, count=4) if a["reason"] == "rate_limited"]
     assert len(line) == 1 and line[0]["decision"] == "deny" and line[0]["status"] == 429
-    assert line[0]["sandbox"] == "a" and line[0]["rule"] == "plain"
+    assert line[0]["sandbox"] == "a"
     # Another sandbox has a bucket of its own: still served.
     with _connect_from(gateway, f"{upstreams.block}.230") as other:
         assert _get(other, "http://allowed.test/b").status == 200
+
+
+def test_denied_requests_and_connects_take_tokens_too_and_a_429_closes_the_connection(start_gateway, upstreams):
+    """A sandbox flooding requests the rules deny spends its own bucket: every request head and
+    CONNECT takes a token before it is decided, and the HTTP/1 connection answered 429 is closed."""
+    gateway = start_gateway(RULES, extra=_sandboxes(upstreams), args=[
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=4"])
+    with connect_proxy(gateway) as conn:
+        for i in range(3):  # denied by the rules (403), on one kept-alive connection
+            assert _get(conn, f"http://api.test/denied{i}").status == 403
+        conn.send(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")  # a denied CONNECT too
+        assert conn.read_response().status == 403
+        refused = _get(conn, "http://allowed.test/allowed")  # allowed by the rules, but the bucket is empty
+        assert (refused.status, refused.egress_reason) == (429, "rate_limited")
+        assert refused.header("Connection") == "close"
+        conn.sock.settimeout(3)
+        assert conn.sock.recv(1) == b""  # closed by the gateway after the answer
+    with connect_proxy(gateway) as conn:  # a denied CONNECT over the bucket: 429 as well
+        conn.send(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
+        assert conn.read_response().egress_reason == "rate_limited"
+    assert upstreams.plain["allowed.test"].requests == []
+    with _connect_from(gateway, f"{upstreams.block}.230") as other:  # sandbox b: its own bucket
+        assert _get(other, "http://allowed.test/b").status == 200
+
+
+def test_http2_rate_refusals_count_as_resets_and_a_flood_ends_in_goaway(start_gateway, upstreams):
+    """Streams answered 429 count toward the connection's reset tracker: past egress_h2_max_resets
+    the connection gets GOAWAY (reset_flood), so a flood of refused streams cannot go on forever."""
+    import pytest
+
+    gateway = start_gateway(RULES, extra=_sandboxes(upstreams), args=[
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=2",
+        "--set", "egress_h2_max_resets=5", "--set", "egress_h2_reset_window=600"])
+    conn = tls_tunnel(gateway, "allowed.test:443", alpn=["h2"])  # the CONNECT took one token
+    client = H2Client(conn)
+    first = client.send("allowed.test", "/s0")
+    client.wait(first)
+    assert client.responses[first]["status"] == 200
+    for i in range(5):  # five refusals: at the limit, not over it
+        stream = client.send("allowed.test", f"/r{i}")
+        client.wait(stream)
+        assert client.header(stream, "x-egress-reason") == "rate_limited"
+    flood = _lines(gateway, "reset_flood", wait=0.5)
+    assert not flood, gateway.audit()
+    with pytest.raises(ConnectionError, match="GOAWAY|closed"):
+        stream = client.send("allowed.test", "/r5")  # the sixth: answered, then GOAWAY and close
+        client.wait(stream)
+        client.wait(client.send("allowed.test", "/r6"))
+    flood = _lines(gateway, "reset_flood")
+    assert len(flood) == 1 and flood[0]["sandbox"] == "a"
+    assert len(upstreams.tls["allowed.test"].requests) == 1
+    conn.close()
 
 
 def test_http2_streams_over_the_bucket_are_refused_one_by_one(start_gateway, upstreams):
