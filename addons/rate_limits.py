@@ -41,10 +41,12 @@ from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow
 
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
+from .respond import COUNTS_AS_RESET, refusal_headers
 from .revocation import close_client
 from .state import ConnectionState, GatewayState
 
 CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
+RESERVED = "egress_limits_reserved"  # flow.metadata key: response bytes counted at the head, not yet sent
 
 # Defaults (README options table): a ceiling against floods, far above what a package install needs
 # (pip keeps ~10 pooled connections per host, npm up to 15 sockets; a few hundred small requests a
@@ -397,19 +399,32 @@ def _counting(inner, count: Callable[[int], None]):
 
 class DownloadMeter:
     """Response bytes of a request with a download budget, counted as they go to the client (after
-    BodyStreaming and the redactor decided how the response travels). A response under way is not
-    cut off: once the budget is spent, the next request is refused at its head."""
+    BodyStreaming and the redactor decided how the response travels).
+
+    - A response that declares its length (Content-Length) reserves it at its head: over what is
+      left of a budget it is refused there, 429 `download_quota_exceeded`, and none of its body goes
+      to the sandbox (the upstream's is read and dropped); otherwise the length is counted at once,
+      so that parallel responses cannot all pass a head check that only their bodies would fail.
+    - A body of unknown length (chunked, or decoded for redaction) is counted as it streams and not
+      cut off: the overshoot is at most what such responses in flight at once carry after the budget
+      is spent (bounded by the sandbox's concurrent connections x HTTP/2 streams x body_size_limit).
+    - A WebSocket message to the sandbox that would pass the budget is dropped and both sockets closed.
+    Once a budget is spent, the next request is refused at its head (RequestLimits)."""
 
     def __init__(self, limiter: Limiter):
         self.limiter = limiter
         self.state = limiter.state
 
-    def _count(self, charge: Charge, n: int) -> None:
+    def _count(self, flow: http.HTTPFlow, charge: Charge, n: int) -> None:
         if n <= 0:
             return
-        now = self.limiter.clock()
-        for _key, window in charge.download:
-            window.add(n, now)
+        reserved = flow.metadata.get(RESERVED, 0)  # counted at the head already
+        extra = max(0, n - reserved)
+        flow.metadata[RESERVED] = max(0, reserved - n)
+        if extra:
+            now = self.limiter.clock()
+            for _key, window in charge.download:
+                window.add(extra, now)
         self.state.count_usage(charge.sandbox, charge.rule, "download", n)
 
     @staticmethod
@@ -421,42 +436,97 @@ class DownloadMeter:
         charge = flow.metadata.get(CHARGE)
         if charge is None or not charge.download or not self._from_upstream(flow):
             return
+        declared = _declared_response_length(flow)
+        if declared:
+            now = self.limiter.clock()
+            for key, window in charge.download:
+                if not window.fits(declared, now):
+                    self._refuse(flow, charge, Decision.deny(
+                        "download_quota_exceeded", f"the response ({declared} bytes) is more than is left of "
+                        f"{_describe(key)} ({window.remaining(now)} of {window.limit} bytes); none of it was sent",
+                        charge.rule, retry_after=window.retry_after(declared, now)))
+                    return
+            for _key, window in charge.download:
+                window.add(declared, now)
+            flow.metadata[RESERVED] = declared
         if flow.response.stream:
-            flow.response.stream = _counting(flow.response.stream, lambda n: self._count(charge, n))
+            flow.response.stream = _counting(flow.response.stream, lambda n: self._count(flow, charge, n))
             flow.metadata[CHARGE + "_streamed"] = True
+
+    def _refuse(self, flow: http.HTTPFlow, charge: Charge, decision: Decision) -> None:
+        """Replace the response's head with the refusal; its body is read from upstream and dropped."""
+        response = flow.response
+        body = decision.body().encode()
+        response.status_code = decision.status
+        response.reason = "Too Many Requests"
+        response.headers.clear()
+        for name, value in refusal_headers(decision).items():
+            response.headers[name] = value
+        response.headers["Content-Length"] = str(len(body))
+        if not (flow.request.is_http2 or flow.request.is_http3):
+            response.headers["Connection"] = "close"  # like every 429 (addons/respond.py refuse)
+        setattr(response, COUNTS_AS_RESET, True)
+        response.stream = _Replacement(body)
+        flow.metadata[CHARGE + "_streamed"] = True  # nothing of it counts
+        conn = self.state.connections.get(flow.client_conn.id)
+        self.state.record(event="response", **(flow_fields(flow, conn, charge.sandbox)
+                                               | decision_fields(decision, flow.metadata.get("egress_pin"))))
 
     def response(self, flow: http.HTTPFlow) -> None:
         charge = flow.metadata.get(CHARGE)
         if (charge is None or not charge.download or not self._from_upstream(flow)
                 or flow.metadata.get(CHARGE + "_streamed")):
             return
-        self._count(charge, len(flow.response.raw_content or b""))
+        self._count(flow, charge, len(flow.response.raw_content or b""))
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """WebSocket messages count too: from the sandbox against the upload budget, to it against the
-        download budget; a message that would pass the upload budget is dropped and the WebSocket closed."""
+        download budget; a message that would pass either is dropped and the WebSocket closed (both
+        sockets: killing the flow alone leaves them open)."""
         charge = flow.metadata.get(CHARGE)
         if charge is None or flow.websocket is None or not flow.websocket.messages:
             return
         message = flow.websocket.messages[-1]
         size = len(message.content)
-        if not message.from_client:
-            self._count(charge, size)
-            return
+        windows = charge.upload if message.from_client else charge.download
+        reason = "upload_quota_exceeded" if message.from_client else "download_quota_exceeded"
+        event = "request_body" if message.from_client else "response"
         now = self.limiter.clock()
-        for key, window in charge.upload:
+        for key, window in windows:
             if not window.fits(size, now):
                 message.drop()
-                refusal = Decision.deny("upload_quota_exceeded", f"a WebSocket message passed {_describe(key)} "
+                refusal = Decision.deny(reason, f"a WebSocket message passed {_describe(key)} "
                                         f"({window.limit} bytes); dropped, the WebSocket closed", charge.rule,
                                         retry_after=window.retry_after(size, now))
                 conn = self.state.connections.get(flow.client_conn.id)
-                self.state.record(event="request_body", **(flow_fields(flow, conn, charge.sandbox)
-                                                           | decision_fields(refusal, flow.metadata.get("egress_pin"))))
+                self.state.record(event=event, **(flow_fields(flow, conn, charge.sandbox)
+                                                  | decision_fields(refusal, flow.metadata.get("egress_pin"))))
                 flow.kill()
-                close_client(flow.client_conn.id)  # killing the flow alone leaves a WebSocket's sockets open
+                close_client(flow.client_conn.id)
                 return
-        for _key, window in charge.upload:
+        for _key, window in windows:
             window.add(size, now)
-        if charge.upload:
-            self.state.count_usage(charge.sandbox, charge.rule, "upload", size)
+        if windows:
+            self.state.count_usage(charge.sandbox, charge.rule, "upload" if message.from_client else "download", size)
+
+
+class _Replacement:
+    """Stream callable that sends a fixed body instead of the upstream's (which is dropped)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def __call__(self, chunk: bytes) -> bytes:
+        body, self.body = self.body, b""
+        return body
+
+
+def _declared_response_length(flow: http.HTTPFlow) -> int:
+    """The body length a response declares, 0 when it has none or no body goes to the client."""
+    if flow.request.method.upper() == "HEAD" or flow.response.status_code in (204, 304) \
+            or flow.response.status_code < 200:
+        return 0
+    values = flow.response.headers.get_all("content-length")
+    if len(values) != 1 or not values[0].strip().isdigit():
+        return 0
+    return int(values[0].strip())
