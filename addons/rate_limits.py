@@ -74,7 +74,7 @@ def _describe(key: Hashable) -> str:
     if kind == "sandbox":
         where = f"sandbox {sandbox}" + (f" credential {secret}" if secret else "")
     elif kind == "credential":
-        where = f"rule {rule} credential {secret}"
+        where = f"credential {secret} (every rule and sandbox together)"
     else:
         where = f"rule {rule}" + (f" for sandbox {sandbox}" if sandbox else "")
     return f"{where} limits.{name}"
@@ -88,11 +88,13 @@ def limit_of(policy: Policy, key: Hashable) -> int | None:
         if found is None or (secret is not None and secret not in policy.secrets):
             return None
         return getattr(found.limits, name)
+    if kind == "credential":  # shared by the rules: kept while any rule injecting it has the limit
+        limits = [getattr(r.limits, name) for r in policy.rules_by_id.values()
+                  if secret in r.secrets and getattr(r.limits, name) is not None]
+        return min(limits) if limits else None
     rule = policy.rules_by_id.get(rule_id)
     if rule is None:
         return None
-    if kind == "credential":
-        return getattr(rule.limits, name) if secret in rule.secrets else None
     if sandbox is None:
         return getattr(rule.limits, name) if policy.sandboxes is None else None
     found = policy.sandboxes_by_id.get(sandbox)
@@ -144,7 +146,10 @@ class Limiter:
                 if name == "requests_per_credential_per_minute":
                     for secret in injected:
                         if kind == "rule":
-                            key = ("credential", None, rid, secret, name)  # every sandbox together
+                            # One counter per secret, shared by every rule that injects it and every
+                            # sandbox: the credential's own quota at the provider. Each rule checks
+                            # its own limit against that shared count.
+                            key = ("credential", None, None, secret, name)
                         else:
                             key = (kind, sid, None, secret, name)
                         out.append((key, self.quotas.window(key, limit, period), name))

@@ -418,6 +418,32 @@ def test_credential_budget_counts_every_sandbox_together(start_gateway, upstream
     b.close()
 
 
+def test_credential_budget_is_one_count_per_secret_across_rules(start_gateway, upstreams, tmp_path):
+    """Two rules injecting the same secret, each with limit 2: the secret goes upstream twice a
+    minute in all, not twice per rule (the credential's own quota at the provider)."""
+    secret = tmp_path / "token"
+    secret.write_text("s3cr3t-value")
+    inject = """  inject:
+    - header: Authorization
+      value: "Bearer ${secrets.TOKEN}"
+  limits:
+    requests_per_credential_per_minute: 2
+"""
+    rules = f"- id: tls\n  hosts: [allowed.test]\n{inject}- id: tls2\n  hosts: [other.test]\n{inject}"
+    extra = (f"secrets:\n  TOKEN: {{file: {secret}}}\n"
+             + _sandboxes(upstreams, b_rules="[tls]").replace("rules: [plain, other, tls]", "rules: [tls, tls2]"))
+    gateway = start_gateway(rules, extra=extra)
+    a = tls_tunnel(gateway, "allowed.test:443")
+    assert [a.request("GET", f"/{i}", [("Host", "allowed.test")]).status for i in range(2)] == [200, 200]
+    a.close()
+    b = tls_tunnel(gateway, "other.test:443")
+    refused = b.request("GET", "/other", [("Host", "other.test")])
+    assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "credential_rate_limited", "tls2")
+    assert "credential TOKEN (every rule and sandbox together)" in refused.text and "s3cr3t" not in refused.text
+    assert upstreams.tls["other.test"].requests == []
+    b.close()
+
+
 def _tunnel_from(gateway, source: str, authority: str):
     conn = _connect_from(gateway, source)
     conn.send(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())

@@ -109,7 +109,7 @@ def test_explain_and_policy_test_show_the_limits_that_count_a_request(tmp_path):
         ("rule api", "download_bytes_per_hour", 1_500_000_000, "download_quota_exceeded"),
         ("rule api", "requests_per_credential_per_minute", 50, "credential_rate_limited"),
     ]
-    assert "secrets.TOKEN on this rule, every sandbox together" in render_text(e)
+    assert "secrets.TOKEN: one count shared by every rule that injects it and every sandbox" in render_text(e)
     assert e.as_dict()["limits"][0]["key"] == "requests_per_minute"
     refused = explain(policy, "https://nowhere.example.com/", sandbox="agent", addresses=[])
     assert refused.limits == []  # a refused request counts against nothing
