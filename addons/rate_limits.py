@@ -37,7 +37,7 @@ from mitmproxy import ctx, exceptions, http
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine
 from gateway.policy import LIMIT_KEYS, Policy, Scope
-from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow
+from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_rate
 
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
@@ -160,14 +160,12 @@ class Limiter:
 
 
 def _rate(text: str, name: str) -> float:
-    """A rate option: a decimal number >= 0 (a string option, since mitmproxy's --set parses no floats)."""
+    """A rate option (a string option, since mitmproxy's --set parses no floats): gateway/ratelimit.py
+    `parse_rate`."""
     try:
-        rate = float(text)
-    except ValueError:
-        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}") from None
-    if not rate >= 0 or rate == float("inf"):
-        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}")
-    return rate
+        return parse_rate(text)
+    except ValueError as exc:
+        raise exceptions.OptionsError(f"{name}: {exc}") from None
 
 
 class ConnectionRate:

@@ -140,6 +140,15 @@ def test_http2_rate_refusals_count_as_resets_and_a_flood_ends_in_goaway(start_ga
     conn.close()
 
 
+def test_a_rate_too_small_to_invert_is_refused_at_start(start_gateway, upstreams):
+    """1e-320 a second made every wait infinite, and every refusal a 500 (Retry-After overflowed)."""
+    import pytest
+
+    for option in ("egress_max_requests_per_second_per_sandbox", "egress_max_new_connections_per_second_per_sandbox"):
+        with pytest.raises(RuntimeError, match=rf"{option}: a rate must be 0 \(no limit\) or at least 0.001"):
+            start_gateway(RULES, extra=_sandboxes(upstreams), args=["--set", f"{option}=1e-320"])
+
+
 def test_http2_streams_over_the_bucket_are_refused_one_by_one(start_gateway, upstreams):
     gateway = start_gateway(RULES, extra=_sandboxes(upstreams), args=[
         "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=3"])
