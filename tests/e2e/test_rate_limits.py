@@ -551,3 +551,31 @@ def test_websocket_messages_to_the_sandbox_count_against_the_download_budget(sta
         assert len(lines) == 1 and lines[0]["event"] == "response" and lines[0]["rule"] == "ws"
     finally:
         origin.stop()
+
+
+def test_websocket_upgrades_and_their_connects_take_tokens(start_gateway, upstreams):
+    import pytest
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.e2e.helpers import extra_static_hosts
+    from tests.support.watched import WebSocketOrigin
+
+    origin = WebSocketOrigin(f"{upstreams.block}.234", 80)
+    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n"
+    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.234"}) + _sandboxes(upstreams).replace(
+        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
+    gateway = start_gateway(rules, extra=extra, args=[
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=3"])
+    try:
+        with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,
+                        close_timeout=1) as ws:  # its CONNECT and its upgrade: two tokens
+            ws.send("hi")
+            assert ws.recv(timeout=3) == "echo: hi"
+        with pytest.raises(InvalidStatus) as refused:  # the CONNECT takes the last token, the upgrade finds none
+            ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None)
+        assert refused.value.response.status_code == 429
+        assert refused.value.response.headers.get("X-Egress-Reason") == "rate_limited"
+        assert len(_lines(gateway, "rate_limited")) == 1
+    finally:
+        origin.stop()
