@@ -37,7 +37,9 @@ class ConnectGuard:
         raw = flow.request.data.authority.decode("utf-8", "surrogateescape")
         pin = None
         host = port = None
-        if conn.tunnel is not None:
+        if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
+            decision = gated
+        elif conn.tunnel is not None:
             decision = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused")
         else:
             try:

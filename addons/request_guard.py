@@ -76,7 +76,9 @@ class RequestGuard:
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
         scope = engine.policy.scope_for(conn.address)
         destination: tuple[str | None, int | None] = (None, None)
-        if flow.request.method == "CONNECT":
+        if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
+            decision, pin = gated, None
+        elif flow.request.method == "CONNECT":
             decision, pin = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), conn.tunnel
         elif flow.error is not None:
             # mitmproxy found the request invalid (e.g. smuggling-prone framing) and will refuse it;

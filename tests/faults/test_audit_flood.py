@@ -60,7 +60,9 @@ def wait_accounted(gateway, event: str, reason: str, expected: int, wait: float 
 
 def test_a_flood_of_denied_requests_is_aggregated_allows_keep_their_lines(start_gateway, upstreams):
     metrics = free_port()
-    gateway = start_gateway(RULES, args=["--audit-chain", "--metrics", f"127.0.0.1:{metrics}"])
+    # Denied requests take tokens of the request rate too (its own tests): off here, this is about the log.
+    gateway = start_gateway(RULES, args=["--audit-chain", "--metrics", f"127.0.0.1:{metrics}",
+                                         "--set", "egress_max_requests_per_second_per_sandbox=0"])
     allowed = []
     started = time.monotonic()
     with connect_proxy(gateway) as conn:
@@ -152,7 +154,9 @@ def test_other_protocols_are_aggregated_too(start_gateway, upstreams):
     """The aggregation is in the one write path, so every kind of refusal is covered: denied CONNECTs
     (one connection each) and refused HTTP/2 streams (one connection), here."""
     # 300 connections at once: the per-sandbox connection rate (its own test) is off here
-    gateway = start_gateway(RULES, args=["--set", "egress_max_new_connections_per_second_per_sandbox=0"])
+    # (and the request rate, which denied CONNECTs and streams take tokens of)
+    gateway = start_gateway(RULES, args=["--set", "egress_max_new_connections_per_second_per_sandbox=0",
+                                         "--set", "egress_max_requests_per_second_per_sandbox=0"])
     cases = ((_denied_connects, "connect", "no_rule"), (_denied_h2_streams, "request", "path_not_allowed"))
     for flood, event, reason in cases:
         flood(gateway, 300)
