@@ -113,7 +113,12 @@ class RefusalLayer(layer.Layer):
     until it closes or LINGER seconds pass, then the full close. Closing at once while a client is
     still sending (a multi-MiB ClientHello) makes the kernel answer with a reset, which may destroy
     the alert before the client reads it, and which a stateful firewall may drop (seen with the
-    transparent test topology: the client then never learned the connection was gone)."""
+    transparent test topology: the client then never learned the connection was gone).
+
+    Inside a CONNECT tunnel mitmproxy's HttpStream turns any close of the client into a full one
+    (half-closes are not carried through HTTP), so there the FIN is not sent first: the farewell
+    goes out, the client's bytes are read and dropped for up to LINGER seconds (or until it
+    closes), then the full close. A TLS client closes on the fatal alert itself."""
 
     LINGER = 2.0
 
@@ -138,11 +143,16 @@ class RefusalLayer(layer.Layer):
             yield commands.SendData(self.context.client, raw_http_refusal(self.decision))
         elif self.farewell:
             yield commands.SendData(self.context.client, self.farewell)
-            yield commands.CloseTcpConnection(self.context.client, half_close=True)
+            if not self._in_tunnel():
+                yield commands.CloseTcpConnection(self.context.client, half_close=True)
             self._linger = commands.RequestWakeup(self.LINGER)
             yield self._linger
             return
         yield commands.CloseConnection(self.context.client)
+
+
+    def _in_tunnel(self) -> bool:
+        return any(isinstance(parent, HttpLayer) for parent in self.context.layers)
 
 
 TLS_ALERT_HANDSHAKE_FAILURE = b"\x15\x03\x03\x00\x02\x02\x28"  # fatal handshake_failure (RFC 8446 6)
