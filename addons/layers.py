@@ -400,7 +400,8 @@ class GatewayHttp2Server(Http2Server):
         self.on_refusal = on_refusal
         self._head_requests: set[int] = set()  # streams whose request is a HEAD: answers carry no body
         self.limits = h2_limits.Limits.from_options(context.options)
-        self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams)
+        self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams,
+                                                     self.limits.max_control_frames)
         self.resets = h2budget.ResetTracker(self.limits.max_resets, self.limits.reset_window)
         self.aggregate = h2budget.RefusalAggregator()
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
@@ -435,6 +436,8 @@ class GatewayHttp2Server(Http2Server):
 
     def handle_h2_event(self, event) -> layer.CommandGenerator[bool]:
         now = time.monotonic()
+        if isinstance(event, h2_limits.ControlFlood):
+            return (yield from self._control_flood(event))
         if isinstance(event, h2_limits.StreamRefused):
             yield from self._audit(Decision.deny(
                 "too_many_streams", f"more than {self.limits.max_concurrent_streams} concurrent HTTP/2 streams; "
@@ -462,6 +465,17 @@ class GatewayHttp2Server(Http2Server):
         self._record(decision, None, event="connection", status_sent=False, resets=self.resets.total)
         self._linger_close = True
         yield from self.protocol_error(f"egress gateway: {decision.message}", h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        return True
+
+    def _control_flood(self, event) -> layer.CommandGenerator[bool]:
+        """Too many frames that carry no request: h2 has queued GOAWAY ENHANCE_YOUR_CALM and read no
+        further. One audit line, then the lingering close (as for reset_flood)."""
+        decision = Decision.deny("control_frame_flood", f"{event}; the connection was closed (GOAWAY)")
+        self._record(decision, None, event="connection", status_sent=False, frames=self.h2_conn.control.total)
+        self._linger_close = True
+        yield commands.Log(f"{human.format_address(self.conn.peername)}: egress gateway: {decision.message}")
+        yield commands.SendData(self.conn, self.h2_conn.data_to_send())
+        yield from self.close_connection(f"egress gateway: {decision.message}")
         return True
 
     def _holding(self, stream) -> bool:
