@@ -33,6 +33,8 @@ from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from gateway import h2budget
 
+from . import h2_backpressure
+
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
 
@@ -216,7 +218,18 @@ class Http2Limits:
             f"(reason control_frame_flood; 0: no limit).",
         )
         loader.add_option(
+            "egress_h2_max_unread_bytes_per_sandbox", int, h2_backpressure.DEFAULT_SANDBOX_HIGH_WATER,
+            "HTTP/2: response bytes waiting for the flow-control windows of one sandbox's clients, summed "
+            "over its connections; while over it, the upstreams of all its HTTP/2 connections wait "
+            "(back-pressure, no refusal) until it is under half (0: per connection only, 4 MiB each).",
+        )
+        loader.add_option(
             "egress_h2_max_buffered_bytes", int, h2budget.DEFAULT_MAX_BUFFERED_BYTES,
             "HTTP/2: request-body bytes one client connection may have buffered in the gateway at once "
             "(a stream that would pass it gets 503, reason buffer_budget; 0: no limit).",
         )
+
+    def configure(self, updated) -> None:
+        if "egress_h2_max_unread_bytes_per_sandbox" in updated:
+            from mitmproxy import ctx
+            h2_backpressure.sandbox_high_water = max(0, int(ctx.options.egress_h2_max_unread_bytes_per_sandbox))

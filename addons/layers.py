@@ -103,6 +103,7 @@ class BodyLimits:
 
     account: Callable[[object], Account | None] | None = None
     idle_timeout: float = DEFAULT_BODY_IDLE_TIMEOUT
+    sandbox: Callable[[object], str | None] | None = None  # the key per-sandbox totals are summed under
 
 
 class RefusalLayer(layer.Layer):
@@ -395,8 +396,9 @@ class GatewayHttp2Server(Http2Server):
       a stream the client reset in the same read as its HEADERS never becomes a request. Refused
       streams are audited at most once per second and reason, with a `repeated` count."""
 
-    def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None):
+    def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None, sandbox: str | None = None):
         super().__init__(context)
+        self._sandbox = sandbox  # what waits for this client's window is summed per sandbox too
         self.on_refusal = on_refusal
         self._head_requests: set[int] = set()  # streams whose request is a HEAD: answers carry no body
         self.limits = h2_limits.Limits.from_options(context.options)
@@ -430,7 +432,7 @@ class GatewayHttp2Server(Http2Server):
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             h2_backpressure.release(self.context.client)
         else:
-            h2_backpressure.update(self.context.client, self._unread())
+            h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
 
     # --- budgets ------------------------------------------------------------------------------
 
@@ -992,6 +994,12 @@ class GatewayHttpLayer(HttpLayer):
                 found.append(since)
         return found
 
+    def _sandbox_key(self) -> str | None:
+        try:
+            return self.body_limits.sandbox(self.context) if self.body_limits.sandbox is not None else None
+        except Exception:  # fail closed: summed under one key for every client without one
+            return "unknown"
+
     def _check_idle_bodies(self) -> layer.CommandGenerator[None]:
         """Each stream whose body went without a byte for the idle timeout ends (it decides how);
         then the timer is set for the next one due, while any stream is left."""
@@ -1011,7 +1019,8 @@ class GatewayHttpLayer(HttpLayer):
             if is_h3_alpn(self.context.client.alpn):
                 server = Http3Server(self.context.fork())
             elif self.context.client.alpn == b"h2":
-                server = GatewayHttp2Server(self.context.fork(), self.on_refusal, self.streams)
+                server = GatewayHttp2Server(self.context.fork(), self.on_refusal, self.streams,
+                                            self._sandbox_key())
             else:
                 server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
                                             self.head_timeout)
