@@ -16,7 +16,8 @@ The same bytes are also summed per sandbox: a sandbox with many slow HTTP/2 conn
 otherwise make the gateway hold HIGH_WATER for each (250 connections: 1 GiB). While a sandbox's
 total is over `sandbox_high_water` (option egress_h2_max_unread_bytes_per_sandbox, 16 MiB), the
 gates of all its connections close; they open again once it is under half of it (and each
-connection is under its own LOW_WATER). Only that sandbox's own downloads wait.
+connection is under its own LOW_WATER). A connection's gate closes at its own next event, so
+each may overshoot by one read. Only that sandbox's own downloads wait.
 """
 
 from __future__ import annotations
