@@ -11,38 +11,103 @@ while more than HIGH_WATER bytes wait for the client's window, open again below 
 each read, a task that reads an *upstream* socket of that client waits for the gate; the task that
 reads the client's own socket never waits (it must keep receiving WINDOW_UPDATE). Memory per
 client connection stays near HIGH_WATER plus one read; an idle wait ends at tcp_timeout.
+
+The same bytes are also summed per sandbox: a sandbox with many slow HTTP/2 connections could
+otherwise make the gateway hold HIGH_WATER for each (250 connections: 1 GiB). While a sandbox's
+total is over `sandbox_high_water` (option egress_h2_max_unread_bytes_per_sandbox, 16 MiB), the
+gates of all its connections close; they open again once it is under half of it (and each
+connection is under its own LOW_WATER). A connection's gate closes at its own next event, so
+each may overshoot by one read. Only that sandbox's own downloads wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
+from collections import Counter
 
 HIGH_WATER = 4 * 1024 * 1024
 LOW_WATER = 1 * 1024 * 1024
 
+DEFAULT_SANDBOX_HIGH_WATER = 16 * 1024 * 1024
+
 _gates: "weakref.WeakKeyDictionary[object, asyncio.Event]" = weakref.WeakKeyDictionary()
+_unread: "weakref.WeakKeyDictionary[object, tuple[str | None, int]]" = weakref.WeakKeyDictionary()
+_sandbox_unread: Counter[str] = Counter()
+_members: "dict[str, weakref.WeakSet]" = {}
+_gated: set[str] = set()  # sandboxes whose total closed gates: the only ones _reopen has work for
+sandbox_high_water = DEFAULT_SANDBOX_HIGH_WATER  # set from the option (addons/h2_limits.py)
 
 
-def update(client, unread: int) -> None:
-    """Called by the HTTP/2 server after every event with the bytes waiting for the client."""
+def _sandbox_over(sandbox: str | None) -> bool:
+    return bool(sandbox_high_water) and sandbox is not None and _sandbox_unread[sandbox] > sandbox_high_water
+
+
+def _sandbox_under(sandbox: str | None) -> bool:
+    return not sandbox_high_water or sandbox is None or _sandbox_unread[sandbox] <= sandbox_high_water // 2
+
+
+def _account(client, unread: int, sandbox: str | None) -> None:
+    old_sandbox, old = _unread.pop(client, (None, 0))
+    if old_sandbox is not None:
+        _sandbox_unread[old_sandbox] -= old
+        if _sandbox_unread[old_sandbox] <= 0:
+            del _sandbox_unread[old_sandbox]
+    if sandbox is not None:
+        _unread[client] = (sandbox, unread)
+        if unread:
+            _sandbox_unread[sandbox] += unread
+        _members.setdefault(sandbox, weakref.WeakSet()).add(client)
+
+
+def _reopen(sandbox: str | None) -> None:
+    """The sandbox is under its low water again: open the gates its total alone kept closed."""
+    if sandbox is None or sandbox not in _gated or not _sandbox_under(sandbox):
+        return
+    _gated.discard(sandbox)
+    for member in list(_members.get(sandbox, ())):
+        gate = _gates.get(member)
+        if gate is not None and not gate.is_set() and _unread.get(member, (None, 0))[1] <= LOW_WATER:
+            gate.set()
+    if not _members.get(sandbox, True):
+        _members.pop(sandbox, None)
+
+
+def update(client, unread: int, sandbox: str | None = None) -> None:
+    """Called by the HTTP/2 server after every event with the bytes waiting for the client
+    (`sandbox`: the key its per-sandbox total is summed under; None: not summed)."""
+    _account(client, unread, sandbox)
     gate = _gates.get(client)
     if gate is None:
-        if unread <= HIGH_WATER:
+        if unread <= HIGH_WATER and not _sandbox_over(sandbox):
+            _reopen(sandbox)
             return
         gate = _gates[client] = asyncio.Event()
         gate.set()
-    if unread > HIGH_WATER:
+    if unread > HIGH_WATER or _sandbox_over(sandbox):
         gate.clear()
-    elif unread <= LOW_WATER:
+        if _sandbox_over(sandbox):
+            _gated.add(sandbox)
+    elif unread <= LOW_WATER and _sandbox_under(sandbox):
         gate.set()
+    _reopen(sandbox)
 
 
 def release(client) -> None:
     """The client connection is gone: nothing waits for it any more."""
+    sandbox = _unread.get(client, (None, 0))[0]
+    _account(client, 0, None)
+    if sandbox is not None and sandbox in _members:
+        _members[sandbox].discard(client)
     gate = _gates.pop(client, None)
     if gate is not None:
         gate.set()
+    _reopen(sandbox)
+
+
+def held(sandbox: str) -> int:
+    """Bytes waiting for the windows of the sandbox's HTTP/2 clients (for tests and metrics)."""
+    return _sandbox_unread[sandbox]
 
 
 def install() -> None:

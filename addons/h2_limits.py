@@ -21,12 +21,22 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.stream
-from hyperframe.frame import RstStreamFrame
+import time
+
+import h2.exceptions
+from hyperframe.frame import (
+    DataFrame, ExtensionFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
+)
 from mitmproxy.proxy.layers.http._base import HttpEvent, ReceiveHttp
 from mitmproxy.proxy.layers.http._http2 import Http2Client
 from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from gateway import h2budget
+
+from . import h2_backpressure
+
+
+_CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class Limits:
     max_resets: int = h2budget.DEFAULT_MAX_RESETS
     reset_window: float = h2budget.DEFAULT_RESET_WINDOW
     max_buffered_bytes: int = h2budget.DEFAULT_MAX_BUFFERED_BYTES
+    max_control_frames: int = h2budget.DEFAULT_MAX_CONTROL_FRAMES
 
     @classmethod
     def from_options(cls, options) -> "Limits":
@@ -45,7 +56,8 @@ class Limits:
         return cls(max(1, int(get("egress_h2_max_concurrent_streams", cls.max_concurrent_streams))),
                    max(0, int(get("egress_h2_max_resets", cls.max_resets))),
                    max(0.001, float(get("egress_h2_reset_window", cls.reset_window))),
-                   max(0, int(get("egress_h2_max_buffered_bytes", cls.max_buffered_bytes))))
+                   max(0, int(get("egress_h2_max_buffered_bytes", cls.max_buffered_bytes))),
+                   max(0, int(get("egress_h2_max_control_frames", cls.max_control_frames))))
 
 
 class StreamRefused(h2.events.Event):
@@ -60,10 +72,23 @@ class StreamRefused(h2.events.Event):
         return f"<StreamRefused stream_id:{self.stream_id}>"
 
 
+class ControlFlood(h2.exceptions.ProtocolError):
+    """Raised from inside receive_data when the control-frame budget is passed: h2 stops reading
+    the rest of the read, queues GOAWAY ENHANCE_YOUR_CALM, and mitmproxy hands this to the server
+    as an event (GatewayHttp2Server audits it and closes)."""
+
+    error_code = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def _empty_data(frame) -> bool:
+    return isinstance(frame, DataFrame) and not frame.data and "END_STREAM" not in frame.flags
+
+
 class LimitedH2Connection(BufferedH2Connection):
-    def __init__(self, config, max_streams: int):
+    def __init__(self, config, max_streams: int, max_control_frames: int = h2budget.DEFAULT_MAX_CONTROL_FRAMES):
         super().__init__(config)
         self.stream_limit = max_streams
+        self.control = h2budget.ControlFrameTracker(max_control_frames)
         # Advertised in the first SETTINGS frame; acknowledged here at once (as mitmproxy does for
         # its own settings) so that h2's own check and the one below agree from the first frame.
         self.local_settings.max_concurrent_streams = max_streams
@@ -75,6 +100,29 @@ class LimitedH2Connection(BufferedH2Connection):
         events = super().receive_data(data)
         self.reset_in_batch = frozenset(e.stream_id for e in events if isinstance(e, h2.events.StreamReset))
         return events
+
+    def _receive_frame(self, frame):
+        """Counts the frames that carry no request (gateway/h2budget.py `ControlFrameTracker`) and
+        drops those of an unknown type here: mitmproxy would turn each into a log line."""
+        if isinstance(frame, WindowUpdateFrame):
+            over = self.control.window_update(time.monotonic())
+        elif isinstance(frame, _CONTROL_FRAMES) or _empty_data(frame):
+            over = self.control.control(time.monotonic())
+        else:
+            return super()._receive_frame(frame)
+        if over:
+            raise ControlFlood(f"more than {self.control.limit} HTTP/2 control frames in "
+                               f"{h2budget.CONTROL_WINDOW:g}s")
+        if isinstance(frame, ExtensionFrame):
+            return []  # RFC 9113 4.1: a frame of an unknown type is ignored and discarded
+        return super()._receive_frame(frame)
+
+    def _prepare_for_sending(self, frames):
+        """Each DATA frame sent earns the WINDOW_UPDATEs a reading client sends back for it."""
+        sent = sum(1 for frame in frames if isinstance(frame, DataFrame))
+        if sent:
+            self.control.data_sent(sent)
+        return super()._prepare_for_sending(frames)
 
     def _receive_headers_frame(self, frame):
         stream_id = frame.stream_id
@@ -163,7 +211,25 @@ class Http2Limits:
             "HTTP/2: the sliding window of egress_h2_max_resets, in seconds.",
         )
         loader.add_option(
+            "egress_h2_max_control_frames", int, h2budget.DEFAULT_MAX_CONTROL_FRAMES,
+            f"HTTP/2: frames that carry no request (PING, SETTINGS, PRIORITY, unknown types, empty DATA, "
+            f"WINDOW_UPDATE beyond two per DATA frame sent) one client connection may send within "
+            f"{h2budget.CONTROL_WINDOW:g} seconds before it is closed with GOAWAY ENHANCE_YOUR_CALM "
+            f"(reason control_frame_flood; 0: no limit).",
+        )
+        loader.add_option(
+            "egress_h2_max_unread_bytes_per_sandbox", int, h2_backpressure.DEFAULT_SANDBOX_HIGH_WATER,
+            "HTTP/2: response bytes waiting for the flow-control windows of one sandbox's clients, summed "
+            "over its connections; while over it, the upstreams of all its HTTP/2 connections wait "
+            "(back-pressure, no refusal) until it is under half (0: per connection only, 4 MiB each).",
+        )
+        loader.add_option(
             "egress_h2_max_buffered_bytes", int, h2budget.DEFAULT_MAX_BUFFERED_BYTES,
             "HTTP/2: request-body bytes one client connection may have buffered in the gateway at once "
             "(a stream that would pass it gets 503, reason buffer_budget; 0: no limit).",
         )
+
+    def configure(self, updated) -> None:
+        if "egress_h2_max_unread_bytes_per_sandbox" in updated:
+            from mitmproxy import ctx
+            h2_backpressure.sandbox_high_water = max(0, int(ctx.options.egress_h2_max_unread_bytes_per_sandbox))

@@ -291,7 +291,10 @@ class LayerGuard:
         buffer budget and idle timeout (its streams)."""
         idle = float(getattr(ctx.options, "egress_body_idle_timeout", DEFAULT_BODY_IDLE_TIMEOUT))
         return (ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout),
-                BodyLimits(self.state.buffer_account, idle))
+                BodyLimits(self.state.buffer_account, idle, self._sandbox_key))
+
+    def _sandbox_key(self, context) -> str:
+        return self.state.sandbox_key(self.state.connections.get(context.client.id))
 
     def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
                     status_sent: bool = True, **fields) -> Decision:

@@ -103,6 +103,7 @@ class BodyLimits:
 
     account: Callable[[object], Account | None] | None = None
     idle_timeout: float = DEFAULT_BODY_IDLE_TIMEOUT
+    sandbox: Callable[[object], str | None] | None = None  # the key per-sandbox totals are summed under
 
 
 class RefusalLayer(layer.Layer):
@@ -113,7 +114,12 @@ class RefusalLayer(layer.Layer):
     until it closes or LINGER seconds pass, then the full close. Closing at once while a client is
     still sending (a multi-MiB ClientHello) makes the kernel answer with a reset, which may destroy
     the alert before the client reads it, and which a stateful firewall may drop (seen with the
-    transparent test topology: the client then never learned the connection was gone)."""
+    transparent test topology: the client then never learned the connection was gone).
+
+    Inside a CONNECT tunnel mitmproxy's HttpStream turns any close of the client into a full one
+    (half-closes are not carried through HTTP), so there the FIN is not sent first: the farewell
+    goes out, the client's bytes are read and dropped for up to LINGER seconds (or until it
+    closes), then the full close. A TLS client closes on the fatal alert itself."""
 
     LINGER = 2.0
 
@@ -138,11 +144,16 @@ class RefusalLayer(layer.Layer):
             yield commands.SendData(self.context.client, raw_http_refusal(self.decision))
         elif self.farewell:
             yield commands.SendData(self.context.client, self.farewell)
-            yield commands.CloseTcpConnection(self.context.client, half_close=True)
+            if not self._in_tunnel():
+                yield commands.CloseTcpConnection(self.context.client, half_close=True)
             self._linger = commands.RequestWakeup(self.LINGER)
             yield self._linger
             return
         yield commands.CloseConnection(self.context.client)
+
+
+    def _in_tunnel(self) -> bool:
+        return any(isinstance(parent, HttpLayer) for parent in self.context.layers)
 
 
 TLS_ALERT_HANDSHAKE_FAILURE = b"\x15\x03\x03\x00\x02\x02\x28"  # fatal handshake_failure (RFC 8446 6)
@@ -385,13 +396,15 @@ class GatewayHttp2Server(Http2Server):
       a stream the client reset in the same read as its HEADERS never becomes a request. Refused
       streams are audited at most once per second and reason, with a `repeated` count."""
 
-    def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None):
+    def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None, sandbox: str | None = None):
         super().__init__(context)
+        self._sandbox = sandbox  # what waits for this client's window is summed per sandbox too
         self.on_refusal = on_refusal
         self._head_requests: set[int] = set()  # streams whose request is a HEAD: answers carry no body
         self._counted_refusals: set[int] = set()  # streams answered 429 by the gateway: count as resets
         self.limits = h2_limits.Limits.from_options(context.options)
-        self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams)
+        self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams,
+                                                     self.limits.max_control_frames)
         self.resets = h2budget.ResetTracker(self.limits.max_resets, self.limits.reset_window)
         self.aggregate = h2budget.RefusalAggregator()
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
@@ -420,12 +433,14 @@ class GatewayHttp2Server(Http2Server):
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             h2_backpressure.release(self.context.client)
         else:
-            h2_backpressure.update(self.context.client, self._unread())
+            h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
 
     # --- budgets ------------------------------------------------------------------------------
 
     def handle_h2_event(self, event) -> layer.CommandGenerator[bool]:
         now = time.monotonic()
+        if isinstance(event, h2_limits.ControlFlood):
+            return (yield from self._control_flood(event))
         if isinstance(event, h2_limits.StreamRefused):
             yield from self._audit(Decision.deny(
                 "too_many_streams", f"more than {self.limits.max_concurrent_streams} concurrent HTTP/2 streams; "
@@ -453,6 +468,17 @@ class GatewayHttp2Server(Http2Server):
         self._record(decision, None, event="connection", status_sent=False, resets=self.resets.total)
         self._linger_close = True
         yield from self.protocol_error(f"egress gateway: {decision.message}", h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        return True
+
+    def _control_flood(self, event) -> layer.CommandGenerator[bool]:
+        """Too many frames that carry no request: h2 has queued GOAWAY ENHANCE_YOUR_CALM and read no
+        further. One audit line, then the lingering close (as for reset_flood)."""
+        decision = Decision.deny("control_frame_flood", f"{event}; the connection was closed (GOAWAY)")
+        self._record(decision, None, event="connection", status_sent=False, frames=self.h2_conn.control.total)
+        self._linger_close = True
+        yield commands.Log(f"{human.format_address(self.conn.peername)}: egress gateway: {decision.message}")
+        yield commands.SendData(self.conn, self.h2_conn.data_to_send())
+        yield from self.close_connection(f"egress gateway: {decision.message}")
         return True
 
     def _holding(self, stream) -> bool:
@@ -975,6 +1001,12 @@ class GatewayHttpLayer(HttpLayer):
                 found.append(since)
         return found
 
+    def _sandbox_key(self) -> str | None:
+        try:
+            return self.body_limits.sandbox(self.context) if self.body_limits.sandbox is not None else None
+        except Exception:  # fail closed: summed under one key for every client without one
+            return "unknown"
+
     def _check_idle_bodies(self) -> layer.CommandGenerator[None]:
         """Each stream whose body went without a byte for the idle timeout ends (it decides how);
         then the timer is set for the next one due, while any stream is left."""
@@ -994,7 +1026,8 @@ class GatewayHttpLayer(HttpLayer):
             if is_h3_alpn(self.context.client.alpn):
                 server = Http3Server(self.context.fork())
             elif self.context.client.alpn == b"h2":
-                server = GatewayHttp2Server(self.context.fork(), self.on_refusal, self.streams)
+                server = GatewayHttp2Server(self.context.fork(), self.on_refusal, self.streams,
+                                            self._sandbox_key())
             else:
                 server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
                                             self.head_timeout)

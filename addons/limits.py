@@ -19,12 +19,14 @@ from mitmproxy import ctx
 
 from gateway.decision import Decision, verdict_fields
 
+from . import conn_close
 from .audit_fields import connection_fields
 from .state import GatewayState
 
 
 class ConnectionLimiter:
     def __init__(self, state: GatewayState):
+        conn_close.install()  # a connection is released only after its socket is closed
         self.state = state
         self.open: Counter[str] = Counter()
         self._keys: dict[str, str] = {}

@@ -78,6 +78,44 @@ MAX_RECORD = 2**14  # RFC 8446 5.1: a plaintext record holds at most 2^14 bytes
 # records would cost the event loop more than the bytes they carry.
 MAX_RECORDS = 256
 DEFAULT_MAX_CLIENT_HELLO_BYTES = 64 * 1024
+# What a hello costs mitmproxy (and kaitai, and the passthrough checks) grows with its items, not
+# its bytes: a legal 64 KiB hello of ~16,000 empty extensions cost ~100 ms of CPU to inspect, so
+# 45 a second saturated a worker. Real clients send fewer than 30 extensions (Chrome ~18, Firefox
+# ~17, curl/OpenSSL ~12) and fewer than 200 cipher suites (OpenSSL's "ALL" ~140; browsers ~16).
+MAX_EXTENSIONS = 128
+MAX_CIPHER_SUITES = 512
+
+
+def _too_many_items(body) -> str | None:
+    """Why a ClientHello body (after its 4-byte header) has too many cipher suites or extensions,
+    or None. Bounded work: at most MAX_EXTENSIONS + 1 steps. A body whose lengths do not add up is
+    left to the parser (it is refused as bad_client_hello there)."""
+    at = 2 + 32  # legacy_version, random
+    if len(body) < at + 1:
+        return None
+    at += 1 + body[at]  # legacy_session_id
+    if len(body) < at + 2:
+        return None
+    suites = int.from_bytes(body[at : at + 2], "big") // 2
+    if at + 2 + 2 * suites > len(body):
+        return None  # lengths that do not add up: malformed, not large
+    if suites > MAX_CIPHER_SUITES:
+        return f"the TLS ClientHello offers {suites} cipher suites (limit {MAX_CIPHER_SUITES})"
+    at += 2 + 2 * suites
+    if len(body) < at + 1:
+        return None
+    at += 1 + body[at]  # legacy_compression_methods
+    if len(body) < at + 2:
+        return None
+    end = min(len(body), at + 2 + int.from_bytes(body[at : at + 2], "big"))
+    at += 2
+    count = 0
+    while at + 4 <= end:
+        count += 1
+        if count > MAX_EXTENSIONS:
+            return f"the TLS ClientHello has more than {MAX_EXTENSIONS} extensions"
+        at += 4 + int.from_bytes(body[at + 2 : at + 4], "big")
+    return None
 
 
 class ClientHelloReader:
@@ -89,7 +127,9 @@ class ClientHelloReader:
     16 MiB). Here the declared length is checked against `max_bytes` as soon as the handshake
     header is known (right after the first record header when it holds four bytes or more), and
     a record is judged by its header: nothing over the budget is ever buffered. A hello in more than
-    MAX_RECORDS records is refused as too large too.
+    MAX_RECORDS records is refused as too large too, and so is a complete hello of more than
+    MAX_EXTENSIONS extensions or MAX_CIPHER_SUITES cipher suites (counted by walking their length
+    fields, at most that many steps, before anything parses the hello).
 
     `verdict` is NEED_MORE until it settles on COMPLETE, TOO_LARGE or MALFORMED (`error` says why).
     Once COMPLETE, `canonical()` gives the same handshake bytes in as few records as TLS allows
@@ -145,6 +185,8 @@ class ClientHelloReader:
             self.records += 1
             at += 5 + size
             if self.length is not None and len(self.payload) >= self.length:
+                if (too_many := _too_many_items(memoryview(self.payload)[4 : self.length])) is not None:
+                    return self._settle(TOO_LARGE, too_many)
                 self.verdict = COMPLETE
                 self.rest = pending[at:]
                 at = len(pending)

@@ -69,6 +69,9 @@ REASONS: dict[str, tuple[int, str]] = {
                               "REFUSED_STREAM: no status is sent)"),
     "reset_flood": (503, "the HTTP/2 client reset streams faster than the limit; the connection was closed "
                          "(GOAWAY ENHANCE_YOUR_CALM: no status is sent)"),
+    "control_frame_flood": (503, "the HTTP/2 client sent more control frames (PING, SETTINGS, WINDOW_UPDATE, "
+                                 "PRIORITY, unknown types, empty DATA) than the limit; the connection was closed "
+                                 "(GOAWAY ENHANCE_YOUR_CALM: no status is sent)"),
     "buffer_budget": (503, "buffering this body would pass the per-connection (or per-sandbox) buffer budget"),
     "connection_rate_limited": (503, "the sandbox opens new connections faster than the gateway allows; closed at "
                                      "accept (audit and metrics only: no status is sent)"),

@@ -311,3 +311,65 @@ def test_buffered_request_bodies_are_bounded_per_connection(gateway, upstreams):
     assert len(lines) == 1 and lines[0]["status"] == 503 and lines[0]["path"] == "/upload2", lines
     received = {r.path: len(r.body) for r in upstreams.tls["allowed.test"].requests}
     assert received == {"/upload0": len(piece) + 1, "/upload1": len(piece) + 1}, received
+
+
+def _frame(kind: int, stream_id: int = 0, payload: bytes = b"", flags: int = 0) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
+
+
+CONTROL_FLOODS = {
+    "unknown_type": _frame(0xFA),
+    "ping": _frame(0x6, payload=bytes(8)),
+    "settings": _frame(0x4),
+    "window_update": _frame(0x8, payload=(1).to_bytes(4, "big")),
+    "priority": _frame(0x2, stream_id=1, payload=(0).to_bytes(4, "big") + b"\x0f"),
+    "empty_data": _frame(0x0, stream_id=1),
+}
+
+
+@pytest.mark.parametrize("kind", CONTROL_FLOODS)
+def test_a_control_frame_flood_ends_in_goaway(gateway, upstreams, kind):
+    """Frames that carry no request, as fast as the client can write them (the default budget:
+    1,000 in 10 s): GOAWAY ENHANCE_YOUR_CALM, one `control_frame_flood` line, and nothing upstream.
+    Before: no limit at all; 546,075 unknown frames in 3 s took 27.7 s of the worker's CPU (each an
+    h2 event and a log line) and stalled every other client for seconds."""
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        if kind == "empty_data":  # an open stream to send them on
+            client.h2.send_headers(1, _headers("allowed.test", "/flood-data", "POST"))
+            client._flush()
+        try:
+            for _ in range(10):
+                conn.sock.sendall(CONTROL_FLOODS[kind] * 500)
+        except OSError:
+            pass  # closed while the flood was still being written
+        seen = _events(client, lambda seen: "closed" in seen or any(
+            isinstance(e, h2.events.ConnectionTerminated) for e in seen))
+        goaway = [e for e in seen if isinstance(e, h2.events.ConnectionTerminated)]
+        assert goaway and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, seen
+        flood = _refusals(gateway, conn.client, "control_frame_flood", 1)
+    assert [(a["event"], a["decision"], a["status"]) for a in flood] == [("connection", "deny", None)], flood
+    assert flood[0]["frames"] > 1000, flood
+    assert not [r for r in upstreams.tls["allowed.test"].requests if r.path == "/flood-data"]
+    assert "unknown HTTP/2 frame" not in gateway.log()  # dropped before mitmproxy logs each one
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as other:  # another connection is served
+        other_client = H2Client(other)
+        stream = other_client.send("allowed.test", "/after-flood")
+        other_client.wait(stream)
+        assert other_client.responses[stream]["status"] == 200
+
+
+def test_a_long_download_earns_its_window_updates(gateway, upstreams):
+    """A client that acknowledges every DATA frame it reads (one WINDOW_UPDATE for the stream and one
+    for the connection each time) is not a flood, however long the download."""
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        for _ in range(3):
+            client.send("allowed.test", f"/bytes/{2 * 1024 * 1024}")
+            seen = _events(client, lambda seen: any(
+                isinstance(e, (h2.events.StreamEnded, h2.events.ConnectionTerminated)) or e == "closed" for e in seen),
+                timeout=30)
+            assert not [e for e in seen if isinstance(e, h2.events.ConnectionTerminated) or e == "closed"], seen[-3:]
+            frames = [e for e in seen if isinstance(e, h2.events.DataReceived)]
+            assert sum(len(e.data) for e in frames) == 2 * 1024 * 1024 and len(frames) > 100
+    assert not [a for a in gateway.audit() if a.get("reason") == "control_frame_flood" and a.get("client") == conn.client]

@@ -134,3 +134,38 @@ def test_a_hello_in_too_many_records_is_refused():
     assert reader.feed(wire[MAX_RECORDS * 6:MAX_RECORDS * 6 + 5]) == TOO_LARGE
     assert "256 records" in reader.error
     assert feed_in(ClientHelloReader(LIMIT), frame(message, [len(message) // MAX_RECORDS + 1]), []) == COMPLETE
+
+
+def _with_items(extra_extensions: int = 0, extra_suites: int = 0) -> bytes:
+    """A real ClientHello handshake message with empty extensions and cipher suites added."""
+    body = client_hello("allowed.test")[5:][4:]
+    suites_at = 2 + 32 + 1 + body[34]
+    n = int.from_bytes(body[suites_at:suites_at + 2], "big")
+    suites = body[suites_at + 2:suites_at + 2 + n] + b"".join(
+        (0x3000 + i).to_bytes(2, "big") for i in range(extra_suites))
+    body = body[:suites_at] + len(suites).to_bytes(2, "big") + suites + body[suites_at + 2 + n:]
+    comp_at = suites_at + 2 + len(suites)
+    ext_at = comp_at + 1 + body[comp_at]
+    extensions = body[ext_at + 2:] + b"".join((0x2000 + i).to_bytes(2, "big") + b"\x00\x00"
+                                              for i in range(extra_extensions))
+    body = body[:ext_at] + len(extensions).to_bytes(2, "big") + extensions
+    return b"\x01" + len(body).to_bytes(3, "big") + body
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 400), st.integers(0, 700), st.lists(st.integers(64, 3000), min_size=1, max_size=4))
+def test_a_hello_of_too_many_extensions_or_cipher_suites_is_too_large(extensions, suites, sizes):
+    """Within the byte budget, but with more items than any client sends: refused before anything
+    parses it (a 64 KiB hello of ~16,000 empty extensions cost mitmproxy ~100 ms of CPU)."""
+    from gateway.clienthello import MAX_CIPHER_SUITES, MAX_EXTENSIONS
+    message = _with_items(extensions, suites)
+    reader = ClientHelloReader(64 * 1024)
+    verdict = reader.feed(frame(message, sizes))
+    total_ext = 8 + extensions  # client_hello() sends 8
+    total_suites = 5 + suites
+    if total_ext > MAX_EXTENSIONS or total_suites > MAX_CIPHER_SUITES:
+        assert verdict == TOO_LARGE, (total_ext, total_suites)
+        assert "extensions" in reader.error or "cipher suites" in reader.error
+    else:
+        assert verdict == COMPLETE, reader.error
+        assert parse_client_hello(reader.canonical()) is not None

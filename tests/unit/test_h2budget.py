@@ -125,3 +125,23 @@ def test_an_aggregated_audit_line_counts_as_many_refusals_in_the_metrics():
         "sandbox": "none", "rule": "none", "decision": "deny", "reason": "too_many_streams"}) == 42
     assert metrics.registry.get_sample_value("egress_connections_total", {
         "mode": "regular", "decision": "deny", "reason": "reset_flood"}) == 1
+
+
+def test_control_frames_over_the_limit_in_the_window():
+    from gateway.h2budget import ControlFrameTracker
+    tracker = ControlFrameTracker(limit=3, window=10.0)
+    assert not any(tracker.control(t) for t in (0.0, 1.0, 2.0))
+    assert tracker.control(3.0)  # the 4th within 10 s
+    spaced = ControlFrameTracker(limit=3, window=10.0)
+    assert not any(spaced.control(t * 5.0) for t in range(20))  # never more than 3 in a window
+    assert not ControlFrameTracker(limit=0).control(0.0)  # 0: no limit
+
+
+def test_window_updates_are_earned_by_data_frames_sent():
+    from gateway.h2budget import ControlFrameTracker
+    tracker = ControlFrameTracker(limit=2, window=10.0)
+    tracker.data_sent(1000)
+    assert not any(tracker.window_update(0.0) for _ in range(2000))  # two per DATA frame: free
+    assert tracker.total == 0
+    assert not tracker.window_update(0.0) and not tracker.window_update(0.0)
+    assert tracker.window_update(0.0)  # unearned ones count

@@ -1,0 +1,81 @@
+"""Every connection's socket is closed when its handler ends, whatever ended it.
+
+mitmproxy 12.3's `ConnectionHandler.handle_connection` closes the writer only on its normal path:
+a cancellation ("closed by command", "timeout", "client disconnected") that lands while the task
+waits in `server_event` (on `_server_event_lock`, e.g. for a second DataReceived queued behind the
+one whose refusal closed the connection) is not caught there, so `writer.close()` and the
+`transports.pop` are skipped. The socket then stayed open until the garbage collector found it
+(ESTAB, then CLOSE-WAIT, ~66 s seen), after the `client disconnect` line, after
+`client_disconnected` had released the connection from the per-sandbox count and outside
+`tcp_timeout`: every early refusal (ClientHello too large, malformed, too many records,
+non-HTTP bytes) sent in one burst with more bytes leaked a file descriptor (300 refusals: 300
+fds held for > 30 s).
+
+`install()` replaces handle_connection with the same loop in which every await may be cancelled
+and the writer is closed, and the transport forgotten, in a `finally`. The writer's close flushes
+what was queued (an alert, a 400) and then closes the socket; the client handler ends (and
+`client_disconnected` releases the sandbox's count) only after this has run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def install() -> None:
+    from mitmproxy.connection import ConnectionState
+    from mitmproxy.proxy import events, server
+
+    if getattr(server.ConnectionHandler.handle_connection, "_egress_closes", False):
+        return
+
+    async def handle_connection(self, connection) -> None:
+        """mitmproxy's handle_connection (12.3), with the close in a finally."""
+        cancelled: BaseException | None = None
+        try:
+            reader = self.transports[connection].reader
+            assert reader
+            while True:
+                try:
+                    data = await reader.read(65535)
+                    if not data:
+                        raise OSError("Connection closed by peer.")
+                except OSError:
+                    break
+                except asyncio.CancelledError as e:
+                    cancelled = e
+                    break
+                try:
+                    await self.server_event(events.DataReceived(connection, data))
+                    await self.drain_writers()
+                except asyncio.CancelledError as e:  # mitmproxy lets this one escape the close
+                    cancelled = e
+                    break
+
+            if cancelled is None and connection.transport_protocol == "tcp":
+                connection.state &= ~ConnectionState.CAN_READ  # half-closed by the peer
+            else:
+                connection.state = ConnectionState.CLOSED
+            try:
+                await self.server_event(events.ConnectionClosed(connection))
+                if connection.state is ConnectionState.CAN_WRITE:
+                    # the peer closed its side; we may still send until cancelled
+                    await asyncio.Event().wait()
+            except asyncio.CancelledError as e:
+                cancelled = cancelled or e
+        finally:
+            connection.state = ConnectionState.CLOSED
+            io = self.transports.pop(connection, None)
+            writer = io.writer if io is not None else None
+            if writer is not None:
+                try:
+                    writer.close()
+                except (OSError, RuntimeError):
+                    transport = getattr(writer, "transport", None)
+                    if transport is not None:
+                        transport.abort()
+        if cancelled is not None:
+            raise cancelled
+
+    handle_connection._egress_closes = True
+    server.ConnectionHandler.handle_connection = handle_connection
