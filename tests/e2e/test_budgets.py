@@ -335,3 +335,79 @@ def test_http2_streams_over_the_connection_budget_do_not_all_stay_buffered(gatew
             sent += window
             client._flush()
     assert _wait(lambda: upstream.connections >= 1 and upstream.received > 0), (upstream.connections, upstream.received)
+
+
+# -- bytes a client sends ahead of its answer (HTTP/1 pipelining) ----------------------------------
+
+
+def _send_ahead(conn, total: int) -> None:
+    """Pipelined requests behind the one in flight, until `total` bytes or the gateway closes."""
+    junk = b"GET http://stall.test/next HTTP/1.1\r\nHost: stall.test\r\nX: " + b"a" * 1000 + b"\r\n\r\n"
+    sent = 0
+    try:
+        while sent < total:
+            conn.send(junk)
+            sent += len(junk)
+    except OSError:
+        pass
+
+
+def test_bytes_pipelined_behind_a_request_in_flight_are_bounded(gateway_with, origin):
+    """mitmproxy keeps what arrives behind a request in flight unparsed, without limit (600 MiB in
+    seconds made a worker's RSS grow by as much): past twice the head limit the request in flight
+    is answered 431 pipeline_too_large, the connection closes, one audit line."""
+    upstream = origin()  # answers nothing: the request stays in flight
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    assert _wait(lambda: upstream.heads)
+    _send_ahead(conn, 64 * 4096)
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (431, "pipeline_too_large"), response
+    assert conn.closed()
+    assert upstream.closed.wait(5)  # the request in flight was abandoned upstream
+    lines = audit_for(gateway, conn.client, 2)
+    assert lines[-1]["reason"] == "pipeline_too_large" and lines[-1]["status"] == 431
+
+
+def test_bytes_pipelined_behind_a_response_under_way_cut_the_connection(gateway_with, origin):
+    """The same once the response's head went out: no status can be sent, the connection is cut."""
+    upstream = origin(answer=b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"6\r\ndata:1\r\n")
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/events HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    assert conn.read_until(b"data:1").startswith(b"HTTP/1.1 200")
+    _send_ahead(conn, 64 * 4096)
+    try:
+        while conn._fill():  # until the gateway closes (a reset: it closed with our bytes unread)
+            pass
+    except ConnectionResetError:
+        pass
+    assert upstream.closed.wait(5)
+    lines = audit_for(gateway, conn.client, 2)
+    assert lines[-1]["reason"] == "pipeline_too_large" and lines[-1]["status"] is None
+
+
+def test_bytes_pipelined_in_a_tunnel_are_bounded(gateway_with, origin, pki, stall_address):
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-pipe")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    upstream = origin(443, tls=context)
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn, answer = tunnel(gateway, "stall.test:443", timeout=10)
+    assert answer.status == 200
+    tls = start_tls(conn, gateway, "stall.test", alpn=["http/1.1"])
+    tls.send(b"GET /slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    assert _wait(lambda: upstream.heads)
+    _send_ahead(tls, 64 * 4096)
+    response = tls.read_response()
+    assert (response.status, response.egress_reason) == (431, "pipeline_too_large"), response
+    assert tls.closed()
+
+
+def test_a_few_pipelined_requests_are_still_answered_in_order(gateway_with, upstreams):
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"".join(b"GET http://allowed.test/ok%d HTTP/1.1\r\nHost: allowed.test\r\n\r\n" % i for i in range(5)))
+    assert [conn.read_response().status for _ in range(5)] == [200] * 5
