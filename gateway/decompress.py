@@ -28,6 +28,11 @@ class OverBudget(ValueError):
     """Keeping the next decoded piece would pass the caller's memory budget (gateway/budget.py)."""
 
 
+# A zstd frame names the window its decoder must keep (up to 2 GiB; 128 MiB at window_log 27 cost
+# ~135 MiB per stream, charged to no budget). RFC 9659 limits the `zstd` content coding to 8 MiB:
+# a frame that needs more is refused as too large.
+ZSTD_WINDOW_LOG_MAX = 23
+
 PIECE = 1024 * 1024  # what a buffered decode produces per step, each step charged before it is kept
 INPUT_STEP = 4096  # compressed bytes given to a decoder at a time (see BoundedDecoder.pieces)
 
@@ -74,6 +79,8 @@ class _Concatenated:
             chunk, self._input = self._input, b""
             try:
                 piece, self._input = self._feed(self._d, chunk, max_length)
+            except DecodedTooLarge:
+                raise
             except Exception:
                 if self._streams > 1 and self._out == 0:  # not a stream at all: data after the last one
                     self.trailing, self._input = True, b""
@@ -162,10 +169,15 @@ class _Zstd(_Concatenated):
         self._zstd = zstd
 
     def _new(self, data: bytes):
-        return self._zstd.ZstdDecompressor()
+        return self._zstd.ZstdDecompressor(options={self._zstd.DecompressionParameter.window_log_max: ZSTD_WINDOW_LOG_MAX})
 
     def _feed(self, d, data: bytes, max_length: int) -> tuple[bytes, bytes]:
-        out = d.decompress(data, max_length)  # it keeps input it has not decoded yet itself
+        try:
+            out = d.decompress(data, max_length)  # it keeps input it has not decoded yet itself
+        except self._zstd.ZstdError as exc:
+            if "memory" in str(exc):  # "Frame requires too much memory for decoding"
+                raise DecodedTooLarge(f"a zstd frame needs a window over {1 << ZSTD_WINDOW_LOG_MAX} bytes") from None
+            raise
         return out, (d.unused_data if d.eof else b"")
 
     def _more(self, d) -> bool:
