@@ -106,3 +106,27 @@ def test_every_piece_is_small_and_a_bomb_trips_near_its_grace(make, most):
             assert len(piece) <= PIECE + 1
             produced += len(piece)
     assert produced <= most + PIECE
+
+
+def test_a_request_decoder_stops_at_its_total_budget_within_the_ratio():
+    """54:1 is within REQUEST_RATIO, but past REQUEST_LIMIT decoded bytes the scan stops: each
+    decoded byte costs scanning time on the event loop."""
+    import random
+
+    from gateway.decompress import REQUEST_LIMIT
+
+    rnd = random.Random(15)
+    block = bytearray(1 << 20)
+    for j in range(0, len(block), 150):
+        block[j] = rnd.randrange(1, 256)
+    c = zlib.compressobj(6, zlib.DEFLATED, 31)
+    body = b"".join([c.compress(bytes(block)) for _ in range(REQUEST_LIMIT // (1 << 20) + 4)] + [c.flush()])
+    for decoder, most in ((request_decoder("gzip"), REQUEST_LIMIT), (request_decoder("gzip", 2 << 20), 2 << 20)):
+        produced = 0
+        with pytest.raises(DecodedTooLarge):
+            for start in range(0, len(body), 65536):
+                for piece in decoder.pieces(body[start:start + 65536]):
+                    produced += len(piece)
+        assert produced <= most
+    unbounded = request_decoder("gzip", None)
+    assert sum(len(p) for p in unbounded.pieces(body)) == len(block) * (REQUEST_LIMIT // (1 << 20) + 4)
