@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mitmproxy import flow as mitm_flow
 from mitmproxy.net.http import http1
@@ -790,6 +790,9 @@ class GatewayHttpStream(HttpStream):
         unfinished. Audited here unless `audited`."""
         self._held = b""
         self._request_moved = self._response_moved = None
+        allowed_by = self.flow.metadata.get("egress_decision")
+        if decision.rule is None and allowed_by is not None and getattr(allowed_by, "rule", None):
+            decision = replace(decision, rule=allowed_by.rule)  # the audit line names the rule it ran under
         if not audited and self.on_refusal is not None:
             decision = _report(self.on_refusal, self.context, decision, self.flow.request, status_sent=status_sent)
         self.flow.error = mitm_flow.Error(f"egress gateway: {decision.message}")

@@ -157,7 +157,8 @@ def test_a_stalled_buffered_request_body_gets_408_and_no_upstream_connection(gat
     assert (response.status, response.egress_reason) == (408, "request_body_timeout"), response
     assert conn.closed()
     assert upstreams.untouched("allowed.test")
-    assert [a["reason"] for a in audit_for(gateway, conn.client, 2)][-1] == "request_body_timeout"
+    line = audit_for(gateway, conn.client, 2)[-1]
+    assert (line["reason"], line["rule"]) == ("request_body_timeout", "allowed")  # the rule it ran under
 
 
 def test_a_stalled_streamed_request_body_is_408_and_its_upstream_stream_aborted(gateway_with, origin):
@@ -182,6 +183,7 @@ def test_a_stalled_response_body_before_its_head_went_out_is_504(gateway_with, o
     assert upstream.closed.wait(5)
     lines = audit_for(gateway, conn.client, 2)
     assert lines[-1]["reason"] == "response_body_timeout" and lines[-1]["status"] == 504
+    assert lines[-1]["rule"] == "stall"
 
 
 def test_a_stalled_streamed_response_body_is_cut_off(gateway_with, origin):
