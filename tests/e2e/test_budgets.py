@@ -413,3 +413,69 @@ def test_a_few_pipelined_requests_are_still_answered_in_order(gateway_with, upst
     conn = connect_proxy(gateway, timeout=10)
     conn.send(b"".join(b"GET http://allowed.test/ok%d HTTP/1.1\r\nHost: allowed.test\r\n\r\n" % i for i in range(5)))
     assert [conn.read_response().status for _ in range(5)] == [200] * 5
+
+
+# -- WebSocket messages --------------------------------------------------------------------------
+
+_WS_ACCEPT = b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # for the sample key of RFC 6455
+
+
+def _ws_frame(opcode: int, payload: bytes, fin: bool) -> bytes:
+    """A client frame (masked with a zero key: the payload goes as it is)."""
+    n = len(payload)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    if n < 126:
+        head += bytes([0x80 | n])
+    elif n < 65536:
+        head += bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head += bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+def _websocket(gateway_with, origin, *sets):
+    upstream = origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + _WS_ACCEPT + b"\r\n\r\n")
+    gateway = gateway_with(*sets)
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    assert conn.read_response(head_only=True).status == 101
+    return gateway, conn, upstream
+
+
+def test_a_websocket_message_reassembled_past_its_budget_closes_both_sides_with_1009(gateway_with, origin):
+    """An endless fragmented message (FIN=0 frames) grew mitmproxy's frame buffer without limit
+    (500 MiB in 5 s): past egress_max_websocket_message_bytes both sides get a 1009 close."""
+    gateway, conn, upstream = _websocket(gateway_with, origin, "egress_max_websocket_message_bytes=1000000")
+    piece = b"A" * 65536
+    try:
+        conn.send(_ws_frame(2, piece, fin=False))
+        for _ in range(40):
+            conn.send(_ws_frame(0, piece, fin=False))
+    except OSError:
+        pass
+    data = b""
+    try:
+        while chunk := conn.sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    assert data[:1] == b"\x88" and data[2:4] == (1009).to_bytes(2, "big"), data[:20]  # a close frame, 1009
+    assert upstream.closed.wait(5)
+    lines = [a for a in audit_for(gateway, conn.client, 2) if a["event"] == "websocket"]
+    assert lines and lines[-1]["reason"] == "websocket_message_too_large" and lines[-1]["status"] is None
+    assert lines[-1]["rule"] == "stall"
+
+
+def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_with, origin):
+    """Whole messages under the budget go through; the flow keeps only the last one (it kept every
+    one before: 1 MiB messages grew a worker without end). Checked by the gateway's RSS."""
+    gateway, conn, upstream = _websocket(gateway_with, origin, "egress_max_websocket_message_bytes=2000000")
+    piece = b"B" * (1 << 20)
+    for _ in range(200):  # 200 MiB
+        conn.send(_ws_frame(2, piece, fin=True))
+    assert _wait(lambda: upstream.received >= 200 * (1 << 20), 60), upstream.received
+    rss = int(next(line.split()[1] for line in open(f"/proc/{gateway.process.pid}/status")
+                   if line.startswith("VmRSS:")))
+    assert rss < 150 * 1024, rss  # KiB: it held all 200 MiB before
