@@ -21,6 +21,7 @@ from mitmproxy import ctx, http
 from gateway.budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
 from gateway.decompress import REQUEST_LIMIT
 
+from . import write_backlog
 from .layers import DEFAULT_BODY_IDLE_TIMEOUT
 from .state import GatewayState
 
@@ -28,6 +29,7 @@ from .state import GatewayState
 class BufferBudget:
     def __init__(self, state: GatewayState):
         self.state = state
+        write_backlog.install(state)
 
     def load(self, loader):
         loader.add_option(

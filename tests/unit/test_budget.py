@@ -130,3 +130,20 @@ def test_a_request_decoder_stops_at_its_total_budget_within_the_ratio():
         assert produced <= most
     unbounded = request_decoder("gzip", None)
     assert sum(len(p) for p in unbounded.pieces(body)) == len(block) * (REQUEST_LIMIT // (1 << 20) + 4)
+
+
+def test_held_bytes_count_past_the_limit_and_leave_no_room():
+    """`hold` charges bytes already held (unread by a client): never refused, and while they last
+    other buffers of the sandbox find no room."""
+    from gateway.budget import Ledger
+
+    ledger = Ledger(per_connection=100, per_sandbox=150)
+    backlog, other = ledger.account("c1", "s"), ledger.account("c2", "s")
+    backlog.hold(400)
+    assert ledger.held(sandbox="s") == 400 and not other.reserve(1) and other.room() == 0
+    backlog.release(300)
+    assert other.reserve(50) and not other.reserve(1)
+    ledger.drop_connection("c1")
+    assert ledger.held(sandbox="s") == 50 and backlog.closed
+    backlog.hold(10)  # closed: nothing more is counted
+    assert ledger.held(sandbox="s") == 50
