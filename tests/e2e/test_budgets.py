@@ -479,3 +479,15 @@ def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_wi
     rss = int(next(line.split()[1] for line in open(f"/proc/{gateway.process.pid}/status")
                    if line.startswith("VmRSS:")))
     assert rss < 150 * 1024, rss  # KiB: it held all 200 MiB before
+
+
+def test_an_endless_upstream_response_head_is_502(gateway_with, origin):
+    """mitmproxy kept an incomplete response head without limit: past 256 KiB the upstream
+    connection is closed and the client gets 502 response_too_large."""
+    upstream = origin(answer=b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 600_000)
+    gateway = gateway_with()
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/head HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (502, "response_too_large"), response
+    assert upstream.closed.wait(5)
