@@ -22,6 +22,27 @@ def connection_fields(conn: ConnectionState | None, sandbox: str | None = None) 
     }
 
 
+def fallback_fields(state, client_conn) -> dict:
+    """Who a fallback refusal (`_deny_on_error`: the decision itself failed) was for: the client,
+    its sandbox and mode when they can be known, each looked up defensively (None if not), so that
+    such lines name their source (and aggregate per source) instead of all sharing one."""
+    conn = sandbox = None
+    try:
+        conn = state.connections.get(client_conn.id)
+        if conn is not None and state.engine is not None:
+            sandbox = state.scope(conn).sandbox
+    except Exception:
+        pass
+    fields = connection_fields(conn, sandbox)
+    if conn is None:
+        try:
+            host, port = client_conn.peername[:2]
+            fields["client"] = f"{host}:{port}"
+        except Exception:
+            pass
+    return fields
+
+
 def flow_fields(flow, conn: ConnectionState | None, sandbox: str | None = None) -> dict:
     request = flow.request
     return connection_fields(conn, sandbox) | {

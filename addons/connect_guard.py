@@ -12,7 +12,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.hostnames import HostError, parse_authority
 from gateway.revocation import Established
 
-from .audit_fields import decision_fields, flow_fields
+from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .failclosed import fail_closed
 from .respond import refuse
 from . import passthrough
@@ -22,7 +22,7 @@ from .state import GatewayState
 def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
     decision = Decision.deny("internal_error", "the gateway failed while deciding this CONNECT")
     refuse(flow, decision)
-    self.state.record(event="connect", **verdict_fields(decision))
+    self.state.record(event="connect", **fallback_fields(self.state, flow.client_conn), **verdict_fields(decision))
 
 
 class ConnectGuard:
@@ -37,7 +37,9 @@ class ConnectGuard:
         raw = flow.request.data.authority.decode("utf-8", "surrogateescape")
         pin = None
         host = port = None
-        if conn.tunnel is not None:
+        if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
+            decision = gated
+        elif conn.tunnel is not None:
             decision = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused")
         else:
             try:

@@ -31,7 +31,7 @@ from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
 
 from .audit_fields import connection_fields
-from .failclosed import fail_closed
+from .failclosed import QuietAuditFailures, fail_closed
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
@@ -225,6 +225,7 @@ class ResponseRedactor:
     def running(self):
         # Whatever a log line quotes (mitmproxy logs WebSocket pings, protocol errors), never a secret.
         _LogRedaction.install(self.redactor)
+        QuietAuditFailures.install()  # a full audit disk: counted warnings, not a traceback per refusal
 
     def _count(self, flow, hits: list[str], where: str) -> None:
         for name in dict.fromkeys(hits):

@@ -64,7 +64,7 @@ from . import h2_backpressure, h2_limits
 from .http1 import ServerFraming
 from .credentials import BOUND, BUFFER_ACCOUNT
 from .method_body import BODY_CHECK
-from .respond import raw_http_refusal, refusal_headers
+from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
 
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
@@ -419,6 +419,7 @@ class GatewayHttp2Server(Http2Server):
         super().__init__(context)
         self.on_refusal = on_refusal
         self._head_requests: set[int] = set()  # streams whose request is a HEAD: answers carry no body
+        self._counted_refusals: set[int] = set()  # streams answered 429 by the gateway: count as resets
         self.limits = h2_limits.Limits.from_options(context.options)
         self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams)
         self.resets = h2budget.ResetTracker(self.limits.max_resets, self.limits.reset_window)
@@ -605,6 +606,8 @@ class GatewayHttp2Server(Http2Server):
             self._send_refusal(event.stream_id, decision)
             yield commands.SendData(self.conn, self.h2_conn.data_to_send())
             return
+        if isinstance(event, ResponseHeaders) and getattr(event.response, COUNTS_AS_RESET, False):
+            self._counted_refusals.add(event.stream_id)  # a gateway 429 (addons/respond.py refuse)
         for command in super()._handle_event(event):
             if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
                 if command.event.request.method.upper() == "HEAD":
@@ -612,6 +615,10 @@ class GatewayHttp2Server(Http2Server):
             yield command
         if isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
             self._head_requests.discard(event.stream_id)
+            if event.stream_id in self._counted_refusals:
+                self._counted_refusals.discard(event.stream_id)
+                # Once its answer is out: a flood of rate refusals ends like a flood of resets (GOAWAY).
+                yield from self._count_reset(time.monotonic())
 
 
 class GatewayHttpStream(HttpStream):

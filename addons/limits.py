@@ -50,7 +50,8 @@ class ConnectionLimiter:
             refusal = Decision.deny("too_many_connections",
                                     f"{self.open[key]} connections already open for {key} (limit {limit})")
             # Closed at accept: no HTTP status is sent.
-            self.state.record(event="connection", **connection_fields(conn, key.partition(":")[2]),
+            sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None  # None: null
+            self.state.record(event="connection", **connection_fields(conn, sandbox),
                               **verdict_fields(refusal, status_sent=False))
             return
         self.open[key] += 1

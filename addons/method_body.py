@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.decision import Decision
-from gateway.methods import BodyScanner, BodyTooLarge, Override
+from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override
 
 BODY_CHECK = "egress_body_check"  # flow.metadata key
 
@@ -59,7 +59,8 @@ class BodyOverrideCheck:
                  stale: Callable[[], bool] = lambda: False):
         self.rule = rule  # the rule that allowed the head: refusals name it
         self.stale = stale  # True after a reload: what the body named so far is judged again
-        self.found: list[Override] = []
+        self.found: list[Override] = []  # distinct, in order
+        self._seen: dict[Override, None] = {}
         self.scanner = scanner
         self.judge = judge
         self.record = record
@@ -108,8 +109,13 @@ class BodyOverrideCheck:
             return self._refuse(Decision.deny(
                 "method_not_allowed", f"the request body could not be checked for method overrides: {why}; "
                                       f"its end was not sent", self.rule), found)
-        self.found.extend(found)
-        if not self.found or not (found or self.stale()):
+        new = [o for o in dict.fromkeys(found) if o not in self._seen]  # a repeat was judged already
+        if new and len(self.found) + len(new) > MAX_ELEMENTS:  # as for a header: past 64, one naming none
+            past = new[MAX_ELEMENTS - len(self.found)] if len(self.found) < MAX_ELEMENTS else new[0]
+            new = new[:max(0, MAX_ELEMENTS - len(self.found))] + [Override(past.source, past.name, None)]
+        self._seen.update(dict.fromkeys(new))
+        self.found.extend(new)
+        if not self.found or not (new or self.stale()):
             return None
         decision = self.judge(self.found)
         if decision is None:

@@ -38,8 +38,8 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.utils import human
 from prometheus_client import make_wsgi_app
 
-from gateway.audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, PipeAuditLog
-from gateway.auditrate import DEFAULT_PER_KEY, DEFAULT_PER_SOURCE
+from gateway.audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, MAX_LINE_BYTES, PipeAuditLog
+from gateway.auditrate import DEFAULT_PER_KEY, DEFAULT_PER_SOURCE, DEFAULT_TOTAL
 from gateway.metrics import GatewayMetrics
 from gateway.workers import notify_ready, worker_index
 
@@ -53,6 +53,7 @@ DRAIN_GRACE_SECONDS = 0.2  # after the last response hook, for the bytes to reac
 AUDIT_OPTIONS = frozenset({
     "egress_audit_log", "egress_audit_chain", "egress_audit_max_bytes", "egress_audit_backups",
     "egress_audit_max_refusals_per_second_per_sandbox", "egress_audit_max_refusals_per_second_per_key",
+    "egress_audit_max_refusals_per_second", "egress_audit_max_line_bytes",
 })
 COUNTED = "egress_bytes_counted"  # flow.metadata: this message's body is counted by a stream wrapper
 
@@ -270,6 +271,17 @@ class Observability:
             "budget of its own per kind.",
         )
         loader.add_option(
+            "egress_audit_max_line_bytes", int, MAX_LINE_BYTES,
+            "The longest audit line (bytes, with its chain hash): past it the longest client-controlled "
+            "values are shortened and named in 'truncated'. At least 2048.",
+        )
+        loader.add_option(
+            "egress_audit_max_refusals_per_second", int, DEFAULT_TOTAL,
+            "Refusal lines written one by one per second by the whole gateway, every sandbox and client "
+            "together (cycling client addresses buy no more); the refusals over it are counted in "
+            "'suppressed' summary lines too. 0: no gateway-wide budget.",
+        )
+        loader.add_option(
             "egress_drain_timeout", float, 10.0,
             "On SIGTERM (egress-gateway run), seconds to wait for in-flight requests before exiting.",
         )
@@ -294,15 +306,21 @@ class Observability:
             raise exceptions.OptionsError("egress_audit_backups must be >= 1")
         per_sandbox = ctx.options.egress_audit_max_refusals_per_second_per_sandbox
         per_key = ctx.options.egress_audit_max_refusals_per_second_per_key
-        if per_sandbox < 0 or per_key < 0:
-            raise exceptions.OptionsError("egress_audit_max_refusals_per_second_per_sandbox and _per_key must be >= 0")
+        total = ctx.options.egress_audit_max_refusals_per_second
+        if per_sandbox < 0 or per_key < 0 or total < 0:
+            raise exceptions.OptionsError("egress_audit_max_refusals_per_second(_per_sandbox, _per_key) must be >= 0")
+        line_bytes = ctx.options.egress_audit_max_line_bytes
+        if line_bytes < 2048:
+            raise exceptions.OptionsError("egress_audit_max_line_bytes must be >= 2048")
         audit = self.state.audit
+        audit.max_line_bytes = line_bytes
         if audit.target == "-" and max_bytes == ctx.options.default("egress_audit_max_bytes"):
             max_bytes = 0  # rotation is on by default for files; stdout cannot rotate
         if max_bytes and audit.target == "-":
             raise exceptions.OptionsError("audit log rotation (egress_audit_max_bytes) needs a file, not stdout")
         audit.configure(chain=ctx.options.egress_audit_chain, max_bytes=max_bytes, backups=backups,
-                        scrub=self.scrubber, refusals_per_second=per_sandbox, refusals_per_key=per_key or per_sandbox)
+                        scrub=self.scrubber, refusals_per_second=per_sandbox, refusals_per_key=per_key or per_sandbox,
+                        refusals_total=total)
 
     def _sync_metrics(self, strict: bool) -> None:
         """Bring the endpoint in line with egress_metrics (bind, or rebind on a change)."""

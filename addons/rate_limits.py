@@ -5,9 +5,13 @@ client address when the policy has no sandboxes section):
 - new connections: over `egress_max_new_connections_per_second_per_sandbox` (burst
   `egress_new_connection_burst_per_sandbox`) a connection is closed right after accept, before any
   byte is read: audit `connection_rate_limited`, no status (like `too_many_connections`);
-- requests: over `egress_max_requests_per_second_per_sandbox` (burst
-  `egress_request_burst_per_sandbox`) an allowed request is answered 429 `rate_limited` with
-  Retry-After, and nothing goes upstream.
+- requests: every request head a sandbox sends (allowed or denied; HTTP/1, HTTP/2 streams,
+  WebSocket upgrades, CONNECT; in tunnels, transparent, on the proxy port) takes a token before any
+  decision work (`RequestLimits.gate`); over `egress_max_requests_per_second_per_sandbox` (burst
+  `egress_request_burst_per_sandbox`) it is answered 429 `rate_limited` with Retry-After, and
+  nothing goes upstream. A 429 closes an HTTP/1 connection after the answer (addons/respond.py) and
+  counts as a refused stream on HTTP/2 (addons/layers.py: a flood of them ends in GOAWAY), so a
+  flooder must open new connections, which the connection rate bounds.
 
 Policy `limits:` (gateway/policy.py `Limits`, a sandbox's and a rule's), over sliding windows
 (gateway/ratelimit.py): requests per minute, upload and download bytes per hour, requests per
@@ -16,8 +20,9 @@ anything goes upstream (`RequestLimits.check`, called by RequestGuard so that th
 audit line with its final verdict); request body bytes are counted as they arrive and a body that
 would pass the upload budget is cut off before its end goes upstream; response bytes are counted
 as they go to the client and, once the download budget is spent, the next request is refused (a
-response under way is not cut off). Only requests the guards allowed count (report mode's
-`would_deny` included): a refused request costs no budget. Limits are never relaxed by report mode.
+response under way is not cut off). Only requests the guards allowed count against `limits:` (report
+mode's `would_deny` included): a refused request costs no policy budget (it does cost a token of the
+gateway-wide request rate). Limits are never relaxed by report mode.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ from mitmproxy import ctx, exceptions, http
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine
 from gateway.policy import LIMIT_KEYS, Policy, Scope
-from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow
+from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_rate
 
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
+from .respond import COUNTS_AS_RESET, refusal_headers
 from .revocation import close_client
 from .state import ConnectionState, GatewayState
 
 CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
+RESERVED = "egress_limits_reserved"  # flow.metadata key: response bytes counted at the head, not yet sent
 
 # Defaults (README options table): a ceiling against floods, far above what a package install needs
 # (pip keeps ~10 pooled connections per host, npm up to 15 sockets; a few hundred small requests a
@@ -67,7 +74,7 @@ def _describe(key: Hashable) -> str:
     if kind == "sandbox":
         where = f"sandbox {sandbox}" + (f" credential {secret}" if secret else "")
     elif kind == "credential":
-        where = f"rule {rule} credential {secret}"
+        where = f"credential {secret} (every rule and sandbox together)"
     else:
         where = f"rule {rule}" + (f" for sandbox {sandbox}" if sandbox else "")
     return f"{where} limits.{name}"
@@ -81,11 +88,13 @@ def limit_of(policy: Policy, key: Hashable) -> int | None:
         if found is None or (secret is not None and secret not in policy.secrets):
             return None
         return getattr(found.limits, name)
+    if kind == "credential":  # shared by the rules: kept while any rule injecting it has the limit
+        limits = [getattr(r.limits, name) for r in policy.rules_by_id.values()
+                  if secret in r.secrets and getattr(r.limits, name) is not None]
+        return min(limits) if limits else None
     rule = policy.rules_by_id.get(rule_id)
     if rule is None:
         return None
-    if kind == "credential":
-        return getattr(rule.limits, name) if secret in rule.secrets else None
     if sandbox is None:
         return getattr(rule.limits, name) if policy.sandboxes is None else None
     found = policy.sandboxes_by_id.get(sandbox)
@@ -137,7 +146,10 @@ class Limiter:
                 if name == "requests_per_credential_per_minute":
                     for secret in injected:
                         if kind == "rule":
-                            key = ("credential", None, rid, secret, name)  # every sandbox together
+                            # One counter per secret, shared by every rule that injects it and every
+                            # sandbox: the credential's own quota at the provider. Each rule checks
+                            # its own limit against that shared count.
+                            key = ("credential", None, None, secret, name)
                         else:
                             key = (kind, sid, None, secret, name)
                         out.append((key, self.quotas.window(key, limit, period), name))
@@ -148,14 +160,12 @@ class Limiter:
 
 
 def _rate(text: str, name: str) -> float:
-    """A rate option: a decimal number >= 0 (a string option, since mitmproxy's --set parses no floats)."""
+    """A rate option (a string option, since mitmproxy's --set parses no floats): gateway/ratelimit.py
+    `parse_rate`."""
     try:
-        rate = float(text)
-    except ValueError:
-        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}") from None
-    if not rate >= 0 or rate == float("inf"):
-        raise exceptions.OptionsError(f"{name} must be a number >= 0 (per second), not {text!r}")
-    return rate
+        return parse_rate(text)
+    except ValueError as exc:
+        raise exceptions.OptionsError(f"{name}: {exc}") from None
 
 
 class ConnectionRate:
@@ -206,7 +216,7 @@ class ConnectionRate:
         refusal = Decision.deny(
             "connection_rate_limited", f"more than {table.rate:g} new connections a second for {key} "
             f"(burst {table.burst:g}); closed at accept", retry_after=wait)
-        self.state.record(event="connection", **connection_fields(conn, key.partition(":")[2]),
+        self.state.record(event="connection", **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
                           **verdict_fields(refusal, status_sent=False))
 
 
@@ -218,6 +228,7 @@ class RequestLimits:
         self.limiter = limiter
         self.state = limiter.state
         self.state.request_limiters.append(self.check)
+        self.state.request_gates.append(self.gate)
 
     def load(self, loader):
         loader.add_option(
@@ -239,18 +250,24 @@ class RequestLimits:
                 raise exceptions.OptionsError("egress_request_burst_per_sandbox must be >= 0")
             self.limiter.requests.configure(rate, burst)
 
+    def gate(self, conn: ConnectionState, scope: Scope) -> Decision | None:
+        """Called by RequestGuard and ConnectGuard for every request head and CONNECT, allowed or
+        not, before any decision work: a token from the sandbox's bucket, or 429 `rate_limited`. A
+        sandbox sending requests the rules deny spends its own budget, not the other sandboxes' share
+        of the worker."""
+        key = self.limiter.key(conn, scope)
+        if wait := self.limiter.requests.take(key):
+            table = self.limiter.requests
+            return Decision.deny("rate_limited", f"more than {table.rate:g} requests a second for {key} "
+                                 f"(burst {table.burst:g}); nothing was sent, and the connection is closed "
+                                 f"(HTTP/1)", retry_after=wait)
+        return None
+
     def check(self, flow: http.HTTPFlow, decision: Decision, scope: Scope, engine: Engine,
               injected: list[str]) -> Decision | None:
         """Called by RequestGuard for an allowed request, before its audit line: a refusal, or None
         (then the request is charged). An exception here refuses the request (RequestGuard fails closed)."""
         limiter = self.limiter
-        conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
-        key = limiter.key(conn, scope)
-        # The defence counts attempts: a token is spent even if a policy limit below refuses.
-        if wait := limiter.requests.take(key):
-            table = limiter.requests
-            return Decision.deny("rate_limited", f"more than {table.rate:g} requests a second for {key} "
-                                 f"(burst {table.burst:g}); nothing was sent", decision.rule, retry_after=wait)
         windows = limiter.windows(engine.policy, scope, decision.rule, injected)
         if not windows:
             return None
@@ -385,19 +402,32 @@ def _counting(inner, count: Callable[[int], None]):
 
 class DownloadMeter:
     """Response bytes of a request with a download budget, counted as they go to the client (after
-    BodyStreaming and the redactor decided how the response travels). A response under way is not
-    cut off: once the budget is spent, the next request is refused at its head."""
+    BodyStreaming and the redactor decided how the response travels).
+
+    - A response that declares its length (Content-Length) reserves it at its head: over what is
+      left of a budget it is refused there, 429 `download_quota_exceeded`, and none of its body goes
+      to the sandbox (the upstream's is read and dropped); otherwise the length is counted at once,
+      so that parallel responses cannot all pass a head check that only their bodies would fail.
+    - A body of unknown length (chunked, or decoded for redaction) is counted as it streams and not
+      cut off: the overshoot is at most what such responses in flight at once carry after the budget
+      is spent (bounded by the sandbox's concurrent connections x HTTP/2 streams x body_size_limit).
+    - A WebSocket message to the sandbox that would pass the budget is dropped and both sockets closed.
+    Once a budget is spent, the next request is refused at its head (RequestLimits)."""
 
     def __init__(self, limiter: Limiter):
         self.limiter = limiter
         self.state = limiter.state
 
-    def _count(self, charge: Charge, n: int) -> None:
+    def _count(self, flow: http.HTTPFlow, charge: Charge, n: int) -> None:
         if n <= 0:
             return
-        now = self.limiter.clock()
-        for _key, window in charge.download:
-            window.add(n, now)
+        reserved = flow.metadata.get(RESERVED, 0)  # counted at the head already
+        extra = max(0, n - reserved)
+        flow.metadata[RESERVED] = max(0, reserved - n)
+        if extra:
+            now = self.limiter.clock()
+            for _key, window in charge.download:
+                window.add(extra, now)
         self.state.count_usage(charge.sandbox, charge.rule, "download", n)
 
     @staticmethod
@@ -409,42 +439,97 @@ class DownloadMeter:
         charge = flow.metadata.get(CHARGE)
         if charge is None or not charge.download or not self._from_upstream(flow):
             return
+        declared = _declared_response_length(flow)
+        if declared:
+            now = self.limiter.clock()
+            for key, window in charge.download:
+                if not window.fits(declared, now):
+                    self._refuse(flow, charge, Decision.deny(
+                        "download_quota_exceeded", f"the response ({declared} bytes) is more than is left of "
+                        f"{_describe(key)} ({window.remaining(now)} of {window.limit} bytes); none of it was sent",
+                        charge.rule, retry_after=window.retry_after(declared, now)))
+                    return
+            for _key, window in charge.download:
+                window.add(declared, now)
+            flow.metadata[RESERVED] = declared
         if flow.response.stream:
-            flow.response.stream = _counting(flow.response.stream, lambda n: self._count(charge, n))
+            flow.response.stream = _counting(flow.response.stream, lambda n: self._count(flow, charge, n))
             flow.metadata[CHARGE + "_streamed"] = True
+
+    def _refuse(self, flow: http.HTTPFlow, charge: Charge, decision: Decision) -> None:
+        """Replace the response's head with the refusal; its body is read from upstream and dropped."""
+        response = flow.response
+        body = decision.body().encode()
+        response.status_code = decision.status
+        response.reason = "Too Many Requests"
+        response.headers.clear()
+        for name, value in refusal_headers(decision).items():
+            response.headers[name] = value
+        response.headers["Content-Length"] = str(len(body))
+        if not (flow.request.is_http2 or flow.request.is_http3):
+            response.headers["Connection"] = "close"  # like every 429 (addons/respond.py refuse)
+        setattr(response, COUNTS_AS_RESET, True)
+        response.stream = _Replacement(body)
+        flow.metadata[CHARGE + "_streamed"] = True  # nothing of it counts
+        conn = self.state.connections.get(flow.client_conn.id)
+        self.state.record(event="response", **(flow_fields(flow, conn, charge.sandbox)
+                                               | decision_fields(decision, flow.metadata.get("egress_pin"))))
 
     def response(self, flow: http.HTTPFlow) -> None:
         charge = flow.metadata.get(CHARGE)
         if (charge is None or not charge.download or not self._from_upstream(flow)
                 or flow.metadata.get(CHARGE + "_streamed")):
             return
-        self._count(charge, len(flow.response.raw_content or b""))
+        self._count(flow, charge, len(flow.response.raw_content or b""))
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """WebSocket messages count too: from the sandbox against the upload budget, to it against the
-        download budget; a message that would pass the upload budget is dropped and the WebSocket closed."""
+        download budget; a message that would pass either is dropped and the WebSocket closed (both
+        sockets: killing the flow alone leaves them open)."""
         charge = flow.metadata.get(CHARGE)
         if charge is None or flow.websocket is None or not flow.websocket.messages:
             return
         message = flow.websocket.messages[-1]
         size = len(message.content)
-        if not message.from_client:
-            self._count(charge, size)
-            return
+        windows = charge.upload if message.from_client else charge.download
+        reason = "upload_quota_exceeded" if message.from_client else "download_quota_exceeded"
+        event = "request_body" if message.from_client else "response"
         now = self.limiter.clock()
-        for key, window in charge.upload:
+        for key, window in windows:
             if not window.fits(size, now):
                 message.drop()
-                refusal = Decision.deny("upload_quota_exceeded", f"a WebSocket message passed {_describe(key)} "
+                refusal = Decision.deny(reason, f"a WebSocket message passed {_describe(key)} "
                                         f"({window.limit} bytes); dropped, the WebSocket closed", charge.rule,
                                         retry_after=window.retry_after(size, now))
                 conn = self.state.connections.get(flow.client_conn.id)
-                self.state.record(event="request_body", **(flow_fields(flow, conn, charge.sandbox)
-                                                           | decision_fields(refusal, flow.metadata.get("egress_pin"))))
+                self.state.record(event=event, **(flow_fields(flow, conn, charge.sandbox)
+                                                  | decision_fields(refusal, flow.metadata.get("egress_pin"))))
                 flow.kill()
-                close_client(flow.client_conn.id)  # killing the flow alone leaves a WebSocket's sockets open
+                close_client(flow.client_conn.id)
                 return
-        for _key, window in charge.upload:
+        for _key, window in windows:
             window.add(size, now)
-        if charge.upload:
-            self.state.count_usage(charge.sandbox, charge.rule, "upload", size)
+        if windows:
+            self.state.count_usage(charge.sandbox, charge.rule, "upload" if message.from_client else "download", size)
+
+
+class _Replacement:
+    """Stream callable that sends a fixed body instead of the upstream's (which is dropped)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def __call__(self, chunk: bytes) -> bytes:
+        body, self.body = self.body, b""
+        return body
+
+
+def _declared_response_length(flow: http.HTTPFlow) -> int:
+    """The body length a response declares, 0 when it has none or no body goes to the client."""
+    if flow.request.method.upper() == "HEAD" or flow.response.status_code in (204, 304) \
+            or flow.response.status_code < 200:
+        return 0
+    values = flow.response.headers.get_all("content-length")
+    if len(values) != 1 or not values[0].strip().isdigit():
+        return 0
+    return int(values[0].strip())

@@ -28,7 +28,7 @@ from gateway.policy import Scope
 from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
 from gateway.revocation import Established
 
-from .audit_fields import decision_fields, flow_fields
+from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
@@ -44,7 +44,7 @@ HOLD_BODY = "egress_hold_body"  # flow.metadata key: the request body is buffere
 def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
     decision = Decision.deny("internal_error", "the gateway failed while deciding this request")
     refuse(flow, decision)
-    self.state.record(event="request", **verdict_fields(decision))
+    self.state.record(event="request", **fallback_fields(self.state, flow.client_conn), **verdict_fields(decision))
 
 
 def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
@@ -76,7 +76,9 @@ class RequestGuard:
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
         scope = engine.policy.scope_for(conn.address)
         destination: tuple[str | None, int | None] = (None, None)
-        if flow.request.method == "CONNECT":
+        if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
+            decision, pin = gated, None
+        elif flow.request.method == "CONNECT":
             decision, pin = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), conn.tunnel
         elif flow.error is not None:
             # mitmproxy found the request invalid (e.g. smuggling-prone framing) and will refuse it;
@@ -93,7 +95,10 @@ class RequestGuard:
             decision, pin, destination = await self._proxied(flow, scope, engine)
         # What the sandbox sent, read before any credential is injected or swapped in.
         sent = flow_fields(flow, conn, scope.sandbox)
-        overrides = [o.describe() for o in methods.overrides(_header_pairs(flow.request), flow.request.path)]
+        facts = flow.metadata.get(FACTS)  # the overrides the decision found (once), if it got that far
+        found = facts.overrides if isinstance(facts, RequestFacts) else \
+            methods.overrides(_header_pairs(flow.request), flow.request.path)
+        overrides = methods.described(found)
         if overrides:
             sent["method_override"] = overrides  # the methods the request names besides its own
         injected: list[str] = []
@@ -178,7 +183,7 @@ class RequestGuard:
 
         def record(refusal: Decision, found: list[methods.Override]) -> None:
             fields = {k: v for k, v in sent.items() if k != "method_override"} | decision_fields(refusal, pin)
-            fields["method_override"] = [o.describe() for o in found] or None
+            fields["method_override"] = methods.described(found) or None
             self.state.record(event="request_body", **fields)
 
         check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound, decision.rule, stale)

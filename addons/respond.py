@@ -17,9 +17,23 @@ def refusal_headers(decision: Decision) -> dict[str, str]:
     return headers
 
 
+COUNTS_AS_RESET = "_egress_counts_as_reset"  # on a gateway-made response: the h2 server counts its stream
+
+
 def refuse(flow: http.HTTPFlow, decision: Decision) -> None:
-    """Answer the flow from the gateway; the request is never sent upstream."""
-    flow.response = http.Response.make(decision.status, decision.body(), refusal_headers(decision))
+    """Answer the flow from the gateway; the request is never sent upstream.
+
+    A 429 (a rate or a budget) makes a flood cost its sender: on HTTP/1 the connection is closed after
+    the answer (`Connection: close`), so each further request needs a new connection, which the
+    connection rate bounds; on HTTP/2 the stream counts toward the connection's reset tracker
+    (addons/layers.py `GatewayHttp2Server`), so a flood of them ends in GOAWAY."""
+    headers = refusal_headers(decision)
+    h2 = flow.request is not None and (flow.request.is_http2 or flow.request.is_http3)
+    if decision.status == 429 and not h2:
+        headers["Connection"] = "close"
+    flow.response = http.Response.make(decision.status, decision.body(), headers)
+    if decision.status == 429:
+        setattr(flow.response, COUNTS_AS_RESET, True)
     if flow.request is not None:
         # A streamed request body cannot coexist with a gateway-made response in mitmproxy.
         flow.request.stream = False

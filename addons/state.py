@@ -69,6 +69,10 @@ class GatewayState:
         # scope, engine, injected secret names): a refusal to answer instead, or None
         # (addons/rate_limits.py).
         self.request_limiters: list[Callable[..., Decision | None]] = []
+        # Called first for EVERY request head (and CONNECT) a sandbox sends, allowed or not, before
+        # any decision work, with (connection, scope): a refusal, or None (the per-sandbox request
+        # rate, addons/rate_limits.py). A flood of requests the rules deny costs its sender too.
+        self.request_gates: list[Callable[..., Decision | None]] = []
         # Told (sandbox, rule, "upload" | "download", bytes) for bytes counted against policy limits.
         self.usage_listeners: list[Callable[[str | None, str | None, str, int], None]] = []
         self._generation = 0
@@ -156,6 +160,8 @@ class GatewayState:
         if not self.decision_listeners and not self.audit.enabled:
             return fields  # no audit log, no metrics: nothing to build on the hot path
         private = {k: fields.pop(k) for k in [k for k in fields if k.startswith("_")]}
+        engine = self.engine
+        self.audit.sandboxed = engine is not None and engine.policy.sandboxes is not None
         entry = self.audit.record(**fields)
         if self.decision_listeners:
             event = entry | private
@@ -187,6 +193,13 @@ class GatewayState:
 
     def forget(self, client_id: str) -> None:
         self.connections.pop(client_id, None)
+
+    def gate(self, conn: ConnectionState, scope: Scope) -> Decision | None:
+        """The first refusal of `request_gates` for a request head, or None."""
+        for gate in self.request_gates:
+            if (refusal := gate(conn, scope)) is not None:
+                return refusal
+        return None
 
     def require_engine(self) -> Engine:
         if self.engine is None:

@@ -58,6 +58,16 @@ FIELDS = (
     "message",
 )
 MAX_VALUE_LENGTH = 2048
+MAX_ITEMS = 32  # entries of a list (or keys of a dict) in a value; then one "+N more" entry
+MAX_DEPTH = 4  # nesting kept in a value; deeper is written as "[nested]"
+# No line a client can shape is larger than this (bytes, with "prev" and without the newline): the
+# longest client-controlled values are shortened further and named in "truncated".
+MAX_LINE_BYTES = 8 * 1024
+TRUNCATED_KEY = "truncated"
+_CHAIN_ROOM = len(',"prev":""') + 64
+# Never shortened: the gateway's own words about the decision (short, and what a SIEM keys on).
+_KEPT = frozenset(("time", "event", "decision", "reason", "status", "rule", "port", "count", "prev", TRUNCATED_KEY))
+_MIN_KEPT = 32  # encoded bytes a shortened value keeps at least
 CHAIN_KEY = "prev"  # reserved: written last on every line when chaining
 GENESIS = "0" * 64  # "prev" of the first line of a chain
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -72,10 +82,96 @@ RECOVERED_EVENT = "audit_log"
 logger = logging.getLogger("egress")
 
 
-def _clip(value: Any) -> Any:
-    if isinstance(value, str) and len(value) > MAX_VALUE_LENGTH:
-        return value[:MAX_VALUE_LENGTH] + "…"
+class AuditWriteError(OSError):
+    """The audit log could not be written (or is known unwritable): the decision fails closed.
+    Expected while a disk is full, so callers log it without a traceback (addons/failclosed.py)."""
+
+
+def _clip(value: Any, depth: int = 0) -> Any:
+    """Cap a value: strings at MAX_VALUE_LENGTH characters, lists and dicts at MAX_ITEMS entries
+    (then "+N more"), nesting at MAX_DEPTH. The line as a whole is capped by `_fit`."""
+    if isinstance(value, str):
+        return value[:MAX_VALUE_LENGTH] + "…" if len(value) > MAX_VALUE_LENGTH else value
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        if depth >= MAX_DEPTH:
+            return "[nested]"
+        if isinstance(value, dict):
+            out = {}
+            for i, (k, v) in enumerate(value.items()):
+                if i == MAX_ITEMS:
+                    out["+more"] = f"+{len(value) - MAX_ITEMS} more"
+                    break
+                out[_clip(str(k))] = _clip(v, depth + 1)
+            return out
+        items = list(value) if not isinstance(value, (list, tuple)) else value
+        out_list = [_clip(v, depth + 1) for v in items[:MAX_ITEMS]]
+        if len(items) > MAX_ITEMS:
+            out_list.append(f"+{len(items) - MAX_ITEMS} more")
+        return out_list
     return value
+
+
+def _dumps(value: Any) -> str:
+    # ensure_ascii: sandbox text cannot carry raw U+2028/U+2029/U+0085, which some log
+    # shippers treat as line breaks; it also makes every line pure ASCII (bytes == characters).
+    return json.dumps(value, ensure_ascii=True, separators=(",", ":"), default=str)
+
+
+def _shorten(value: Any, budget: int) -> Any:
+    """`value` cut to about `budget` encoded bytes: a string keeps its start (and ends in "…"), a
+    list its first entries (then "+N more"); anything else becomes its shortened JSON text."""
+    budget = max(_MIN_KEPT, budget)
+    if isinstance(value, list):
+        out: list[Any] = []
+        used = 2
+        for i, item in enumerate(value):
+            size = len(_dumps(item)) + 1
+            if used + size + 12 > budget:
+                out.append(f"+{len(value) - i} more")
+                return out
+            out.append(item)
+            used += size
+        return out
+    text = value if isinstance(value, str) else _dumps(value)
+    if len(_dumps(text)) <= budget:
+        return text
+    cut = text[:budget]
+    while cut and len(_dumps(cut)) + 8 > budget:  # \uXXXX escapes: up to 6 bytes a character
+        cut = cut[:max(0, len(cut) * budget // len(_dumps(cut)) - 8)]
+    return cut + "…"
+
+
+def _fit(entry: dict[str, Any], line: str, limit: int = MAX_LINE_BYTES) -> str:
+    """The line, within `limit` bytes (with room for "prev"): past it, the longest values (client
+    text: path, host_header, method_override, ...) are shortened, longest first, and named in
+    `truncated`; `entry` is changed to match what is written."""
+    room = limit - _CHAIN_ROOM
+    if len(line) <= room:
+        return line
+    cut: list[str] = list(entry.get(TRUNCATED_KEY) or []) if isinstance(entry.get(TRUNCATED_KEY), list) else []
+    for _ in range(4):
+        # room for the "truncated" key itself, naming at most every field
+        excess = len(line) - room + len(',"truncated":') + len(_dumps(cut + [k for k in entry if k not in cut]))
+        sizes = sorted(((len(_dumps(v)), k) for k, v in entry.items() if k not in _KEPT and v is not None),
+                       reverse=True)
+        for size, key in sizes:
+            if excess <= 0:
+                break
+            if size <= _MIN_KEPT + 8:
+                continue
+            entry[key] = _shorten(entry[key], size - excess)
+            excess -= size - len(_dumps(entry[key]))
+            if key not in cut:
+                cut.append(key)
+        entry[TRUNCATED_KEY] = cut
+        line = _dumps(entry)
+        if len(line) <= room:
+            return line
+    for key in list(entry):  # last resort (cannot happen with the value caps): only the verdict stays
+        if key not in _KEPT:
+            entry[key] = None
+    entry[TRUNCATED_KEY] = ["*"]
+    return _dumps(entry)
 
 
 def now_rfc3339() -> str:
@@ -138,6 +234,11 @@ class AuditLog:
         self.failing_since: float | None = None  # wall time of the first failed write of an outage
         self._outage_failures = 0
         self.suppressed = 0  # refusals counted in a summary line instead of a line each
+        self.max_line_bytes = MAX_LINE_BYTES
+        self._refusals_total = 0  # see configure
+        # The policy has a sandboxes section: refusals of clients no sandbox covers share one
+        # aggregation source, as they share one rate limit (set by the gateway per record).
+        self.sandboxed = False
         with self._lock:
             self._open()
             self._configure(chain, max_bytes, backups)
@@ -180,14 +281,20 @@ class AuditLog:
 
     def configure(self, *, chain: bool | None = None, max_bytes: int | None = None, backups: int | None = None,
                   scrub: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                  refusals_per_second: int | None = None, refusals_per_key: int | None = None) -> None:
-        """`refusals_per_second` (per sandbox or client address; 0: no aggregation) and
-        `refusals_per_key` (per event, reason, rule and host) bound the refusal lines written."""
+                  refusals_per_second: int | None = None, refusals_per_key: int | None = None,
+                  refusals_total: int | None = None) -> None:
+        """`refusals_per_second` (per sandbox or client address; 0: no aggregation),
+        `refusals_per_key` (per event, reason, rule and host) and `refusals_total` (every source
+        together; 0: no such budget) bound the refusal lines written."""
         with self._lock:
             self._configure(chain, max_bytes, backups)
             if scrub is not None:
                 self.scrub = scrub
-        if refusals_per_second is not None or refusals_per_key is not None:
+        if refusals_total is not None:
+            if refusals_total < 0:
+                raise ValueError("refusal line budgets must be >= 0")
+            self._refusals_total = refusals_total
+        if refusals_per_second is not None or refusals_per_key is not None or refusals_total is not None:
             per_source = refusals_per_second if refusals_per_second is not None else \
                 (self.refusals.per_source if self.refusals else 0)
             per_key = refusals_per_key if refusals_per_key is not None else \
@@ -199,9 +306,9 @@ class AuditLog:
                     self._write_summaries(self.refusals.drain(), quiet=True)
                 self.refusals = None
             elif self.refusals is None:
-                self.refusals = RefusalAggregator(per_source, per_key or per_source)
+                self.refusals = RefusalAggregator(per_source, per_key or per_source, total=self._refusals_total)
             else:
-                self.refusals.configure(per_source, per_key or per_source)
+                self.refusals.configure(per_source, per_key or per_source, self._refusals_total)
 
     def _configure(self, chain: bool | None, max_bytes: int | None, backups: int | None) -> None:
         if max_bytes is not None:
@@ -296,12 +403,10 @@ class AuditLog:
         refusals = self.refusals
         if refusals is not None:
             self._write_summaries(refusals.due())
-            if not refusals.admit(entry):
+            if not refusals.admit(entry, self.sandboxed):
                 self.suppressed += 1
                 return entry  # a refusal over its source's budget: counted in a summary line
-        # ensure_ascii: sandbox text cannot carry raw U+2028/U+2029/U+0085, which some log
-        # shippers treat as line breaks; it also makes every line pure ASCII (bytes == characters).
-        line = json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
+        line = _fit(entry, _dumps(entry), self.max_line_bytes)
         prev = self._emit(line)
         if prev is not None:
             entry[CHAIN_KEY] = prev
@@ -312,7 +417,7 @@ class AuditLog:
         for key, value in values.items():
             if key not in entry and key != CHAIN_KEY:
                 entry[key] = _clip(value)
-        return json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str)
+        return _fit(entry, _dumps(entry), self.max_line_bytes)
 
     def _write_summaries(self, summaries: list[dict[str, Any]], quiet: bool = False) -> None:
         """Write refusal summaries (chained like any line); on a failed write the rest are kept for
@@ -391,9 +496,12 @@ class AuditLog:
         """Chain (if chaining), rotate (if due) and write one serialised line; returns its prev."""
         try:
             return self._emit_locked(line)
-        except OSError:
+        except AuditWriteError:
             self._failed()
             raise
+        except OSError as exc:
+            self._failed()
+            raise AuditWriteError(exc.errno, exc.strerror) from None
 
     def _emit_locked(self, line: str) -> str | None:
         prev = None
@@ -468,7 +576,7 @@ class PipeAuditLog(AuditLog):
     def _emit_locked(self, line: str) -> str | None:
         code = self.supervisor_errno
         if code:
-            raise OSError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
+            raise AuditWriteError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
         return super()._emit_locked(line)
 
     def recover(self, **extra: Any) -> None:
@@ -476,7 +584,7 @@ class PipeAuditLog(AuditLog):
         if self.failing_since is not None:
             code = self.supervisor_errno
             if code:
-                raise OSError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
+                raise AuditWriteError(code, f"{os.strerror(code)} (the supervisor cannot write the audit log)")
             self.failing_since = None
             self._outage_failures = 0
 

@@ -2,8 +2,10 @@
 
 Pure logic (no I/O, injectable clock); gateway.audit.AuditLog writes what it returns.
 
-Every refusal (an audit entry with `decision: "deny"`) belongs to a *source*: its sandbox id, or
-the client's IP address when no sandbox entry covers it. Each source has a token bucket of refusal
+Every refusal (an audit entry with `decision: "deny"`) belongs to a *source*, the key the rate
+limiter uses (addons/rate_limits.py): its sandbox id; with a `sandboxes` section, every client no
+sandbox covers shares ONE source (`unscoped`, so cycling source addresses buys no new budget);
+without one, the client's IP address. Each source has a token bucket of refusal
 lines (`per_source` a second, bursts of `BURST_SECONDS` times that), and within it each key (event,
 reason, rule, host) one of its own (`per_key` a second, same burst): a refusal with a token in both
 is written verbatim. One without is only counted, per key; the first such refusal opens a summary
@@ -12,7 +14,11 @@ one-second maintenance tick) each key with a count becomes ONE summary line,
 `event: "suppressed"`, carrying `count` and the window. Allows and `would_deny` lines are never
 aggregated: every request that left keeps its own line. A gateway serving ordinary traffic never
 reaches the budget; a flood writes a burst, then at most `per_source` lines a second plus one
-summary per key a second.
+summary per key a second. Above them all, a gateway-wide bucket (`total` lines a second, same burst,
+0: none) bounds the refusal lines of every source together: a refusal its source could write but
+the gateway-wide budget cannot is counted under the source `*` (one summary per key a second), so
+many sources refused at once (cycling client addresses without a sandboxes section) write at most
+`total` lines a second and their summaries.
 
 Memory is bounded: at most `max_sources` sources are tracked (idle ones, whose buckets are full
 again, are forgotten first; beyond that, new sources share one overflow source `*`), at most
@@ -35,10 +41,12 @@ WINDOW_SECONDS = 1.0
 BURST_SECONDS = 4.0  # a bucket holds this many seconds' worth of lines
 DEFAULT_PER_SOURCE = 50  # refusal lines per second per sandbox (or client address) written verbatim
 DEFAULT_PER_KEY = 10  # of which per (event, reason, rule, host)
+DEFAULT_TOTAL = 10 * DEFAULT_PER_SOURCE  # refusal lines per second written verbatim, every source together
 MAX_SOURCES = 1024
 MAX_KEYS = 32
 MAX_UNWRITTEN = 4096
 OVERFLOW_SOURCE = "*"
+UNSCOPED_SOURCE = "unscoped"  # with a sandboxes section: every client no sandbox covers
 SUPPRESSED_EVENT = "suppressed"
 
 Key = tuple[Any, Any, Any, Any]  # (event, reason, rule, host)
@@ -48,11 +56,15 @@ def rfc3339(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def source_of(entry: dict[str, Any]) -> str:
-    """The sandbox id, else the client's address without its port ('?' when unknown)."""
+def source_of(entry: dict[str, Any], sandboxed: bool = False) -> str:
+    """The sandbox id; else, with a sandboxes section (`sandboxed`), the one source of every client no
+    sandbox covers (as the rate limiter keys them); else the client's address without its port ('?'
+    when unknown)."""
     sandbox = entry.get("sandbox")
     if isinstance(sandbox, str) and sandbox:
         return "sandbox:" + sandbox
+    if sandboxed:
+        return UNSCOPED_SOURCE
     client = entry.get("client")
     if isinstance(client, str) and client:  # "ip:port" (IPv6 unbracketed, as the gateway writes it)
         return "client:" + (client.rsplit(":", 1)[0] if ":" in client else client)
@@ -94,15 +106,16 @@ _SAMPLED = ("client", "sandbox", "mode", "status", "port")
 
 
 class RefusalAggregator:
-    def __init__(self, per_source: int = DEFAULT_PER_SOURCE, per_key: int = DEFAULT_PER_KEY, *,
+    def __init__(self, per_source: int = DEFAULT_PER_SOURCE, per_key: int = DEFAULT_PER_KEY, *, total: int = 0,
                  window: float = WINDOW_SECONDS, burst_seconds: float = BURST_SECONDS,
                  clock: Callable[[], float] = time.time, max_sources: int = MAX_SOURCES, max_keys: int = MAX_KEYS,
                  max_unwritten: int = MAX_UNWRITTEN):
         if window <= 0 or burst_seconds < 1:
             raise ValueError("window must be > 0, burst_seconds >= 1")
         self.window, self.burst_seconds = window, burst_seconds
-        self.configure(per_source, per_key)
         self.clock = clock
+        self._total: _Bucket | None = None
+        self.configure(per_source, per_key, total)
         self.max_sources, self.max_keys, self.max_unwritten = max_sources, max_keys, max_unwritten
         self._sources: dict[str, _Source] = {}
         self._windows: dict[str, float] = {}  # sources with an open summary window, oldest first
@@ -112,25 +125,31 @@ class RefusalAggregator:
         self.suppressed = 0  # refusal lines not written verbatim (counted in summaries)
         self.lost = 0  # suppressed refusals whose summary was dropped (max_unwritten)
 
-    def configure(self, per_source: int, per_key: int) -> None:
-        if per_source < 1 or per_key < 1:
-            raise ValueError("per_source and per_key must be >= 1")
+    def configure(self, per_source: int, per_key: int, total: int | None = None) -> None:
+        """`total`: refusal lines a second of every source together (0: no such budget; None: as it was)."""
+        if per_source < 1 or per_key < 1 or (total is not None and total < 0):
+            raise ValueError("per_source and per_key must be >= 1, total >= 0")
         self.per_source, self.per_key = per_source, per_key
         self._source_burst = per_source * self.burst_seconds
         self._key_burst = per_key * self.burst_seconds
+        if total is not None:
+            self.total = total
+            self._total_burst = total * self.burst_seconds
+            self._total = _Bucket(self._total_burst, self.clock()) if total else None
 
     @property
     def sources(self) -> int:
         return len(self._sources)
 
-    def admit(self, entry: dict[str, Any]) -> bool:
-        """True: write this entry as it is. False: it is a refusal over its source's budget, counted
-        in a summary instead. Call `due()` first (it closes the windows that ended)."""
+    def admit(self, entry: dict[str, Any], sandboxed: bool = False) -> bool:
+        """True: write this entry as it is. False: it is a refusal over its source's budget (or the
+        gateway-wide one), counted in a summary instead. Call `due()` first (it closes the windows
+        that ended). `sandboxed`: the policy has a sandboxes section (see source_of)."""
         if entry.get("decision") != "deny":
             return True
         now = self.clock()
         with self._lock:
-            name = source_of(entry)
+            name = source_of(entry, sandboxed)
             source = self._sources.get(name)
             if source is None:
                 if len(self._sources) >= self.max_sources and not (self._swept <= now < self._swept + 0.1):
@@ -149,10 +168,22 @@ class RefusalAggregator:
             if bucket is not None:
                 bucket.refill(now, self.per_key, self._key_burst)
             if source.bucket.tokens >= 1 and (bucket is None or bucket.tokens >= 1):
-                source.bucket.tokens -= 1
-                if bucket is not None:
-                    bucket.tokens -= 1
-                return True
+                total = self._total
+                if total is not None:
+                    total.refill(now, self.total, self._total_burst)
+                if total is None or total.tokens >= 1:
+                    source.bucket.tokens -= 1
+                    if bucket is not None:
+                        bucket.tokens -= 1
+                    if total is not None:
+                        total.tokens -= 1
+                    return True
+                # Its source could write it, the gateway cannot: counted with every such refusal,
+                # so that however many sources there are, their summaries are few.
+                name = OVERFLOW_SOURCE
+                source = self._sources.get(name)
+                if source is None:
+                    source = self._sources[name] = _Source(_Bucket(self._source_burst, now))
             if key not in source.counts and len(source.counts) >= self.max_keys:
                 key = (entry.get("event"), entry.get("reason"), None, None)
                 if key not in source.counts and len(source.counts) >= 2 * self.max_keys:
@@ -230,18 +261,20 @@ class RefusalAggregator:
     def _summaries(self, name: str, source: _Source, start: float, end: float) -> list[dict[str, Any]]:
         out = []
         for (event, reason, rule, host), count in source.counts.items():
-            who = "every other source (too many at once)" if name == OVERFLOW_SOURCE else \
+            who = "many sources (too many at once, or over the gateway-wide budget)" if name == OVERFLOW_SOURCE else \
+                "clients no sandbox covers" if name == UNSCOPED_SOURCE else \
                 f"sandbox {count.sample.get('sandbox')}" if name.startswith("sandbox:") else f"client {name[7:]}"
             what = f"{event} refusals ({reason})" if event else "refusals"
             where = f" to {host}" if host else ""
             out.append({
                 "time": rfc3339(end), "event": SUPPRESSED_EVENT,
-                "client": None if name == OVERFLOW_SOURCE or name.startswith("sandbox:") else name[7:],
+                "client": name[7:] if name.startswith("client:") else None,
                 "sandbox": count.sample.get("sandbox"), "mode": count.sample.get("mode"), "decision": "deny",
                 "reason": reason, "status": count.sample.get("status"), "rule": rule, "host": host,
                 "port": count.sample.get("port") if host else None,
                 "message": f"{count.count} more {what} from {who}{where} were not written one by one "
-                           f"(over {self.per_source} refusal lines a second per source, {self.per_key} per kind)",
+                           f"(over {self.per_source} refusal lines a second per source, {self.per_key} per kind"
+                           + (f", {self.total} for the whole gateway)" if self.total else ")"),
                 "suppressed_event": event, "count": count.count,
                 "window_start": rfc3339(start), "window_end": rfc3339(end),
                 "first": rfc3339(count.first), "last": rfc3339(count.last),

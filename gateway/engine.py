@@ -8,6 +8,8 @@ resolver, which is what makes `explain` and replay possible.
 
 from __future__ import annotations
 
+import functools
+
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,8 +55,9 @@ class RequestFacts:
     # (the recorded path is capped and may have lost its query).
     recorded: tuple[methods.Override, ...] = ()
 
-    @property
+    @functools.cached_property
     def overrides(self) -> tuple[methods.Override, ...]:
+        """Found once per request (a frozen dataclass: cached_property writes the instance dict)."""
         return tuple(dict.fromkeys(methods.overrides(self.headers, self.target) + self.recorded))
 
     @property
@@ -336,7 +339,7 @@ def _ports_text(rule: Rule) -> str:
 def _with(overrides: tuple[methods.Override, ...]) -> str:
     if not overrides:
         return ""
-    return " (method override " + ", ".join(o.describe() for o in overrides) + ")"
+    return " (method override " + ", ".join(methods.described(overrides)) + ")"
 
 
 def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str,

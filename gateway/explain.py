@@ -127,7 +127,8 @@ def applied_limits(policy: Policy, scope: Scope, rule: Rule | None, injected: Se
             if key == "requests_per_credential_per_minute":
                 for secret in injected:
                     out.append(AppliedLimit(f"rule {rule.id}", key, value,
-                                            f"secrets.{secret} on this rule, every sandbox together",
+                                            f"secrets.{secret}: one count shared by every rule that injects "
+                                            f"it and every sandbox; this rule's limit applies to it",
                                             LIMIT_REASONS[key]))
             else:
                 out.append(AppliedLimit(f"rule {rule.id}", key, value, f"this rule, for {who}", LIMIT_REASONS[key]))

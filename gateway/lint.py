@@ -31,6 +31,7 @@ WARNING_CODES: dict[str, str] = {
     "passthrough-shared-cdn": "an inspect: false host on a shared CDN: domain fronting inside the tunnel",
     "passthrough-overlap": "an inspect: false rule and an inspecting rule cover the same host",
     "bound-host-also-unbound": "a host a rule binds credentials to is also allowed by a rule that injects none",
+    "byte-budget-bypassed": "a sandbox with a byte budget is granted an inspect: false or protocol: tcp rule",
 }
 
 # Platforms where the names under a domain belong to different customers: a wildcard at (or above)
@@ -100,6 +101,7 @@ def lint(policy: Policy, text: str) -> list[Finding]:
     findings += _passthrough_shared_cdn(policy, view)
     findings += _passthrough_overlap(policy, view)
     findings += _bound_host_also_unbound(policy, view)
+    findings += _byte_budget_bypassed(policy, view)
     return sorted(findings, key=lambda f: (f.location.line, f.location.column, f.code))
 
 
@@ -433,5 +435,31 @@ def _bound_host_also_unbound(policy: Policy, view: _Tree) -> list[Finding]:
                 f"its own key and upload whatever it likes into an account of its choosing (foreign credentials "
                 f"are refused only on rules that inject); remove the host from {which}, or bind "
                 f"{'them' if len(others) > 1 else 'it'} too",
+            ))
+    return findings
+
+
+# --------------------------------------------------------------------------------------------
+# byte budgets that unread tunnels bypass
+
+
+def _byte_budget_bypassed(policy: Policy, view: _Tree) -> list[Finding]:
+    """`upload_bytes_per_hour` and `download_bytes_per_hour` count HTTP bodies the gateway reads; the
+    bytes of an `inspect: false` tunnel or a `protocol: tcp` connection are relayed unread and never
+    counted, so such a rule granted to a sandbox with a byte budget lets it move any amount."""
+    findings = []
+    for index, sandbox in enumerate(policy.sandboxes or ()):
+        budgets = [name for name in ("upload_bytes_per_hour", "download_bytes_per_hour")
+                   if getattr(sandbox.limits, name) is not None]
+        if not budgets:
+            continue
+        unread = [r for r in policy.rules if r.id in sandbox.rule_ids and (r.protocol == "tcp" or not r.inspect)]
+        for rule in unread:
+            kind = "protocol: tcp" if rule.protocol == "tcp" else "inspect: false"
+            findings.append(Finding(
+                "byte-budget-bypassed", view.key_location("sandboxes", index, "limits"), f"sandboxes[{index}].limits",
+                f"sandbox {sandbox.id} has {' and '.join(budgets)}, but is granted rule {rule.id} ({kind}), whose "
+                f"bytes the gateway relays unread and never counts: through it the sandbox can move any amount; "
+                f"do not grant it, or inspect it",
             ))
     return findings

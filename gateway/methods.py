@@ -66,6 +66,8 @@ def override_header_key(name: str) -> str:
 HEADER_KEYS = frozenset(override_header_key(n) for n in OVERRIDE_HEADERS)
 FIELD_KEYS = frozenset(query_key(n) for n in OVERRIDE_FIELDS)
 GENERIC_KEYS = frozenset(query_key(n) for n in GENERIC_FIELDS)
+if not all("method" in k for k in FIELD_KEYS | GENERIC_KEYS):  # field_overrides' fast path relies on it
+    raise RuntimeError("every override field name must contain 'method'")
 
 # The IANA HTTP Method Registry, and the unregistered methods servers and caches act on.
 KNOWN_METHODS = frozenset({
@@ -81,6 +83,10 @@ NOT_A_METHOD = "(not a method name)"
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # RFC 9110 token: what a method is
 _DECODE_ROUNDS = 4
 _QUERY_SPLIT = re.compile(r"[&;]")
+# Distinct methods one override value may name: past it the value counts as naming no method (refused
+# whatever the rule allows; no client names 65 methods), so a sandbox cannot make the gateway build,
+# judge and describe thousands of them for one header.
+MAX_ELEMENTS = 64
 VALUE_CAP = 512  # bytes of a field value kept; a longer value is not a method name
 NAME_CAP = 512  # bytes of a body field name kept; a longer name is not an override name
 
@@ -107,13 +113,16 @@ class Override:
 
 def _elements(value: str) -> list[str | None]:
     """The methods a value names (upper case; None for an element that is not a method token)."""
-    out: list[str | None] = []
-    for element in value.split(","):
+    out: dict[str | None, None] = {}  # distinct, in order: a repeated element judges the same
+    for element in dict.fromkeys(value.split(",")):
         element = element.strip(" \t\r\n\f\v")
         if not element:
             continue
-        out.append(element.upper() if element.isascii() and _TOKEN.match(element) else None)
-    return out
+        out[element.upper() if element.isascii() and _TOKEN.match(element) else None] = None
+        if len(out) > MAX_ELEMENTS:
+            out = dict.fromkeys(list(out)[:MAX_ELEMENTS] + [None])
+            break
+    return list(out)
 
 
 def _decoded(value: str) -> str:
@@ -128,6 +137,8 @@ def _decoded(value: str) -> str:
 def field_overrides(source: str, name: str, value: str, generic: bool = False) -> list[Override]:
     """Overrides one query/form/JSON field carries (none when its name is not an override name).
     `generic`: also the names that count only with a registered method as value (query only)."""
+    if name.isascii() and "%" not in name and "+" not in name and "method" not in name.lower():
+        return []  # not decoded, so query_key cannot make "method" appear: the common case, read fast
     key = query_key(name)
     shown = name[:64]
     if key in FIELD_KEYS:
@@ -138,28 +149,51 @@ def field_overrides(source: str, name: str, value: str, generic: bool = False) -
 
 
 def header_overrides(headers: Iterable[tuple[str, str]]) -> list[Override]:
-    found = []
+    found: dict[Override, None] = {}
     for name, value in headers:
         if override_header_key(name) in HEADER_KEYS:
-            found += [Override("header", name[:64], m) for m in _elements(value)]
-    return found
+            found.update(dict.fromkeys(Override("header", name[:64], m) for m in _elements(value)))
+            if len(found) > MAX_ELEMENTS:
+                return _capped(found, Override("header", name[:64], None))
+    return list(found)
+
+
+def _capped(found: dict[Override, None], past: Override) -> list[Override]:
+    """MAX_ELEMENTS distinct overrides, then one naming no method (refused whatever the rule allows)."""
+    return list(found)[:MAX_ELEMENTS] + [past]
 
 
 def query_overrides(target: str) -> list[Override]:
     query = target.partition("#")[0].partition("?")[2]
-    found: list[Override] = []
+    found: dict[Override, None] = {}
     if not query:
-        return found
-    for piece in _QUERY_SPLIT.split(query):  # looser than any server: ';' splits too
+        return []
+    # Looser than any server: ';' splits too. A repeated field judges the same: read once.
+    for piece in dict.fromkeys(_QUERY_SPLIT.split(query)):
         name, equals, value = piece.partition("=")
         if equals:
-            found += field_overrides("query", name, value, generic=True)
-    return found
+            found.update(dict.fromkeys(field_overrides("query", name, value, generic=True)))
+            if len(found) > MAX_ELEMENTS:
+                return _capped(found, Override("query", name[:64], None))
+    return list(found)
 
 
 def overrides(headers: Iterable[tuple[str, str]], target: str) -> tuple[Override, ...]:
-    """Every method override in the request's headers and target, in order."""
-    return tuple(header_overrides(headers) + query_overrides(target))
+    """Every distinct method override in the request's headers and target, in order (a repeated
+    one judges the same: `GET,GET,...` is one override, however often it is repeated)."""
+    return tuple(dict.fromkeys(header_overrides(headers) + query_overrides(target)))
+
+
+DESCRIBED_CAP = 16  # `method_override` entries an audit line or a message lists; then "+N more"
+
+
+def described(found: Iterable[Override], cap: int = DESCRIBED_CAP) -> list[str]:
+    """The audit line's `method_override` entries: distinct, at most `cap`, then `+N more` (the
+    sandbox chooses how many it sends; every one is judged, only `cap` are written)."""
+    distinct = list(dict.fromkeys(o.describe() for o in found))
+    if len(distinct) <= cap:
+        return distinct
+    return distinct[:cap] + [f"+{len(distinct) - cap} more"]
 
 
 def refused(found: Iterable[Override], allows: Callable[[str], bool]) -> Override | None:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Hashable, Iterable
 Clock = Callable[[], float]
 
 SLOTS = 60  # per window: a minute in seconds, an hour in minutes
+MIN_RATE = 0.001  # per second (one token in ~17 minutes): the smallest non-zero rate an option takes
+MAX_RETRY_AFTER = 3600  # seconds: the longest wait a refusal names (Retry-After, and a bucket's wait)
 DEFAULT_MAX_KEYS = 65536  # buckets per table: 64 Ki keys at ~200 bytes each, about 13 MiB at worst
 
 
@@ -76,7 +78,7 @@ class BucketTable:
             bucket.tokens -= cost
             wait = 0.0
         else:
-            wait = (cost - bucket.tokens) / self.rate
+            wait = min((cost - bucket.tokens) / self.rate, float(MAX_RETRY_AFTER))
         self._evict(now)
         return wait
 
@@ -210,6 +212,26 @@ def parse_size(value: object) -> int:
     return int(size)
 
 
+def parse_rate(text: object) -> float:
+    """A rate option (per second): 0 (no limit), or a finite decimal number from `MIN_RATE` up whose
+    inverse (the seconds a token takes) is finite too. ValueError otherwise: a rate like 1e-320
+    would make every wait infinite, and every refusal fail."""
+    try:
+        rate = float(str(text).strip())
+    except ValueError:
+        raise ValueError(f"a rate is a number of requests or connections a second, not {text!r}") from None
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"a rate must be a finite number >= 0, not {text!r}")
+    if rate == 0:
+        return 0.0
+    if rate < MIN_RATE or not math.isfinite(1 / rate):
+        raise ValueError(f"a rate must be 0 (no limit) or at least {MIN_RATE:g} a second, not {text!r}")
+    return rate
+
+
 def retry_after_header(seconds: float) -> str:
-    """Retry-After is whole seconds; never 0 for a refusal (a client would retry at once)."""
+    """Retry-After is whole seconds; never 0 for a refusal (a client would retry at once), never more
+    than `MAX_RETRY_AFTER` (nor infinite, nor NaN: those are `MAX_RETRY_AFTER` too)."""
+    if not seconds <= MAX_RETRY_AFTER:  # NaN too
+        return str(MAX_RETRY_AFTER)
     return str(max(1, math.ceil(seconds)))

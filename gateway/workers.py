@@ -58,8 +58,10 @@ YOUNG_SECONDS = 10.0  # a worker that dies younger than this is restarted with a
 MAX_BACKOFF_SECONDS = 30.0
 POLL_SECONDS = 0.1
 # Worker lines held while the audit file cannot be written: what the workers sent before they saw
-# the flag (bounded by what they decide in that instant). Beyond this, lines are lost and logged.
+# the flag (bounded by what they decide in that instant). Beyond either bound, lines are lost,
+# counted (`held_dropped`, and in the `audit_log` line that ends the outage) and logged.
 MAX_HELD_LINES = 100_000
+MAX_HELD_BYTES = 64 * 1024 * 1024  # lines are up to 8 KiB (gateway/audit.py MAX_LINE_BYTES)
 
 
 def worker_index() -> int | None:
@@ -169,7 +171,10 @@ class Supervisor:
         self._signals: list[int] = []
         self._audit_lock = threading.Lock()
         self.held: list[str] = []  # worker lines not written yet: the audit file is failing
+        self.max_held_lines, self.max_held_bytes = MAX_HELD_LINES, MAX_HELD_BYTES
         self.held_total = 0  # lines ever held (written late)
+        self.held_bytes = 0  # bytes of the lines in `held`
+        self.held_dropped = 0  # lines lost past MAX_HELD_LINES or MAX_HELD_BYTES during this outage
         self._held_since = 0.0
         self._state_file = None
         self._state: mmap.mmap | None = None  # the flag workers read: 0 writable, else an errno
@@ -303,13 +308,15 @@ class Supervisor:
                              exc.strerror)
 
     def _hold(self, line: str) -> None:
-        if len(self.held) >= MAX_HELD_LINES:
+        if len(self.held) >= self.max_held_lines or self.held_bytes + len(line) > self.max_held_bytes:
             self.audit_errors += 1
-            if self.audit_errors == 1 or self.audit_errors % 1000 == 0:
-                logger.error("egress gateway: audit log still failing: %d held lines already; a worker's line is "
-                             "lost (%d so far)", len(self.held), self.audit_errors)
+            self.held_dropped += 1
+            if self.held_dropped == 1 or self.held_dropped % 1000 == 0:
+                logger.error("egress gateway: audit log still failing: %d held lines (%d bytes) already; a "
+                             "worker's line is lost (%d so far)", len(self.held), self.held_bytes, self.held_dropped)
             return
         self.held.append(line)
+        self.held_bytes += len(line)
         self.held_total += 1
 
     def _set_state(self, code: int) -> None:
@@ -332,15 +339,19 @@ class Supervisor:
                     self.audit.append_line(line)
                     written += 1
                 late = written
-                self.audit.recover(late_lines=late, message=(
+                dropped = self.held_dropped
+                self.audit.recover(late_lines=late, dropped_lines=dropped, message=(
                     f"the audit log is writable again: {self.audit._outage_failures} write(s) failed since "
                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(self._held_since))}; the {late} line(s) "
                     "above were held by the supervisor and written late (decided before the workers knew); "
-                    "every other decision meanwhile was refused (500 internal_error)"))
+                    "every other decision meanwhile was refused (500 internal_error)"
+                    + (f"; {dropped} held line(s) were lost past the supervisor's bound" if dropped else "")))
             except OSError:
                 return
             finally:
+                self.held_bytes -= sum(len(line) for line in self.held[:written])
                 del self.held[:written]
+            self.held_dropped = 0
             self._set_state(0)
             logger.warning("egress gateway: audit log %s is writable again; %d held line(s) written, workers "
                            "decide again", self.audit.target, late)

@@ -692,3 +692,39 @@ def test_a_compressed_body_decoding_past_the_scan_budget_is_413(gw, upstreams):
                         [("Content-Type", "application/x-www-form-urlencoded"), ("Content-Encoding", "gzip")],
                         _sparse_form(4))
     assert response.status == 200, response
+
+
+# --- a sandbox shapes the size of its audit line (fix of the uncapped method_override list) ------
+
+
+def _raw_lines(gateway) -> list[bytes]:
+    return [raw for raw in gateway.audit_path.read_bytes().splitlines() if raw]
+
+
+def test_a_repeated_override_is_one_entry_and_the_line_stays_small(gw, upstreams):
+    """`X-HTTP-Method-Override: GET,GET,...` (15,000 elements, 60 KB) used to be written as 15,000
+    entries (a 555 KB line); one distinct override is one entry, and no line passes 8 KiB."""
+    response, client = _send(gw, "api.test", "GET", "/x", [("X-HTTP-Method-Override", ",".join(["GET"] * 15000))])
+    assert response.status == 200, response.text
+    line = _request_line(gw, client)
+    assert line["method_override"] == ["header X-HTTP-Method-Override: GET"]
+    assert len(line["message"]) < 1024, line["message"][:200]
+    assert max(len(raw) for raw in _raw_lines(gw)) <= 8192
+
+
+def test_a_query_of_repeated_overrides_is_one_entry_and_the_path_is_truncated(gw, upstreams):
+    response, client = _send(gw, "api.test", "GET", "/x?" + "&".join(["_method=GET"] * 1000))
+    assert response.status == 200, response.text
+    line = _request_line(gw, client)
+    assert line["method_override"] == ["query parameter _method: GET"]
+    assert max(len(raw) for raw in _raw_lines(gw)) <= 8192
+
+
+def test_many_distinct_overrides_are_capped_in_the_line_and_refused(gw, upstreams):
+    methods = ",".join(f"M{i}" for i in range(3000))
+    response, client = _send(gw, "allowed.test", "GET", "/x", [("X-HTTP-Method-Override", methods)])
+    assert_refused(response, 403, "method_not_allowed", rule="readonly")
+    assert_untouched(upstreams, *ALL_UPSTREAMS)
+    line = _request_line(gw, client)
+    assert len(line["method_override"]) == 17 and line["method_override"][-1].endswith(" more"), line
+    assert max(len(raw) for raw in _raw_lines(gw)) <= 8192

@@ -74,22 +74,85 @@ def test_requests_over_the_sandbox_bucket_get_429_and_never_go_upstream(start_ga
         for i in range(3):
             assert _get(conn, f"http://allowed.test/ok{i}").status == 200
         refused = _get(conn, "http://allowed.test/over")
-        assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "rate_limited", "plain")
+        # Decided before any rule is looked at: the bucket is taken first, so no rule is named.
+        assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "rate_limited", None)
         assert int(refused.header("Retry-After")) >= 1
+        assert refused.header("Connection") == "close"
         client = conn.client
     assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/ok0", "/ok1", "/ok2"]
     line = [a for a in audit_for(gateway, client, count=4) if a["reason"] == "rate_limited"]
     assert len(line) == 1 and line[0]["decision"] == "deny" and line[0]["status"] == 429
-    assert line[0]["sandbox"] == "a" and line[0]["rule"] == "plain"
+    assert line[0]["sandbox"] == "a"
     # Another sandbox has a bucket of its own: still served.
     with _connect_from(gateway, f"{upstreams.block}.230") as other:
         assert _get(other, "http://allowed.test/b").status == 200
 
 
+def test_denied_requests_and_connects_take_tokens_too_and_a_429_closes_the_connection(start_gateway, upstreams):
+    """A sandbox flooding requests the rules deny spends its own bucket: every request head and
+    CONNECT takes a token before it is decided, and the HTTP/1 connection answered 429 is closed."""
+    gateway = start_gateway(RULES, extra=_sandboxes(upstreams), args=[
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=4"])
+    with connect_proxy(gateway) as conn:
+        for i in range(3):  # denied by the rules (403), on one kept-alive connection
+            assert _get(conn, f"http://api.test/denied{i}").status == 403
+        conn.send(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")  # a denied CONNECT too
+        assert conn.read_response().status == 403
+        refused = _get(conn, "http://allowed.test/allowed")  # allowed by the rules, but the bucket is empty
+        assert (refused.status, refused.egress_reason) == (429, "rate_limited")
+        assert refused.header("Connection") == "close"
+        conn.sock.settimeout(3)
+        assert conn.sock.recv(1) == b""  # closed by the gateway after the answer
+    with connect_proxy(gateway) as conn:  # a denied CONNECT over the bucket: 429 as well
+        conn.send(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
+        assert conn.read_response().egress_reason == "rate_limited"
+    assert upstreams.plain["allowed.test"].requests == []
+    with _connect_from(gateway, f"{upstreams.block}.230") as other:  # sandbox b: its own bucket
+        assert _get(other, "http://allowed.test/b").status == 200
+
+
+def test_http2_rate_refusals_count_as_resets_and_a_flood_ends_in_goaway(start_gateway, upstreams):
+    """Streams answered 429 count toward the connection's reset tracker: past egress_h2_max_resets
+    the connection gets GOAWAY (reset_flood), so a flood of refused streams cannot go on forever."""
+    import pytest
+
+    gateway = start_gateway(RULES, extra=_sandboxes(upstreams), args=[
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=2",
+        "--set", "egress_h2_max_resets=5", "--set", "egress_h2_reset_window=600"])
+    conn = tls_tunnel(gateway, "allowed.test:443", alpn=["h2"])  # the CONNECT took one token
+    client = H2Client(conn)
+    first = client.send("allowed.test", "/s0")
+    client.wait(first)
+    assert client.responses[first]["status"] == 200
+    for i in range(5):  # five refusals: at the limit, not over it
+        stream = client.send("allowed.test", f"/r{i}")
+        client.wait(stream)
+        assert client.header(stream, "x-egress-reason") == "rate_limited"
+    flood = _lines(gateway, "reset_flood", wait=0.5)
+    assert not flood, gateway.audit()
+    with pytest.raises(ConnectionError, match="GOAWAY|closed"):
+        stream = client.send("allowed.test", "/r5")  # the sixth: answered, then GOAWAY and close
+        client.wait(stream)
+        client.wait(client.send("allowed.test", "/r6"))
+    flood = _lines(gateway, "reset_flood")
+    assert len(flood) == 1 and flood[0]["sandbox"] == "a"
+    assert len(upstreams.tls["allowed.test"].requests) == 1
+    conn.close()
+
+
+def test_a_rate_too_small_to_invert_is_refused_at_start(start_gateway, upstreams):
+    """1e-320 a second made every wait infinite, and every refusal a 500 (Retry-After overflowed)."""
+    import pytest
+
+    for option in ("egress_max_requests_per_second_per_sandbox", "egress_max_new_connections_per_second_per_sandbox"):
+        with pytest.raises(RuntimeError, match=rf"{option}: a rate must be 0 \(no limit\) or at least 0.001"):
+            start_gateway(RULES, extra=_sandboxes(upstreams), args=["--set", f"{option}=1e-320"])
+
+
 def test_http2_streams_over_the_bucket_are_refused_one_by_one(start_gateway, upstreams):
     gateway = start_gateway(RULES, extra=_sandboxes(upstreams), args=[
-        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=2"])
-    conn = tls_tunnel(gateway, "allowed.test:443", alpn=["h2"])
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=3"])
+    conn = tls_tunnel(gateway, "allowed.test:443", alpn=["h2"])  # the CONNECT takes a token too
     client = H2Client(conn)
     streams = [client.send("allowed.test", f"/s{i}") for i in range(3)]
     client.wait(*streams)
@@ -145,6 +208,8 @@ def test_rule_requests_per_minute_is_per_sandbox_and_per_rule(start_gateway, ups
         assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "rate_limited", "plain")
         assert 1 <= int(refused.header("Retry-After")) <= 60
         assert "limits.requests_per_minute" in refused.text
+        assert refused.header("Connection") == "close"  # a 429 closes an HTTP/1 connection
+    with connect_proxy(gateway) as conn:
         assert _get(conn, "http://other.test/x").status == 200  # another rule: its own (no) limit
     assert len(upstreams.plain["allowed.test"].requests) == 2
     with _connect_from(gateway, f"{upstreams.block}.230") as other:  # sandbox b: its own count on the rule
@@ -160,6 +225,7 @@ def test_sandbox_requests_per_minute_counts_every_rule(start_gateway, upstreams)
         assert _get(conn, "http://allowed.test/3").status == 200
         refused = _get(conn, "http://other.test/4")
         assert (refused.status, refused.egress_reason) == (429, "rate_limited")
+    with connect_proxy(gateway) as conn:
         # A refused request costs nothing: a denied destination is still just denied (403), uncounted.
         assert _get(conn, "http://api.test/").status == 403
     assert [r.path for r in upstreams.plain["other.test"].requests] == ["/2"]
@@ -174,6 +240,7 @@ def test_upload_budget_refuses_a_declared_body_at_its_head(start_gateway, upstre
         refused = _get(conn, "http://allowed.test/up2", "POST", body=b"y" * 600)
         assert (refused.status, refused.egress_reason) == (429, "upload_quota_exceeded")
         assert refused.header("Retry-After") is not None
+    with connect_proxy(gateway) as conn:
         assert _get(conn, "http://allowed.test/up3", "POST", body=b"z" * 400).status == 200  # 1000 of 1024
     assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/up1", "/up3"]
 
@@ -260,7 +327,8 @@ def test_upload_budget_refuses_an_http2_body_of_unknown_length(start_gateway, up
     conn.close()
 
 
-def test_download_budget_lets_a_response_finish_and_refuses_the_next_request(start_gateway, upstreams):
+def test_download_budget_refuses_a_declared_length_over_what_is_left_and_then_the_next_request(
+        start_gateway, upstreams):
     from tests.support.gateway import free_port
 
     extra = _sandboxes(upstreams, a_limits="    limits:\n      download_bytes_per_hour: 1000\n")
@@ -269,20 +337,48 @@ def test_download_budget_lets_a_response_finish_and_refuses_the_next_request(sta
     with connect_proxy(gateway) as conn:
         first = _get(conn, "http://allowed.test/bytes/800")
         assert first.status == 200 and len(first.body) == 800
-        second = _get(conn, "http://allowed.test/bytes/800")  # 800 of 1000 used: allowed, and not cut off
-        assert second.status == 200 and len(second.body) == 800
-        refused = _get(conn, "http://allowed.test/bytes/10")
+        # 800 of 1000 used: a response declaring 800 more is refused at its head, none of its body sent.
+        second = _get(conn, "http://allowed.test/bytes/800")
+        assert (second.status, second.egress_reason) == (429, "download_quota_exceeded")
+        assert second.header("Retry-After") is not None and b"\x00" * 10 not in second.body
+        assert "800 bytes" in second.text
+    line = _lines(gateway, "download_quota_exceeded")
+    assert len(line) == 1 and line[0]["event"] == "response" and line[0]["sandbox"] == "a"
+    with connect_proxy(gateway) as conn:  # a 429 closed the connection
+        streamed = _get(conn, "http://allowed.test/chunked/300")  # unknown length: counted, not cut off
+        assert streamed.status == 200 and len(streamed.body) == 300
+        refused = _get(conn, "http://allowed.test/bytes/10")  # spent (1100 of 1000): refused at the request head
         assert (refused.status, refused.egress_reason) == (429, "download_quota_exceeded")
-        assert refused.header("Retry-After") is not None
-    assert len(upstreams.plain["allowed.test"].requests) == 2
+    assert len(upstreams.plain["allowed.test"].requests) == 3
     with _connect_from(gateway, f"{upstreams.block}.230") as other:  # b has no download budget
         assert _get(other, "http://allowed.test/bytes/2000").status == 200
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    assert 'egress_limited_bytes_total{direction="download",rule="plain",sandbox="a"} 1600.0' in text
-    assert 'reason="download_quota_exceeded",rule="plain",sandbox="a"} 1.0' in text
+    assert 'egress_limited_bytes_total{direction="download",rule="plain",sandbox="a"} 1100.0' in text
+    assert 'reason="download_quota_exceeded",rule="plain",sandbox="a"} 1.0' in text  # the request refused
+    # The response refused after its request was allowed counts with the refusals after the policy.
+    assert any("download_quota_exceeded" in line and line.endswith(" 1.0") and "sandbox" not in line
+               for line in text.splitlines()), text
     assert 'sandbox="b"' not in text.split("egress_limited_bytes_total", 1)[1].split("# HELP", 1)[0]  # b has no budget
+
+
+def test_parallel_responses_reserve_their_declared_length_and_cannot_overshoot(start_gateway, upstreams):
+    """Five HTTP/2 streams of 30,000 bytes at once against 100,000: the heads reserve their lengths, so
+    three are served and two refused, whatever order their bodies would have arrived in."""
+    extra = _sandboxes(upstreams, a_limits="    limits:\n      download_bytes_per_hour: 100000\n")
+    gateway = start_gateway(RULES, extra=extra)
+    conn = tls_tunnel(gateway, "allowed.test:443", alpn=["h2"])
+    client = H2Client(conn)
+    streams = [client.send("allowed.test", "/bytes/30000") for _ in range(5)]
+    client.wait(*streams)
+    statuses = sorted(client.responses[s]["status"] for s in streams)
+    assert statuses == [200, 200, 200, 429, 429]
+    served = sum(len(client.responses[s]["body"]) for s in streams if client.responses[s]["status"] == 200)
+    assert served == 90000
+    assert {client.header(s, "x-egress-reason") for s in streams if client.responses[s]["status"] == 429} \
+        == {"download_quota_exceeded"}
+    conn.close()
 
 
 def test_download_budget_counts_streamed_responses(start_gateway, upstreams):
@@ -328,6 +424,32 @@ def test_credential_budget_counts_every_sandbox_together(start_gateway, upstream
     line = _lines(gateway, "credential_rate_limited")
     assert line and not line[0].get("injected")
     a.close()
+    b.close()
+
+
+def test_credential_budget_is_one_count_per_secret_across_rules(start_gateway, upstreams, tmp_path):
+    """Two rules injecting the same secret, each with limit 2: the secret goes upstream twice a
+    minute in all, not twice per rule (the credential's own quota at the provider)."""
+    secret = tmp_path / "token"
+    secret.write_text("s3cr3t-value")
+    inject = """  inject:
+    - header: Authorization
+      value: "Bearer ${secrets.TOKEN}"
+  limits:
+    requests_per_credential_per_minute: 2
+"""
+    rules = f"- id: tls\n  hosts: [allowed.test]\n{inject}- id: tls2\n  hosts: [other.test]\n{inject}"
+    extra = (f"secrets:\n  TOKEN: {{file: {secret}}}\n"
+             + _sandboxes(upstreams, b_rules="[tls]").replace("rules: [plain, other, tls]", "rules: [tls, tls2]"))
+    gateway = start_gateway(rules, extra=extra)
+    a = tls_tunnel(gateway, "allowed.test:443")
+    assert [a.request("GET", f"/{i}", [("Host", "allowed.test")]).status for i in range(2)] == [200, 200]
+    a.close()
+    b = tls_tunnel(gateway, "other.test:443")
+    refused = b.request("GET", "/other", [("Host", "other.test")])
+    assert (refused.status, refused.egress_reason, refused.egress_rule) == (429, "credential_rate_limited", "tls2")
+    assert "credential TOKEN (every rule and sandbox together)" in refused.text and "s3cr3t" not in refused.text
+    assert upstreams.tls["other.test"].requests == []
     b.close()
 
 
@@ -399,5 +521,61 @@ def test_websocket_messages_count_against_the_upload_budget(start_gateway, upstr
         assert origin.received == ["a" * 60]
         lines = _lines(gateway, "upload_quota_exceeded")
         assert len(lines) == 1 and lines[0]["event"] == "request_body" and lines[0]["rule"] == "ws"
+    finally:
+        origin.stop()
+
+
+def test_websocket_messages_to_the_sandbox_count_against_the_download_budget(start_gateway, upstreams):
+    import pytest
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.e2e.helpers import extra_static_hosts
+    from tests.support.watched import WebSocketOrigin
+
+    origin = WebSocketOrigin(f"{upstreams.block}.233", 80)
+    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n  limits:\n    download_bytes_per_hour: 100\n"
+    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.233"}) + _sandboxes(upstreams).replace(
+        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
+    gateway = start_gateway(rules, extra=extra)
+    try:
+        with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,
+                        close_timeout=1) as ws:
+            ws.send("a" * 60)
+            assert ws.recv(timeout=3) == "echo: " + "a" * 60  # 66 of 100
+            ws.send("b" * 60)  # its echo would make 132 of 100: dropped, the WebSocket closed
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=3)
+        assert origin.wait_closed(1)
+        lines = _lines(gateway, "download_quota_exceeded")
+        assert len(lines) == 1 and lines[0]["event"] == "response" and lines[0]["rule"] == "ws"
+    finally:
+        origin.stop()
+
+
+def test_websocket_upgrades_and_their_connects_take_tokens(start_gateway, upstreams):
+    import pytest
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.e2e.helpers import extra_static_hosts
+    from tests.support.watched import WebSocketOrigin
+
+    origin = WebSocketOrigin(f"{upstreams.block}.234", 80)
+    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n"
+    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.234"}) + _sandboxes(upstreams).replace(
+        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
+    gateway = start_gateway(rules, extra=extra, args=[
+        "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=3"])
+    try:
+        with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,
+                        close_timeout=1) as ws:  # its CONNECT and its upgrade: two tokens
+            ws.send("hi")
+            assert ws.recv(timeout=3) == "echo: hi"
+        with pytest.raises(InvalidStatus) as refused:  # the CONNECT takes the last token, the upgrade finds none
+            ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None)
+        assert refused.value.response.status_code == 429
+        assert refused.value.response.headers.get("X-Egress-Reason") == "rate_limited"
+        assert len(_lines(gateway, "rate_limited")) == 1
     finally:
         origin.stop()

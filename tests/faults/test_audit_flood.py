@@ -60,7 +60,9 @@ def wait_accounted(gateway, event: str, reason: str, expected: int, wait: float 
 
 def test_a_flood_of_denied_requests_is_aggregated_allows_keep_their_lines(start_gateway, upstreams):
     metrics = free_port()
-    gateway = start_gateway(RULES, args=["--audit-chain", "--metrics", f"127.0.0.1:{metrics}"])
+    # Denied requests take tokens of the request rate too (its own tests): off here, this is about the log.
+    gateway = start_gateway(RULES, args=["--audit-chain", "--metrics", f"127.0.0.1:{metrics}",
+                                         "--set", "egress_max_requests_per_second_per_sandbox=0"])
     allowed = []
     started = time.monotonic()
     with connect_proxy(gateway) as conn:
@@ -152,10 +154,65 @@ def test_other_protocols_are_aggregated_too(start_gateway, upstreams):
     """The aggregation is in the one write path, so every kind of refusal is covered: denied CONNECTs
     (one connection each) and refused HTTP/2 streams (one connection), here."""
     # 300 connections at once: the per-sandbox connection rate (its own test) is off here
-    gateway = start_gateway(RULES, args=["--set", "egress_max_new_connections_per_second_per_sandbox=0"])
+    # (and the request rate, which denied CONNECTs and streams take tokens of)
+    gateway = start_gateway(RULES, args=["--set", "egress_max_new_connections_per_second_per_sandbox=0",
+                                         "--set", "egress_max_requests_per_second_per_sandbox=0"])
     cases = ((_denied_connects, "connect", "no_rule"), (_denied_h2_streams, "request", "path_not_allowed"))
     for flood, event, reason in cases:
         flood(gateway, 300)
         verbatim, summaries = wait_accounted(gateway, event, reason, 300)
         assert len(verbatim) + sum(s["count"] for s in summaries) == 300, (event, len(verbatim), summaries)
         assert len(verbatim) < 200 and summaries, (event, len(verbatim))
+
+
+# --- cycling source addresses (review of issue 15) ------------------------------------------------
+
+CYCLING = [240 + i for i in range(10)]  # this helper's loopback octets
+
+
+def _from(gateway, source: str):
+    import socket
+
+    from tests.e2e.helpers import Conn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.bind((source, 0))
+    sock.connect((gateway.host, gateway.port))
+    return Conn(sock)
+
+
+def test_cycling_uncovered_addresses_share_one_aggregation_source(start_gateway, upstreams):
+    """With a sandboxes section, every client no sandbox covers is one source (as the rate limiter
+    counts them): ten addresses get one burst between them, not ten."""
+    sandboxes = f"sandboxes:\n  - id: b\n    source_ips: [{upstreams.block}.230/32]\n    rules: [allowed]\n"
+    gateway = start_gateway(RULES, extra=sandboxes, args=[
+        "--audit-chain", "--set", "egress_audit_max_refusals_per_second_per_sandbox=2",
+        "--set", "egress_audit_max_refusals_per_second_per_key=2"])
+    sent = 0
+    for octet in CYCLING:
+        with _from(gateway, f"{upstreams.block}.{octet}") as conn:
+            for n in range(10):
+                response = get(conn, f"http://other.test/c/{n}", "other.test")
+                assert response.status == 403, response.text
+                sent += 1
+    verbatim, summaries = wait_accounted(gateway, "request", "no_rule", sent)
+    assert len(verbatim) + sum(s["count"] for s in summaries) == sent
+    # One burst (4 s x 2 a second) for all ten addresses, plus what refilled meanwhile; before: 8 each.
+    assert len(verbatim) <= 8 + 2 * 3, len(verbatim)
+    assert all(s["client"] is None and s["sandbox"] is None for s in summaries)
+    assert verify_chain([str(gateway.audit_path)]).ok
+
+
+def test_a_gateway_wide_budget_bounds_cycling_addresses_without_sandboxes(start_gateway, upstreams):
+    gateway = start_gateway(RULES, args=["--set", "egress_audit_max_refusals_per_second=3"])
+    sent = 0
+    for octet in CYCLING:
+        with _from(gateway, f"{upstreams.block}.{octet}") as conn:
+            for n in range(10):
+                assert get(conn, f"http://other.test/c/{n}", "other.test").status == 403
+                sent += 1
+    verbatim, summaries = wait_accounted(gateway, "request", "no_rule", sent)
+    assert len(verbatim) + sum(s["count"] for s in summaries) == sent
+    assert len(verbatim) <= 12 + 3 * 3, len(verbatim)  # the gateway-wide burst; before: all 100
+    assert any("gateway-wide" in s["message"] for s in summaries)

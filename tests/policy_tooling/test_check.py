@@ -106,7 +106,39 @@ def test_json_errors(tmp_path):
 def test_warning_codes_are_documented():
     assert set(WARNING_CODES) == {"unused-rule", "unused-secret", "shadowed-rule", "multi-tenant-wildcard",
                                   "broad-credentials", "static-host-denied", "passthrough-shared-cdn",
-                                  "passthrough-overlap", "bound-host-also-unbound"}
+                                  "passthrough-overlap", "bound-host-also-unbound", "byte-budget-bypassed"}
+
+
+def test_byte_budget_bypassed_by_an_unread_rule():
+    text = """\
+    version: 1
+    rules:
+      - id: api
+        hosts: [api.example.com]
+      - id: raw
+        hosts: [git.example.com]
+        inspect: false
+      - id: db
+        hosts: [10.0.0.5]
+        protocol: tcp
+        ports: [5432]
+    sandboxes:
+      - id: capped
+        source_ips: [10.8.0.0/16]
+        rules: [api, raw, db]
+        limits:
+          download_bytes_per_hour: 1GiB
+      - id: counted-only
+        source_ips: [10.9.0.0/16]
+        rules: [api, raw]
+        limits:
+          requests_per_minute: 100
+    """
+    got = [t for t in as_tuples(text) if t[0] == "byte-budget-bypassed"]
+    assert got == [("byte-budget-bypassed", 16, 5, "sandboxes[0].limits")] * 2
+    messages = [f.message for f in findings(text) if f.code == "byte-budget-bypassed"]
+    assert "rule raw (inspect: false)" in messages[0] + messages[1]
+    assert "rule db (protocol: tcp)" in messages[0] + messages[1]
 
 
 def test_unused_rule():

@@ -254,3 +254,53 @@ def test_a_failed_write_is_visible_until_a_write_succeeds_and_the_outage_is_reco
     records = lines(path)
     assert records[-1]["event"] == "audit_log" and records[-1]["failed_writes"] == 4
     assert verify_chain([str(path)]).ok
+
+
+# --- cycling source addresses (review of issue 15) ------------------------------------------------
+
+
+def test_with_a_sandboxes_section_every_uncovered_client_shares_one_source():
+    """As the rate limiter keys them: 400 addresses no sandbox covers are one source, one burst."""
+    assert source_of({"client": "10.0.0.1:5"}, sandboxed=True) == source_of({"client": "10.9.9.9:5"}, True)
+    assert source_of({"sandbox": "ci", "client": "10.0.0.1:5"}, sandboxed=True) == "sandbox:ci"
+    clock = Clock()
+    agg = RefusalAggregator(per_source=5, per_key=5, burst_seconds=1, clock=clock)
+    written = sum(agg.admit(refusal(client=f"10.0.{i}.1:1"), sandboxed=True) for i in range(400))
+    assert written == 5
+    clock.now += 1.0
+    [summary] = agg.due()
+    assert summary["count"] == 395 and summary["client"] is None and summary["sandbox"] is None
+    assert "clients no sandbox covers" in summary["message"]
+
+
+def test_a_gateway_wide_budget_bounds_every_source_together():
+    """Without a sandboxes section each address is its own source; the total budget still bounds
+    the verbatim lines, and the rest are summarised under the overflow source."""
+    clock = Clock()
+    agg = RefusalAggregator(per_source=5, per_key=5, total=20, burst_seconds=1, clock=clock)
+    written = sum(agg.admit(refusal(client=f"10.0.{i % 250}.{i // 250}:1")) for i in range(400))
+    assert written == 20
+    clock.now += 1.0
+    summaries = agg.due()
+    assert sum(s["count"] for s in summaries) == 380 and len(summaries) == 1
+    assert summaries[0]["client"] is None and "gateway-wide" in summaries[0]["message"]
+
+
+def test_a_flood_of_cycling_addresses_writes_the_total_rate(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    clock = Clock()
+    log = AuditLog(str(path), chain=True)
+    log.configure(refusals_per_second=50, refusals_per_key=10, refusals_total=100)
+    log.refusals.clock = clock
+    log.refusals.configure(50, 10, 100)  # the bucket on the test's clock
+    for i in range(10_200):  # 680 refusals a second for 15 s, from 400 addresses
+        clock.now += 15 / 10_200
+        log.record(event="request", client=f"10.1.{i % 400 // 250}.{i % 250}:1", sandbox=None,
+                   decision="deny", reason="no_rule", status=403, host="evil.test")
+    log.close()
+    written = [line for line in lines(path) if line["event"] == "request"]
+    summaries = [line for line in lines(path) if line["event"] == "suppressed"]
+    assert len(written) <= 100 * 4 + 100 * 15 + 1
+    assert len(written) + sum(s["count"] for s in summaries) == 10_200
+    assert len(summaries) <= 2 * 16
+    assert verify_chain([str(path)]).ok

@@ -109,7 +109,7 @@ def test_explain_and_policy_test_show_the_limits_that_count_a_request(tmp_path):
         ("rule api", "download_bytes_per_hour", 1_500_000_000, "download_quota_exceeded"),
         ("rule api", "requests_per_credential_per_minute", 50, "credential_rate_limited"),
     ]
-    assert "secrets.TOKEN on this rule, every sandbox together" in render_text(e)
+    assert "secrets.TOKEN: one count shared by every rule that injects it and every sandbox" in render_text(e)
     assert e.as_dict()["limits"][0]["key"] == "requests_per_minute"
     refused = explain(policy, "https://nowhere.example.com/", sandbox="agent", addresses=[])
     assert refused.limits == []  # a refused request counts against nothing
@@ -119,3 +119,29 @@ def test_explain_and_policy_test_show_the_limits_that_count_a_request(tmp_path):
                                          "    sandbox: agent\n    expect: allow\n")
     text = test_text([run_file(tmp_path / "cases.yaml")], verbose=True)
     assert "limit: sandbox agent: requests_per_minute 1000 requests" in text
+
+
+def test_a_credential_counter_is_one_per_secret_and_survives_while_any_rule_limits_it():
+    """The rule-level credential counter is keyed by the secret alone (not the rule): every rule that
+    injects it shares it, and a reload keeps it while some rule still limits that secret."""
+    from addons.rate_limits import limit_of
+
+    two = """version: 1
+secrets:
+  TOKEN: {env: TOKEN}
+rules:
+  - id: a
+    hosts: [a.example.com]
+    inject: [{header: Authorization, value: "Bearer ${secrets.TOKEN}"}]
+    limits: {requests_per_credential_per_minute: 5}
+  - id: b
+    hosts: [b.example.com]
+    inject: [{header: Authorization, value: "Bearer ${secrets.TOKEN}"}]
+    limits: {requests_per_credential_per_minute: 3}
+"""
+    key = ("credential", None, None, "TOKEN", "requests_per_credential_per_minute")
+    assert limit_of(compile_policy(two, "p.yaml"), key) == 3  # the strictest rule's, until a rule uses it
+    one = two.replace("    limits: {requests_per_credential_per_minute: 3}\n", "")
+    assert limit_of(compile_policy(one, "p.yaml"), key) == 5
+    none = one.replace("    limits: {requests_per_credential_per_minute: 5}\n", "")
+    assert limit_of(compile_policy(none, "p.yaml"), key) is None

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.ratelimit import BucketTable, Quotas, SlidingWindow, parse_size, retry_after_header
+from gateway.ratelimit import (MAX_RETRY_AFTER, MIN_RATE, BucketTable, Quotas, SlidingWindow, parse_rate, parse_size,
+                               retry_after_header)
 
 
 class Clock:
@@ -180,3 +181,33 @@ def test_bad_sizes_are_refused(value):
 
 def test_retry_after_is_whole_seconds_and_never_zero():
     assert [retry_after_header(s) for s in (0.0, 0.01, 1.0, 1.2, 59.99)] == ["1", "1", "1", "2", "60"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.floats().map(lambda f: f"{f:e}"),
+                 st.integers(-400, 400).map(lambda e: f"1e{e}"), st.text(max_size=12)))
+def test_a_rate_is_refused_or_gives_finite_bounded_waits(text):
+    """Any rate text is either refused (ValueError) or a rate whose every wait and Retry-After is
+    finite and at most MAX_RETRY_AFTER: 1e-320 used to make every refusal a 500."""
+    try:
+        rate = parse_rate(text)
+    except ValueError:
+        return
+    assert rate == 0 or (MIN_RATE <= rate < math.inf and math.isfinite(1 / rate))
+    table = BucketTable(rate, 1, clock=lambda: 0.0)
+    table.take("k")
+    wait = table.take("k", cost=2)
+    assert 0 <= wait <= MAX_RETRY_AFTER
+    header = retry_after_header(wait) if wait else "1"
+    assert 1 <= int(header) <= MAX_RETRY_AFTER
+
+
+@pytest.mark.parametrize("text", ["1e-320", "1e-300", "0.0009", "-1", "nan", "inf", "-0.5", "x", ""])
+def test_tiny_negative_and_non_numbers_are_not_rates(text):
+    with pytest.raises(ValueError):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize("seconds", [math.inf, math.nan, 1e300, 10**6])
+def test_retry_after_is_clamped(seconds):
+    assert retry_after_header(seconds) == str(MAX_RETRY_AFTER)

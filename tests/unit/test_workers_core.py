@@ -151,3 +151,32 @@ class FullStream:
 
     def close(self):
         self.inner.close()
+
+
+def test_supervisor_held_lines_are_bounded_in_bytes_and_the_drops_counted(tmp_path):
+    """Held lines were bounded by count only (100,000 lines of up to 8 KiB: 800 MB); now by bytes
+    too (MAX_HELD_BYTES), and a line past the bound is dropped, counted, and named in the outage line."""
+    from gateway.workers import MAX_HELD_BYTES, Supervisor
+
+    assert MAX_HELD_BYTES <= 64 * 1024 * 1024
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path), chain=True)
+    supervisor = Supervisor(1, lambda index, fd: ["true"], audit=audit)
+    supervisor.max_held_bytes = 100_000  # the default is 64 MiB: too much to fill in a unit test
+    try:
+        line = lambda n: json.dumps({"event": "request", "decision": "allow", "path": f"/{n}", "pad": "x" * 8000})  # noqa: E731
+        real = audit._stream
+        audit._stream = FullStream(real)
+        for n in range(50):
+            supervisor.append(line(n))
+        assert supervisor.held_bytes == sum(len(x) for x in supervisor.held) <= 100_000
+        assert len(supervisor.held) == 12 and supervisor.held_dropped == 38
+        audit._stream = real
+        supervisor._retry_audit()
+        assert supervisor.held == [] and supervisor.held_bytes == 0 and supervisor.held_dropped == 0
+        records = [json.loads(x) for x in path.read_text().splitlines()]
+        assert records[-1]["event"] == "audit_log" and records[-1]["late_lines"] == 12
+        assert records[-1]["dropped_lines"] == 38 and "38 held line(s) were lost" in records[-1]["message"]
+        assert verify_chain([str(path)]).ok
+    finally:
+        supervisor._cleanup()
