@@ -19,7 +19,9 @@ from __future__ import annotations
 from mitmproxy import ctx, http
 
 from gateway.budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
+from gateway.decompress import REQUEST_LIMIT
 
+from . import write_backlog
 from .layers import DEFAULT_BODY_IDLE_TIMEOUT
 from .state import GatewayState
 
@@ -27,6 +29,7 @@ from .state import GatewayState
 class BufferBudget:
     def __init__(self, state: GatewayState):
         self.state = state
+        write_backlog.install(state)
 
     def load(self, loader):
         loader.add_option(
@@ -44,6 +47,13 @@ class BufferBudget:
             "egress_body_idle_timeout", int, int(DEFAULT_BODY_IDLE_TIMEOUT),
             "Seconds a request or response body may go without a byte before its stream ends "
             "(408 request_body_timeout / 504 or cut off response_body_timeout). 0: no limit.",
+        )
+
+        loader.add_option(
+            "egress_max_decoded_request_bytes", int, REQUEST_LIMIT,
+            "Decoded bytes of a compressed request body the method-override scan reads (all its "
+            "Content-Encodings); past them the body cannot be checked: 413 request_too_large. "
+            "0: only the 100:1 ratio bounds it.",
         )
 
     def configure(self, updated: set[str]):

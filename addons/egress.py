@@ -33,6 +33,7 @@ from addons.streaming import BodyStreaming, Http2Preference  # noqa: E402
 from addons.tls_guard import TlsGuard  # noqa: E402
 from addons.tls_memory import ReleaseTlsBuffers  # noqa: E402
 from addons.upstream_guard import UpstreamGuard  # noqa: E402
+from addons.websocket_limits import WebsocketLimits  # noqa: E402
 
 
 def make_addons(state: GatewayState | None = None) -> list:
@@ -46,6 +47,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
         BufferBudget(state),
+        WebsocketLimits(state),  # WebSocket messages: reassembly bounded, relayed ones not kept
         ConnectionRate(limiter),  # after the concurrent-connection limit: a refused connection takes no token
         LayerGuard(state),
         Http2Limits(),  # the HTTP/2 budgets' options; upstream h2 connections drain their queue in a loop

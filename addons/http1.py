@@ -21,6 +21,7 @@ Http1Client, replaced by `GatewayHttp1Client` through `install()` (mitmproxy bui
 from __future__ import annotations
 
 import h11
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import http
 from mitmproxy.net.http import http1, status_codes
 from mitmproxy.proxy import commands, events, layer
@@ -134,6 +135,9 @@ def _interim_status(buf) -> int | None:
     return status if status != 101 else None
 
 
+MAX_RESPONSE_HEAD_BYTES = 256 * 1024  # an upstream's response head, or bytes it sends with no response due
+
+
 class GatewayHttp1Client(Http1Client):
     """Towards the upstream: no empty chunk, chunked framing for translated HTTP/2 request bodies of
     unknown length, request trailers after the last chunk, and response trailers read. And the
@@ -196,6 +200,23 @@ class GatewayHttp1Client(Http1Client):
                 self._exchange.request_data(len(event.data))
             elif isinstance(event, RequestEndOfMessage):
                 self._exchange.request_end()
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        """What mitmproxy keeps unparsed is bounded: a response head still incomplete, or bytes an
+        upstream sends while no response is being read ("FIXME: protect against header size DoS"
+        in mitmproxy). Past MAX_RESPONSE_HEAD_BYTES the upstream connection is closed and the
+        stream fails, 502 response_too_large."""
+        if (isinstance(event, events.DataReceived) and self.state in (self.read_headers, self.wait)
+                and len(self.buf) + len(event.data) > MAX_RESPONSE_HEAD_BYTES):
+            self.buf = ReceiveBuffer()
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+            if self.stream_id is not None and not self.response_done:
+                yield ReceiveHttp(ResponseProtocolError(
+                    self.stream_id, f"the upstream sent more than {MAX_RESPONSE_HEAD_BYTES} bytes of response head",
+                    ErrorCode.RESPONSE_TOO_LARGE))
+            return
+        yield from super()._handle_event(event)
 
     def read_headers(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.DataReceived) and self.request is not None and self._exchange is not None:

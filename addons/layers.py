@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mitmproxy import flow as mitm_flow
 from mitmproxy.net.http import http1
@@ -45,6 +45,7 @@ from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http import SendHttp
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.utils import human
+from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.proxy.layers.http._http1 import Http1Server, make_body_reader
 from mitmproxy.proxy.layers.http._http2 import Http2Server, StreamState
 from mitmproxy.proxy.layers.http._http3 import Http3Server
@@ -68,6 +69,7 @@ from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30.0
+PIPELINE_HEADS = 2  # bytes sent ahead of a response (HTTP/1 pipelining) are bounded by this many max heads
 # (context, decision, request, method, *, status_sent=True, **audit fields)
 OnRefusal = Callable[..., "Decision | None"]
 
@@ -313,7 +315,35 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
                 self._head_wakeup = None
                 yield from self._head_deadline()
             return
+        if isinstance(event, events.DataReceived):
+            if self.state == self.done:
+                return  # refused or finished: nothing reads these bytes, so they are not kept
+            if self.state == self.wait and len(self.buf) + len(event.data) > self.max_pipelined_bytes:
+                yield from self._refuse_pipeline()
+                return
         yield from super()._handle_event(event)
+
+    @property
+    def max_pipelined_bytes(self) -> int:
+        """Bytes a client may send ahead while its request is in flight: mitmproxy keeps them
+        unparsed (`wait` state) until the response is done, without limit."""
+        return PIPELINE_HEADS * self.max_head_bytes
+
+    def _refuse_pipeline(self) -> layer.CommandGenerator[None]:
+        """Too much sent ahead of the answer: the request in flight gets the refusal if its response
+        has not started (else the connection is cut), its stream ends, the connection closes."""
+        decision = Decision.deny("pipeline_too_large",
+                                 f"more than {self.max_pipelined_bytes} bytes were sent ahead of a response")
+        decision = _report(self.on_refusal, self.context, decision, self.request,
+                           status_sent=self.response is None)
+        if self.response is None and self.conn.state & ConnectionState.CAN_WRITE:
+            yield commands.SendData(self.conn, raw_http_refusal(decision))
+        yield commands.CloseConnection(self.conn)
+        self.state = self.done
+        self.buf = ReceiveBuffer()
+        if self.stream_id is not None:
+            yield ReceiveHttp(RequestProtocolError(self.stream_id, "the client sent too much ahead of a response",
+                                                   code=ErrorCode.CLIENT_DISCONNECTED))
 
     def _head_deadline(self) -> layer.CommandGenerator[None]:
         """A head started but did not complete in time, even if the client went silent."""
@@ -793,6 +823,9 @@ class GatewayHttpStream(HttpStream):
         unfinished. Audited here unless `audited`."""
         self._held = b""
         self._request_moved = self._response_moved = None
+        allowed_by = self.flow.metadata.get("egress_decision")
+        if decision.rule is None and allowed_by is not None and getattr(allowed_by, "rule", None):
+            decision = replace(decision, rule=allowed_by.rule)  # the audit line names the rule it ran under
         if not audited and self.on_refusal is not None:
             decision = _report(self.on_refusal, self.context, decision, self.flow.request, status_sent=status_sent)
         self.flow.error = mitm_flow.Error(f"egress gateway: {decision.message}")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import ipaddress
 
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from gateway import bodies, methods
 from gateway.decision import Decision, verdict_fields
-from gateway.decompress import request_decoder
+from gateway.decompress import REQUEST_LIMIT, request_decoder
 from gateway.engine import Engine, Pin, RequestFacts, body_override_refusal
 from gateway.hopbyhop import forwardable
 from gateway.hostnames import HostError, parse_authority
@@ -153,7 +153,9 @@ class RequestGuard:
         checked as it arrives, before it goes on (addons/method_body.py). With no rule behind the
         decision (report mode's `no_rule`), only the overrides that are always refused count."""
         rule = engine.policy.rules_by_id.get(decision.rule or "")
-        scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request), request_decoder)
+        limit = max(int(getattr(ctx.options, "egress_max_decoded_request_bytes", REQUEST_LIMIT)), 0) or None
+        scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request),
+                                                  lambda coding: request_decoder(coding, limit))
         if scanner is None:
             return None
         wire = flow.request.method

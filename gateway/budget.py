@@ -104,6 +104,14 @@ class Account:
         self.held += n
         return True
 
+    def hold(self, n: int) -> None:
+        """Bytes already held that cannot be refused (e.g. written to a socket the peer does not
+        read): counted even past the limits, so that new buffers find no room while they last."""
+        if n > 0 and not self.closed:
+            self.held += n
+            self.ledger.connections[self.connection] += n
+            self.ledger.sandboxes[self.sandbox] += n
+
     def release(self, n: int | None = None) -> None:
         n = self.held if n is None else max(min(n, self.held), 0)
         if n:

@@ -85,6 +85,11 @@ REASONS: dict[str, tuple[int, str]] = {
                                      "allows; nothing was sent"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
+    "pipeline_too_large": (431, "an HTTP/1 client sent more than twice egress_max_head_bytes ahead of a response "
+                                "(pipelined); answered if the response had not started, then closed"),
+    "websocket_message_too_large": (413, "a WebSocket message passed egress_max_websocket_message_bytes while "
+                                          "reassembled; both sides closed with 1009 (audit and metrics only: no "
+                                          "status is sent)"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),
     "buffer_budget": (503, "buffering this body would pass the connection's or the sandbox's buffer budget"),
     "request_body_timeout": (408, "the request body stopped moving (no byte for egress_body_idle_timeout)"),

@@ -28,6 +28,11 @@ class OverBudget(ValueError):
     """Keeping the next decoded piece would pass the caller's memory budget (gateway/budget.py)."""
 
 
+# A zstd frame names the window its decoder must keep (up to 2 GiB; 128 MiB at window_log 27 cost
+# ~135 MiB per stream, charged to no budget). RFC 9659 limits the `zstd` content coding to 8 MiB:
+# a frame that needs more is refused as too large.
+ZSTD_WINDOW_LOG_MAX = 23
+
 PIECE = 1024 * 1024  # what a buffered decode produces per step, each step charged before it is kept
 INPUT_STEP = 4096  # compressed bytes given to a decoder at a time (see BoundedDecoder.pieces)
 
@@ -74,6 +79,8 @@ class _Concatenated:
             chunk, self._input = self._input, b""
             try:
                 piece, self._input = self._feed(self._d, chunk, max_length)
+            except DecodedTooLarge:
+                raise
             except Exception:
                 if self._streams > 1 and self._out == 0:  # not a stream at all: data after the last one
                     self.trailing, self._input = True, b""
@@ -162,10 +169,15 @@ class _Zstd(_Concatenated):
         self._zstd = zstd
 
     def _new(self, data: bytes):
-        return self._zstd.ZstdDecompressor()
+        return self._zstd.ZstdDecompressor(options={self._zstd.DecompressionParameter.window_log_max: ZSTD_WINDOW_LOG_MAX})
 
     def _feed(self, d, data: bytes, max_length: int) -> tuple[bytes, bytes]:
-        out = d.decompress(data, max_length)  # it keeps input it has not decoded yet itself
+        try:
+            out = d.decompress(data, max_length)  # it keeps input it has not decoded yet itself
+        except self._zstd.ZstdError as exc:
+            if "memory" in str(exc):  # "Frame requires too much memory for decoding"
+                raise DecodedTooLarge(f"a zstd frame needs a window over {1 << ZSTD_WINDOW_LOG_MAX} bytes") from None
+            raise
         return out, (d.unused_data if d.eof else b"")
 
     def _more(self, d) -> bool:
@@ -249,8 +261,11 @@ def streaming_decoder(content_encoding: str, limit: int | None = None, ratio: in
 # decoded byte costs scanning time on the event loop: a tighter budget than a response's. A
 # compressed upload is rare, and one that inflates more than 100x past its first MiB rarer still;
 # over it the body is refused, 413 request_too_large (it cannot be checked).
+# Past REQUEST_LIMIT decoded bytes in all it is refused too: at 54:1 (within the ratio) a 7.7 MB
+# upload decoded to 400 MiB and took seconds of scanning per request.
 REQUEST_RATIO = 100
 REQUEST_GRACE = 1024 * 1024
+REQUEST_LIMIT = 8 * 1024 * 1024
 
 
 # A streamed body's decoded bytes go out (TLS, the socket) as they come, within the same turn of the
@@ -264,9 +279,10 @@ def stream_decoder(content_encoding: str, limit: int | None = None) -> BoundedDe
     return streaming_decoder(content_encoding, limit, MAX_RATIO, STREAM_GRACE)
 
 
-def request_decoder(content_encoding: str) -> BoundedDecoder | None:
-    """The bounded decoder of a request body's coding, for the method-override scanner."""
-    return streaming_decoder(content_encoding, None, REQUEST_RATIO, REQUEST_GRACE)
+def request_decoder(content_encoding: str, limit: int | None = REQUEST_LIMIT) -> BoundedDecoder | None:
+    """The bounded decoder of a request body's coding, for the method-override scanner: at most
+    `limit` decoded bytes in all (None: only the ratio)."""
+    return streaming_decoder(content_encoding, limit, REQUEST_RATIO, REQUEST_GRACE)
 
 
 def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT):

@@ -122,14 +122,14 @@ def brotli_bomb(size: int = 96 << 20) -> bytes:
     return _BOMB[0]
 
 
-_BOMBS: dict[str, bytes] = {}
+_BOMBS: dict[tuple[str, int], bytes] = {}
 
 
 def bomb(encoding: str, size: int = 96 << 20) -> bytes:
     """`size` zero bytes in `encoding` (br, gzip, deflate, zstd), made once, 1 MiB at a time."""
     if encoding == "br":
         return brotli_bomb(size)
-    if encoding not in _BOMBS:
+    if (encoding, size) not in _BOMBS:
         import zlib
 
         zeros, out = bytes(1 << 20), []
@@ -143,8 +143,8 @@ def bomb(encoding: str, size: int = 96 << 20) -> bytes:
         else:
             compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
             out = [compressor.compress(zeros) for _ in range(size >> 20)] + [compressor.flush()]
-        _BOMBS[encoding] = b"".join(out)
-    return _BOMBS[encoding]
+        _BOMBS[encoding, size] = b"".join(out)
+    return _BOMBS[encoding, size]
 
 
 def incompressible(n: int) -> bytes:
@@ -400,7 +400,7 @@ class EchoUpstream:
                 """A few hundred bytes of brotli that decode to 96 MiB (?te=cl|chunked; ?enc=gzip,
                 deflate or zstd for the same zeros in another coding)."""
                 encoding = self.query().get("enc", "br")
-                data = bomb(encoding)
+                data = bomb(encoding, int(self.query().get("mib", 96)) << 20)  # ?mib=N: N MiB of zeros
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Encoding", encoding)

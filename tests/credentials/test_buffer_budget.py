@@ -4,6 +4,8 @@ budget (gateway/budget.py) piece by piece: over it, 503 `buffer_budget`, never a
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from tests.support.gateway import GatewayProcess
@@ -55,4 +57,54 @@ def test_a_bound_response_decoded_whole_stops_at_the_buffer_budget(small_budget,
 
 def test_a_small_bound_response_still_decodes_within_the_budget(small_budget):
     received = _exchange(small_budget, "/v1/gzip?enc=gzip")
+    assert received.startswith(b"HTTP/1.1 200"), received[:300]
+
+
+@pytest.fixture(scope="module")
+def sandbox_budget(cred, tmp_path_factory, pki):
+    patch = pytest.MonkeyPatch()
+    try:
+        for name, var in ENV.items():
+            patch.setenv(var, SECRETS[name])
+        gateway = GatewayProcess(cred.policy, tmp_path_factory.mktemp("budget-sandbox") / "gw", upstream_ca=pki.ca_cert,
+                                 extra_args=["--set", "egress_max_buffered_bytes_per_sandbox=25165824"])
+        gateway.start()
+    finally:
+        patch.undo()
+    yield gateway
+    gateway.stop()
+
+
+def test_a_response_the_client_does_not_read_stays_charged_until_it_is_sent(sandbox_budget):
+    """A bound response decoded whole was charged until its stream completed, but it then sat in
+    the transport's write buffer: clients that never read held a gigabyte with the ledger at zero,
+    and more were served. Now what waits for the client stays charged: with the sandbox's 24 MiB
+    held by unread 12 MiB responses, the next whole decode gets 503 buffer_budget; once they are
+    read, it is served again."""
+    held = []
+    try:
+        for _ in range(6):
+            tls = tls_to(sandbox_budget, "echo.test", timeout=20)
+            tls.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel takes little of it
+            tls.send(b"GET /v1/bomb?te=cl&enc=gzip&mib=12 HTTP/1.1\r\nHost: echo.test\r\n\r\n")
+            held.append(tls)
+        refused = False
+        for _ in range(50):  # until the unread responses are all written out (an audit line each)
+            received = _exchange(sandbox_budget, "/v1/bomb?te=cl&enc=gzip&mib=12")
+            if received.startswith(b"HTTP/1.1 503"):
+                refused = b"buffer_budget" in received
+                break
+            import time
+            time.sleep(0.1)
+        assert refused, received[:300]
+    finally:
+        for tls in held:
+            tls.close()
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the closed connections give their charge back
+        received = _exchange(sandbox_budget, "/v1/bomb?te=cl&enc=gzip&mib=12")
+        if received.startswith(b"HTTP/1.1 200"):
+            break
+        time.sleep(0.1)
     assert received.startswith(b"HTTP/1.1 200"), received[:300]

@@ -157,7 +157,8 @@ def test_a_stalled_buffered_request_body_gets_408_and_no_upstream_connection(gat
     assert (response.status, response.egress_reason) == (408, "request_body_timeout"), response
     assert conn.closed()
     assert upstreams.untouched("allowed.test")
-    assert [a["reason"] for a in audit_for(gateway, conn.client, 2)][-1] == "request_body_timeout"
+    line = audit_for(gateway, conn.client, 2)[-1]
+    assert (line["reason"], line["rule"]) == ("request_body_timeout", "allowed")  # the rule it ran under
 
 
 def test_a_stalled_streamed_request_body_is_408_and_its_upstream_stream_aborted(gateway_with, origin):
@@ -182,6 +183,7 @@ def test_a_stalled_response_body_before_its_head_went_out_is_504(gateway_with, o
     assert upstream.closed.wait(5)
     lines = audit_for(gateway, conn.client, 2)
     assert lines[-1]["reason"] == "response_body_timeout" and lines[-1]["status"] == 504
+    assert lines[-1]["rule"] == "stall"
 
 
 def test_a_stalled_streamed_response_body_is_cut_off(gateway_with, origin):
@@ -335,3 +337,157 @@ def test_http2_streams_over_the_connection_budget_do_not_all_stay_buffered(gatew
             sent += window
             client._flush()
     assert _wait(lambda: upstream.connections >= 1 and upstream.received > 0), (upstream.connections, upstream.received)
+
+
+# -- bytes a client sends ahead of its answer (HTTP/1 pipelining) ----------------------------------
+
+
+def _send_ahead(conn, total: int) -> None:
+    """Pipelined requests behind the one in flight, until `total` bytes or the gateway closes."""
+    junk = b"GET http://stall.test/next HTTP/1.1\r\nHost: stall.test\r\nX: " + b"a" * 1000 + b"\r\n\r\n"
+    sent = 0
+    try:
+        while sent < total:
+            conn.send(junk)
+            sent += len(junk)
+    except OSError:
+        pass
+
+
+def test_bytes_pipelined_behind_a_request_in_flight_are_bounded(gateway_with, origin):
+    """mitmproxy keeps what arrives behind a request in flight unparsed, without limit (600 MiB in
+    seconds made a worker's RSS grow by as much): past twice the head limit the request in flight
+    is answered 431 pipeline_too_large, the connection closes, one audit line."""
+    upstream = origin()  # answers nothing: the request stays in flight
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    assert _wait(lambda: upstream.heads)
+    _send_ahead(conn, 64 * 4096)
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (431, "pipeline_too_large"), response
+    assert conn.closed()
+    assert upstream.closed.wait(5)  # the request in flight was abandoned upstream
+    lines = audit_for(gateway, conn.client, 2)
+    assert lines[-1]["reason"] == "pipeline_too_large" and lines[-1]["status"] == 431
+
+
+def test_bytes_pipelined_behind_a_response_under_way_cut_the_connection(gateway_with, origin):
+    """The same once the response's head went out: no status can be sent, the connection is cut."""
+    upstream = origin(answer=b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"6\r\ndata:1\r\n")
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/events HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    assert conn.read_until(b"data:1").startswith(b"HTTP/1.1 200")
+    _send_ahead(conn, 64 * 4096)
+    try:
+        while conn._fill():  # until the gateway closes (a reset: it closed with our bytes unread)
+            pass
+    except ConnectionResetError:
+        pass
+    assert upstream.closed.wait(5)
+    lines = audit_for(gateway, conn.client, 2)
+    assert lines[-1]["reason"] == "pipeline_too_large" and lines[-1]["status"] is None
+
+
+def test_bytes_pipelined_in_a_tunnel_are_bounded(gateway_with, origin, pki, stall_address):
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-pipe")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    upstream = origin(443, tls=context)
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn, answer = tunnel(gateway, "stall.test:443", timeout=10)
+    assert answer.status == 200
+    tls = start_tls(conn, gateway, "stall.test", alpn=["http/1.1"])
+    tls.send(b"GET /slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    assert _wait(lambda: upstream.heads)
+    _send_ahead(tls, 64 * 4096)
+    response = tls.read_response()
+    assert (response.status, response.egress_reason) == (431, "pipeline_too_large"), response
+    assert tls.closed()
+
+
+def test_a_few_pipelined_requests_are_still_answered_in_order(gateway_with, upstreams):
+    gateway = gateway_with("egress_max_head_bytes=4096")
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"".join(b"GET http://allowed.test/ok%d HTTP/1.1\r\nHost: allowed.test\r\n\r\n" % i for i in range(5)))
+    assert [conn.read_response().status for _ in range(5)] == [200] * 5
+
+
+# -- WebSocket messages --------------------------------------------------------------------------
+
+_WS_ACCEPT = b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # for the sample key of RFC 6455
+
+
+def _ws_frame(opcode: int, payload: bytes, fin: bool) -> bytes:
+    """A client frame (masked with a zero key: the payload goes as it is)."""
+    n = len(payload)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    if n < 126:
+        head += bytes([0x80 | n])
+    elif n < 65536:
+        head += bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head += bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+def _websocket(gateway_with, origin, *sets):
+    upstream = origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + _WS_ACCEPT + b"\r\n\r\n")
+    gateway = gateway_with(*sets)
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    assert conn.read_response(head_only=True).status == 101
+    return gateway, conn, upstream
+
+
+def test_a_websocket_message_reassembled_past_its_budget_closes_both_sides_with_1009(gateway_with, origin):
+    """An endless fragmented message (FIN=0 frames) grew mitmproxy's frame buffer without limit
+    (500 MiB in 5 s): past egress_max_websocket_message_bytes both sides get a 1009 close."""
+    gateway, conn, upstream = _websocket(gateway_with, origin, "egress_max_websocket_message_bytes=1000000")
+    piece = b"A" * 65536
+    try:
+        conn.send(_ws_frame(2, piece, fin=False))
+        for _ in range(40):
+            conn.send(_ws_frame(0, piece, fin=False))
+    except OSError:
+        pass
+    data = b""
+    try:
+        while chunk := conn.sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    assert data[:1] == b"\x88" and data[2:4] == (1009).to_bytes(2, "big"), data[:20]  # a close frame, 1009
+    assert upstream.closed.wait(5)
+    lines = [a for a in audit_for(gateway, conn.client, 2) if a["event"] == "websocket"]
+    assert lines and lines[-1]["reason"] == "websocket_message_too_large" and lines[-1]["status"] is None
+    assert lines[-1]["rule"] == "stall"
+
+
+def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_with, origin):
+    """Whole messages under the budget go through; the flow keeps only the last one (it kept every
+    one before: 1 MiB messages grew a worker without end). Checked by the gateway's RSS."""
+    gateway, conn, upstream = _websocket(gateway_with, origin, "egress_max_websocket_message_bytes=2000000")
+    piece = b"B" * (1 << 20)
+    for _ in range(200):  # 200 MiB
+        conn.send(_ws_frame(2, piece, fin=True))
+    assert _wait(lambda: upstream.received >= 200 * (1 << 20), 60), upstream.received
+    rss = int(next(line.split()[1] for line in open(f"/proc/{gateway.process.pid}/status")
+                   if line.startswith("VmRSS:")))
+    assert rss < 150 * 1024, rss  # KiB: it held all 200 MiB before
+
+
+def test_an_endless_upstream_response_head_is_502(gateway_with, origin):
+    """mitmproxy kept an incomplete response head without limit: past 256 KiB the upstream
+    connection is closed and the client gets 502 response_too_large."""
+    upstream = origin(answer=b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 600_000)
+    gateway = gateway_with()
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"GET http://stall.test/head HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (502, "response_too_large"), response
+    assert upstream.closed.wait(5)

@@ -106,3 +106,44 @@ def test_every_piece_is_small_and_a_bomb_trips_near_its_grace(make, most):
             assert len(piece) <= PIECE + 1
             produced += len(piece)
     assert produced <= most + PIECE
+
+
+def test_a_request_decoder_stops_at_its_total_budget_within_the_ratio():
+    """54:1 is within REQUEST_RATIO, but past REQUEST_LIMIT decoded bytes the scan stops: each
+    decoded byte costs scanning time on the event loop."""
+    import random
+
+    from gateway.decompress import REQUEST_LIMIT
+
+    rnd = random.Random(15)
+    block = bytearray(1 << 20)
+    for j in range(0, len(block), 150):
+        block[j] = rnd.randrange(1, 256)
+    c = zlib.compressobj(6, zlib.DEFLATED, 31)
+    body = b"".join([c.compress(bytes(block)) for _ in range(REQUEST_LIMIT // (1 << 20) + 4)] + [c.flush()])
+    for decoder, most in ((request_decoder("gzip"), REQUEST_LIMIT), (request_decoder("gzip", 2 << 20), 2 << 20)):
+        produced = 0
+        with pytest.raises(DecodedTooLarge):
+            for start in range(0, len(body), 65536):
+                for piece in decoder.pieces(body[start:start + 65536]):
+                    produced += len(piece)
+        assert produced <= most
+    unbounded = request_decoder("gzip", None)
+    assert sum(len(p) for p in unbounded.pieces(body)) == len(block) * (REQUEST_LIMIT // (1 << 20) + 4)
+
+
+def test_held_bytes_count_past_the_limit_and_leave_no_room():
+    """`hold` charges bytes already held (unread by a client): never refused, and while they last
+    other buffers of the sandbox find no room."""
+    from gateway.budget import Ledger
+
+    ledger = Ledger(per_connection=100, per_sandbox=150)
+    backlog, other = ledger.account("c1", "s"), ledger.account("c2", "s")
+    backlog.hold(400)
+    assert ledger.held(sandbox="s") == 400 and not other.reserve(1) and other.room() == 0
+    backlog.release(300)
+    assert other.reserve(50) and not other.reserve(1)
+    ledger.drop_connection("c1")
+    assert ledger.held(sandbox="s") == 50 and backlog.closed
+    backlog.hold(10)  # closed: nothing more is counted
+    assert ledger.held(sandbox="s") == 50

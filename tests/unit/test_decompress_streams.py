@@ -75,3 +75,41 @@ def test_an_empty_body_is_finished():
     for coding in ("gzip", "deflate", "br", "zstd"):
         decoder = streaming_decoder(coding, 100)
         assert decoder.flush() == b"" and decoder.finished() and not decoder.trailing
+
+
+# -- the zstd window (RFC 9659: at most 8 MiB for the zstd content coding) ---------------------------
+
+
+def _zstd_with_window(window_log: int, size: int = 1 << 20) -> bytes:
+    c = zstd.ZstdCompressor(options={zstd.CompressionParameter.window_log: window_log})
+    return c.compress(bytes(size)) + c.flush()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: streaming_decoder("zstd", 1 << 26),
+    lambda: __import__("gateway.decompress", fromlist=["x"]).stream_decoder("zstd", 1 << 26),
+    lambda: __import__("gateway.decompress", fromlist=["x"]).request_decoder("zstd"),
+])
+def test_a_zstd_frame_needing_a_window_over_8_mib_is_too_large(make):
+    """A frame that declares a 128 MiB window made the decoder allocate ~135 MiB per stream; it is
+    refused as too large before that (and a second frame is no way around it)."""
+    from gateway.decompress import DecodedTooLarge
+
+    for body in (_zstd_with_window(27), zstd.compress(b"ok") + _zstd_with_window(24)):
+        decoder = make()
+        with pytest.raises(DecodedTooLarge):
+            for start in range(0, len(body), 1000):
+                list(decoder.pieces(body[start:start + 1000]))
+
+
+def test_a_zstd_frame_within_the_window_still_decodes():
+    from gateway.decompress import decode_whole
+
+    assert decode_whole("zstd", _zstd_with_window(23, 3 << 20)) == bytes(3 << 20)
+
+
+def test_decode_whole_reports_a_big_zstd_window_as_too_large():
+    from gateway.decompress import DecodedTooLarge, decode_whole
+
+    with pytest.raises(DecodedTooLarge):
+        decode_whole("zstd", _zstd_with_window(26))

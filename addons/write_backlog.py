@@ -1,0 +1,98 @@
+"""Bytes written to a client that the client has not read yet are charged to its buffer budget.
+
+A buffered response's charge (addons/layers.py) ends when its stream completes, but its bytes then
+sit in the asyncio transport's write buffer until the client reads them: 30 tunnels of one
+sandbox, each fetching a 14 MiB body it never read, held 1 GB with the ledger back at zero, and a
+31st was still served. Here, after every event a client connection's handler processes
+(ConnectionHandler.server_event, mitmproxy 12.3), what its transport still holds is charged to one
+account of that connection (`Account.hold`: it is already held, so it is counted even past the
+limits and new buffers of the sandbox find no room); a task waits for the transport to drain and
+gives the charge back as the bytes go out. At most the transport's high-water mark (64 KiB) may
+stay charged until the connection's next event; the connection's close releases the rest
+(BufferBudget.client_disconnected drops its accounts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+_state = None  # the GatewayState of the running gateway (install)
+ATTR = "_egress_write_backlog"
+
+
+def _backlog(handler) -> int | None:
+    io = handler.transports.get(handler.client)
+    writer = getattr(io, "writer", None) if io is not None else None
+    if writer is None or writer.transport is None:
+        return None
+    try:
+        return writer.transport.get_write_buffer_size()
+    except Exception:  # a transport being torn down
+        return None
+
+
+def settle(handler) -> None:
+    """Charge (or give back) what the client's transport holds now; start a drain watcher if any."""
+    state = _state
+    if state is None:
+        return
+    size = _backlog(handler)
+    account = getattr(handler, ATTR, None)
+    if size is None:
+        return
+    if account is None or account.closed:
+        if size == 0:
+            return
+        client = handler.client
+        account = state.buffers.account(client.id, state.sandbox_key(state.connections.get(client.id)))
+        setattr(handler, ATTR, account)
+    if size > account.held:
+        account.hold(size - account.held)
+    elif size < account.held:
+        account.release(account.held - size)
+    if account.held and getattr(handler, ATTR + "_task", None) is None:
+        setattr(handler, ATTR + "_task", asyncio.ensure_future(_drained(handler, account)))
+
+
+async def _drained(handler, account) -> None:
+    try:
+        while account.held and not account.closed:
+            io = handler.transports.get(handler.client)
+            writer = getattr(io, "writer", None) if io is not None else None
+            if writer is None or writer.is_closing():
+                break
+            await writer.drain()  # below the transport's high-water mark
+            size = _backlog(handler)
+            if size is None:
+                break
+            account.release(max(account.held - size, 0))
+            if size and size <= 64 * 1024:
+                break  # a small remainder: corrected at the connection's next event
+            if size:
+                await asyncio.sleep(0.05)
+    except Exception:  # the connection went away: its close releases the account
+        pass
+    finally:
+        setattr(handler, ATTR + "_task", None)
+
+
+def install(state) -> None:
+    """Wrap ConnectionHandler.server_event once; `state` is the gateway whose ledger is charged."""
+    global _state
+    _state = state
+    from mitmproxy.proxy import server
+
+    original = server.ConnectionHandler.server_event
+    if getattr(original, "_egress_backlog", False):
+        return
+
+    async def server_event(self, event) -> None:
+        await original(self, event)
+        try:
+            settle(self)
+        except Exception:
+            logging.getLogger("egress").exception("egress gateway: could not charge a client's write backlog")
+
+    server_event._egress_backlog = True
+    server.ConnectionHandler.server_event = server_event
