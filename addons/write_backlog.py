@@ -24,10 +24,13 @@ ATTR = "_egress_write_backlog"
 def _backlog(handler) -> int | None:
     io = handler.transports.get(handler.client)
     writer = getattr(io, "writer", None) if io is not None else None
-    if writer is None or writer.transport is None:
+    # Transparent and local-redirect connections are mitmproxy_rs streams: they have no asyncio
+    # transport to ask (their writes go to mitmproxy_rs's own bounded buffers), so nothing is charged.
+    transport = getattr(writer, "transport", None)
+    if transport is None:
         return None
     try:
-        return writer.transport.get_write_buffer_size()
+        return transport.get_write_buffer_size()
     except Exception:  # a transport being torn down
         return None
 
