@@ -44,6 +44,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.workers import notify_ready, worker_index
 
 from .state import GatewayState
+from .streaming import counting_stream
 
 logger = logging.getLogger("egress")
 
@@ -197,18 +198,6 @@ def _counting_in(inner, count: Callable[[int], None]):
         return data if inner is True else inner(data)
     return stream
 
-
-def _counting_out(inner, count: Callable[[int], None]):
-    """A stream callable counting the bytes `inner` (True: pass-through) passes on."""
-    def stream(data: bytes):
-        out = data if inner is True else inner(data)
-        if isinstance(out, (bytes, bytearray)):
-            count(len(out))
-            return out
-        out = list(out)
-        count(sum(len(chunk) for chunk in out))
-        return out
-    return stream
 
 
 class Observability:
@@ -566,7 +555,7 @@ class Observability:
             return
         if flow.request.stream:
             rule = decision.rule
-            flow.request.stream = _counting_out(flow.request.stream, lambda n: self.metrics.relayed("sent", rule, n))
+            flow.request.stream = counting_stream(flow.request.stream, lambda n: self.metrics.relayed("sent", rule, n))
             flow.metadata[COUNTED + "_request"] = True
 
     def request(self, flow: http.HTTPFlow):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from mitmproxy import ctx, exceptions, http
@@ -43,6 +43,7 @@ from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, refusal_headers
 from .revocation import close_client
+from .streaming import counting_stream
 from .state import ConnectionState, GatewayState
 
 CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
@@ -387,18 +388,6 @@ class UploadCheck:
             logging.getLogger("egress").exception("egress gateway: could not record a refusal")
 
 
-def _counting(inner, count: Callable[[int], None]):
-    """A response stream callable counting the bytes `inner` (True: pass-through) passes on."""
-    def stream(data: bytes):
-        out = data if inner is True else inner(data)
-        if isinstance(out, (bytes, bytearray)):
-            count(len(out))
-            return out
-        out = list(out)
-        count(sum(len(chunk) for chunk in out))
-        return out
-    return stream
-
 
 class DownloadMeter:
     """Response bytes of a request with a download budget, counted as they go to the client (after
@@ -453,7 +442,7 @@ class DownloadMeter:
                 window.add(declared, now)
             flow.metadata[RESERVED] = declared
         if flow.response.stream:
-            flow.response.stream = _counting(flow.response.stream, lambda n: self._count(flow, charge, n))
+            flow.response.stream = counting_stream(flow.response.stream, lambda n: self._count(flow, charge, n))
             flow.metadata[CHARGE + "_streamed"] = True
 
     def _refuse(self, flow: http.HTTPFlow, charge: Charge, decision: Decision) -> None:

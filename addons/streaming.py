@@ -14,6 +14,8 @@ offers h2 gets h2; mitmproxy translates to HTTP/1.1 when the upstream does not s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mitmproxy import ctx, http, tls
 
 from gateway.streaming import Plan, forbidden_trailers, request_streams, response_plan
@@ -66,3 +68,17 @@ class Http2Preference:
             # Read by mitmproxy's ALPN selection for the client handshake; the negotiated value
             # replaces it when the handshake completes.
             data.context.client.alpn = b"h2"
+
+
+def counting_stream(inner, count: Callable[[int], None]):
+    """A body stream callable that tells `count` how many bytes `inner` (True: pass-through) passes
+    on: the metrics' relayed bytes and the download budget both count this way."""
+    def stream(data: bytes):
+        out = data if inner is True else inner(data)
+        if isinstance(out, (bytes, bytearray)):
+            count(len(out))
+            return out
+        out = list(out)
+        count(sum(len(chunk) for chunk in out))
+        return out
+    return stream
