@@ -1,6 +1,7 @@
 """Shared fixtures: a test CA, recording upstream hosts on loopback, and gateway processes.
 
-Each test session takes its own loopback block 127.X.0.0/24 (X from the process id) and binds the
+Each test session takes its own loopback block 127.X.0.0/24 (X from the process id, or from the
+xdist controller's and the worker's number) and binds the
 fake upstream hosts on ports 443 (TLS) and 80 there, so that parallel sessions do not collide and
 policies can use the scheme's default ports like real ones.
 """
@@ -52,9 +53,18 @@ def pki(tmp_path_factory) -> TestPKI:
     return TestPKI(tmp_path_factory.mktemp("pki"))
 
 
+def _block_octet() -> int:
+    """X of this session's 127.X.0.0/24. Under pytest-xdist the workers of one run are numbered
+    children of one controller, so they take consecutive blocks (pids alone may collide)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        return 20 + (os.getppid() + int(worker[2:])) % 200
+    return 20 + os.getpid() % 200
+
+
 @pytest.fixture(scope="session")
 def upstreams(pki) -> Upstreams:
-    block = f"127.{(os.getpid() % 200) + 20}.0"
+    block = f"127.{_block_octet()}.0"
     hosts = {name: f"{block}.{i + 2}" for i, name in enumerate(UPSTREAM_NAMES)}
     result = Upstreams(block, hosts)
     for name, address in hosts.items():

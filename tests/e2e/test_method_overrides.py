@@ -520,7 +520,7 @@ def test_streamed_bodies_without_an_override_arrive_whole(gw, recorder):
 def _gz(*members: bytes) -> bytes:
     import gzip
 
-    return b"".join(gzip.compress(m) for m in members)
+    return b"".join(gzip.compress(m, mtime=0) for m in members)
 
 
 _MP = b'--AAA\r\nContent-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n--AAA--\r\n'
