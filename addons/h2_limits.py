@@ -15,6 +15,7 @@ server layer that applies them: addons/layers.py `GatewayHttp2Server`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import h2.connection
@@ -33,7 +34,7 @@ from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from gateway import h2budget
 
-from . import h2_backpressure
+from . import frame_limits, h2_backpressure
 
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
@@ -78,6 +79,37 @@ class ControlFlood(h2.exceptions.ProtocolError):
     as an event (GatewayHttp2Server audits it and closes)."""
 
     error_code = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    reason = "control_frame_flood"
+
+
+class SmallFrameFlood(ControlFlood):
+    """The same, when a small DATA frame found its sandbox's small-frame bucket empty
+    (addons/frame_limits.py)."""
+
+    reason = "small_frame_flood"
+
+
+def _merged(events: list) -> list:
+    """Adjacent DataReceived events of one stream from one read, as one: the frames' boundaries
+    mean nothing to HTTP, and each event costs the layers above far more than h2's parse of it
+    (a client writing 1-byte DATA frames made one request event per byte)."""
+    out: list = []
+    run: list[bytes] = []  # the data of the run `out[-1]` heads, joined once at its end
+    for event in events:
+        last = out[-1] if out else None
+        if (isinstance(event, h2.events.DataReceived) and isinstance(last, h2.events.DataReceived)
+                and last.stream_id == event.stream_id and last.stream_ended is None):
+            run.append(event.data)
+            last.flow_controlled_length += event.flow_controlled_length
+            last.stream_ended = event.stream_ended
+            continue
+        if len(run) > 1:
+            last.data = b"".join(run)
+        run = [event.data] if isinstance(event, h2.events.DataReceived) else []
+        out.append(event)
+    if len(run) > 1:
+        out[-1].data = b"".join(run)
+    return out
 
 
 def _empty_data(frame) -> bool:
@@ -85,8 +117,11 @@ def _empty_data(frame) -> bool:
 
 
 class LimitedH2Connection(BufferedH2Connection):
-    def __init__(self, config, max_streams: int, max_control_frames: int = h2budget.DEFAULT_MAX_CONTROL_FRAMES):
+    def __init__(self, config, max_streams: int, max_control_frames: int = h2budget.DEFAULT_MAX_CONTROL_FRAMES,
+                 small_frame: Callable[[int], bool] | None = None):
         super().__init__(config)
+        self.small_frame = small_frame  # a small DATA frame arrived: False when its sandbox has no tokens
+        self.small_frames = 0
         self.stream_limit = max_streams
         self.control = h2budget.ControlFrameTracker(max_control_frames)
         # Advertised in the first SETTINGS frame; acknowledged here at once (as mitmproxy does for
@@ -97,7 +132,7 @@ class LimitedH2Connection(BufferedH2Connection):
 
     def receive_data(self, data: bytes):
         self.reset_in_batch = frozenset()
-        events = super().receive_data(data)
+        events = _merged(super().receive_data(data))
         self.reset_in_batch = frozenset(e.stream_id for e in events if isinstance(e, h2.events.StreamReset))
         return events
 
@@ -109,6 +144,11 @@ class LimitedH2Connection(BufferedH2Connection):
         elif isinstance(frame, _CONTROL_FRAMES) or _empty_data(frame):
             over = self.control.control(time.monotonic())
         else:
+            if (isinstance(frame, DataFrame) and self.small_frame is not None
+                    and frame_limits.small(frame.flow_controlled_length)):
+                self.small_frames += 1
+                if not self.small_frame(frame_limits.H2_FRAME_COST):
+                    raise SmallFrameFlood(f"{frame_limits.describe()}; the connection was closed (GOAWAY)")
             return super()._receive_frame(frame)
         if over:
             raise ControlFlood(f"more than {self.control.limit} HTTP/2 control frames in "

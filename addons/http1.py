@@ -20,6 +20,8 @@ Http1Client, replaced by `GatewayHttp1Client` through `install()` (mitmproxy bui
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import h11
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import http
@@ -42,6 +44,8 @@ from mitmproxy.proxy.layers.http._http1 import Http1Client, should_make_pipe
 
 from gateway.bodies import MAX_INTERIM_RESPONSES, UpstreamExchange, request_framing
 from gateway.streaming import FORBIDDEN_TRAILERS
+
+from . import frame_limits
 
 
 def _is_chunked(message) -> bool:
@@ -80,6 +84,53 @@ class TrailerCatcher:
             self.trailers = http.Headers([(bytes(k), bytes(v)) for k, v in event.headers])
             return h11.EndOfMessage()
         return event
+
+
+class SmallChunkFlood(Exception):
+    """A small chunk found its sandbox's small-frame bucket empty (addons/frame_limits.py)."""
+
+
+class ChunkMerger:
+    """Wraps the h11 body reader of a request from the client: what one read brought comes out as
+    one Data event however many chunks it was sent in (chunk boundaries mean nothing to HTTP, and
+    each event costs the layers above far more than h11's parse: 1-byte chunks made one request
+    event per byte), and each chunk under egress_small_frame_bytes takes a token through `take`;
+    when none is left, `SmallChunkFlood` is raised."""
+
+    def __init__(self, reader, take: Callable[[int], bool] | None):
+        self.reader = reader
+        self.take = take
+        self.small_chunks = 0
+        self._chunk = 0  # bytes of the chunk being read
+        self._next = None  # the event that ended a merged run, returned on the next call
+
+    def __call__(self, buf):
+        if self._next is not None:
+            event, self._next = self._next, None
+            return event
+        pieces = []
+        while True:
+            event = self.reader(buf)
+            if not isinstance(event, h11.Data):
+                break
+            self._meter(event)
+            pieces.append(bytes(event.data))
+        if not pieces:
+            return event
+        self._next = event
+        return h11.Data(data=b"".join(pieces))
+
+    def read_eof(self):
+        return self.reader.read_eof()
+
+    def _meter(self, event: h11.Data) -> None:
+        if event.chunk_start:
+            self._chunk = 0
+        self._chunk += len(event.data)
+        if event.chunk_end and self.take is not None and frame_limits.small(self._chunk):
+            self.small_chunks += 1
+            if not self.take(frame_limits.FRAME_COST):
+                raise SmallChunkFlood(frame_limits.describe())
 
 
 class ServerFraming:

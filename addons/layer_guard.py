@@ -40,7 +40,7 @@ from gateway.revocation import Established
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, HoldLayer,
+from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, GatewayTcpLayer, HoldLayer,
                      RefusalLayer, TargetFormHttpLayer)
 from .state import GatewayState
 
@@ -266,7 +266,7 @@ class LayerGuard:
             nextlayer.layer = RefusalLayer(nextlayer.context, conn.poisoned, speak_http=False)
             return
         conn.admitted[(address.compressed, port)] = None
-        nextlayer.layer = TCPLayer(nextlayer.context)
+        nextlayer.layer = GatewayTcpLayer(nextlayer.context)
 
     def _inside_tls(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         alpn = nextlayer.context.client.alpn

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from mitmproxy.proxy.layers.http._http1 import Http1Server, make_body_reader
 from mitmproxy.proxy.layers.http._http2 import Http2Server, StreamState
 from mitmproxy.proxy.layers.http._http3 import Http3Server
 from mitmproxy.proxy.layers.http import is_h3_alpn
+from mitmproxy.proxy.layers.tcp import TCPLayer
 
 import h2.errors
 import h2.events
@@ -60,8 +62,8 @@ from gateway.decision import Decision
 from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
-from . import h2_backpressure, h2_limits
-from .http1 import ServerFraming
+from . import frame_limits, h2_backpressure, h2_limits, read_ahead
+from .http1 import ChunkMerger, ServerFraming, SmallChunkFlood
 from .credentials import BOUND, BUFFER_ACCOUNT
 from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
@@ -295,9 +297,11 @@ def _report(on_refusal: OnRefusal, context, decision: Decision, request=None, me
 
 class GatewayHttp1Server(ServerFraming, Http1Server):
     def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
-                 head_timeout: float = DEFAULT_HEAD_TIMEOUT):
+                 head_timeout: float = DEFAULT_HEAD_TIMEOUT, sandbox: str | None = None, streams: dict | None = None):
         super().__init__(context)
         self.on_refusal = on_refusal
+        self._take_small = functools.partial(frame_limits.take, sandbox or "unknown")
+        self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
         self._head_started: float | None = None  # when the first byte of the current head came
@@ -332,8 +336,17 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
     def _refuse_pipeline(self) -> layer.CommandGenerator[None]:
         """Too much sent ahead of the answer: the request in flight gets the refusal if its response
         has not started (else the connection is cut), its stream ends, the connection closes."""
-        decision = Decision.deny("pipeline_too_large",
-                                 f"more than {self.max_pipelined_bytes} bytes were sent ahead of a response")
+        yield from self._cut(Decision.deny("pipeline_too_large",
+                                           f"more than {self.max_pipelined_bytes} bytes were sent ahead of a response"),
+                             "the client sent too much ahead of a response")
+
+    def _cut(self, decision: Decision, why: str) -> layer.CommandGenerator[None]:
+        """The request in flight gets the refusal if its response has not started (else the
+        connection is cut), its stream ends (an upstream request is reset), the connection closes."""
+        flow = getattr(self._streams.get(self.stream_id), "flow", None)
+        allowed_by = flow.metadata.get("egress_decision") if flow is not None else None
+        if decision.rule is None and getattr(allowed_by, "rule", None):
+            decision = replace(decision, rule=allowed_by.rule)  # the audit line names the rule it ran under
         decision = _report(self.on_refusal, self.context, decision, self.request,
                            status_sent=self.response is None)
         if self.response is None and self.conn.state & ConnectionState.CAN_WRITE:
@@ -342,8 +355,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         self.state = self.done
         self.buf = ReceiveBuffer()
         if self.stream_id is not None:
-            yield ReceiveHttp(RequestProtocolError(self.stream_id, "the client sent too much ahead of a response",
-                                                   code=ErrorCode.CLIENT_DISCONNECTED))
+            yield ReceiveHttp(RequestProtocolError(self.stream_id, why, code=ErrorCode.CLIENT_DISCONNECTED))
 
     def _head_deadline(self) -> layer.CommandGenerator[None]:
         """A head started but did not complete in time, even if the client went silent."""
@@ -391,8 +403,13 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         yield from self.state(event)
 
     def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if not isinstance(self.body_reader, ChunkMerger):
+            self.body_reader = ChunkMerger(self.body_reader, self._take_small)
         try:
             yield from super().read_body(event)
+        except SmallChunkFlood as flood:
+            yield from self._cut(Decision.deny("small_frame_flood", f"{flood}; the connection was closed"),
+                                 "the client sent too many small chunks")
         except NotImplementedError:
             # mitmproxy cannot relay request trailers and would leave the connection hanging.
             yield from self._refuse(Decision.deny("malformed_request", "request trailers are not supported"),
@@ -434,7 +451,8 @@ class GatewayHttp2Server(Http2Server):
         self._counted_refusals: set[int] = set()  # streams answered 429 by the gateway: count as resets
         self.limits = h2_limits.Limits.from_options(context.options)
         self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams,
-                                                     self.limits.max_control_frames)
+                                                     self.limits.max_control_frames,
+                                                     functools.partial(frame_limits.take, sandbox or "unknown"))
         self.resets = h2budget.ResetTracker(self.limits.max_resets, self.limits.reset_window)
         self.aggregate = h2budget.RefusalAggregator()
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
@@ -503,8 +521,12 @@ class GatewayHttp2Server(Http2Server):
     def _control_flood(self, event) -> layer.CommandGenerator[bool]:
         """Too many frames that carry no request: h2 has queued GOAWAY ENHANCE_YOUR_CALM and read no
         further. One audit line, then the lingering close (as for reset_flood)."""
-        decision = Decision.deny("control_frame_flood", f"{event}; the connection was closed (GOAWAY)")
-        self._record(decision, None, event="connection", status_sent=False, frames=self.h2_conn.control.total)
+        if isinstance(event, h2_limits.SmallFrameFlood):
+            decision, frames = Decision.deny(event.reason, str(event)), self.h2_conn.small_frames
+        else:
+            decision = Decision.deny(event.reason, f"{event}; the connection was closed (GOAWAY)")
+            frames = self.h2_conn.control.total
+        self._record(decision, None, event="connection", status_sent=False, frames=frames)
         self._linger_close = True
         yield commands.Log(f"{human.format_address(self.conn.peername)}: egress gateway: {decision.message}")
         yield commands.SendData(self.conn, self.h2_conn.data_to_send())
@@ -1063,7 +1085,7 @@ class GatewayHttpLayer(HttpLayer):
                                             self._sandbox_key())
             else:
                 server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
-                                            self.head_timeout)
+                                            self.head_timeout, self._sandbox_key(), self.streams)
             self.connections.setdefault(self.context.client, server)
             yield from self.event_to_child(self.connections[self.context.client], event)
             return
@@ -1100,6 +1122,21 @@ def raw_authority(request) -> str | None:
 def end_stream(request) -> bool | None:
     """Whether the request's head ended it; None when no gateway HTTP layer saw it."""
     return getattr(request, END_STREAM_ATTR, None)
+
+
+class GatewayTcpLayer(TCPLayer):
+    """mitmproxy's TCP layer for a `protocol: tcp` rule's connections, bounded: it kept every read
+    in `flow.messages` for the life of the connection (a long stream grew the worker without end),
+    and read on while each read's `tcp_message` hook ran (addons/read_ahead.py)."""
+
+    def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from super().handle_event(event)
+        read_ahead.settle(self)
+
+    def relay_messages(self, event: events.Event) -> layer.CommandGenerator[None]:
+        yield from super().relay_messages(event)
+        if self.flow is not None and len(self.flow.messages) > 1:
+            del self.flow.messages[:-1]  # every hook has seen them; only the last is kept
 
 
 class _TargetFormStream(GatewayHttpStream):

@@ -1,38 +1,50 @@
-"""Memory a WebSocket may make the gateway hold.
+"""Memory and work a WebSocket may make the gateway spend.
 
 mitmproxy's WebsocketLayer reassembles each message whole (`frame_buf`) before its hook runs, with
 no bound: an endless fragmented message (FIN=0 frames) grew a worker by 500 MiB in 5 s. And it
 keeps every message it relayed in `flow.websocket.messages` for the life of the connection: a
 stream of ordinary 1 MiB messages grew it without end. Neither was refused or audited.
 
-Here the layer (wrapped once, like addons/credentials.py's redaction) keeps after each event only
-the last message (every addon's `websocket_message` hook has seen it by then: the redactor, rate
-limits, metrics read `messages[-1]`), and a message being reassembled past
-`egress_max_websocket_message_bytes` closes both sides with 1009 (message too big) and one audit
-line, `websocket_message_too_large`. wsproto hands frame payloads over as they arrive, so what is
-held stays within the budget plus one read.
+Here the layer (wrapped once, like addons/credentials.py's redaction) relays with its own
+`relay_messages` (mitmproxy 12.3's, bounded):
+- a message being reassembled past `egress_max_websocket_message_bytes` closes both sides with
+  1009 (message too big) and one audit line, `websocket_message_too_large`; the size is a running
+  total, and wsproto hands frame payloads over as they arrive, so what is held stays within the
+  budget plus one read;
+- every frame and ping the client sends under `egress_small_frame_bytes` takes a token from its
+  sandbox's small-frame bucket (addons/frame_limits.py); when none is left, both sides are closed
+  with 1008 (policy violation) and one audit line, `small_frame_flood`;
+- after each message only that message is kept (every addon's `websocket_message` hook has seen
+  it by then: the redactor, rate limits, metrics read `messages[-1]`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
-from mitmproxy import ctx, http
+from mitmproxy import ctx, http, websocket
+from mitmproxy.proxy import events
+from wsproto.frame_protocol import Opcode
 
 from gateway.decision import Decision
 
+from . import frame_limits, read_ahead
 from .audit_fields import connection_fields, decision_fields
 from .state import GatewayState
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-MESSAGE_TOO_BIG = 1009  # RFC 6455 close code
+MESSAGE_TOO_BIG = 1009  # RFC 6455 close codes
+MESSAGE_POLICY = 1008
+SMALL_FRAGMENT = 4000  # mitmproxy's Fragmentizer.FRAGMENT_SIZE
 
 
 class WebsocketLimits:
     def __init__(self, state: GatewayState):
         self.state = state
-        install(self._refused)
+        install(self._refused, self._taker)
+        read_ahead.install()
 
     def load(self, loader):
         loader.add_option(
@@ -41,23 +53,74 @@ class WebsocketLimits:
             "with 1009 (websocket_message_too_large). 0: no limit.",
         )
 
-    def _refused(self, flow: http.HTTPFlow, from_client: bool, size: int, limit: int) -> None:
-        decision = Decision.deny("websocket_message_too_large",
-                                 f"a WebSocket message from the {'client' if from_client else 'upstream'} "
-                                 f"passed {limit} bytes; closed with {MESSAGE_TOO_BIG}")
+    def _refused(self, flow: http.HTTPFlow, reason: str, message: str, size: int) -> None:
+        decision = Decision.deny(reason, message)
         allowed_by = flow.metadata.get("egress_decision")
         if allowed_by is not None and getattr(allowed_by, "rule", None):
             decision = Decision.deny(decision.reason, decision.message, allowed_by.rule)
         try:
             conn = self.state.connections.get(flow.client_conn.id)
             scope = self.state.scope(conn) if self.state.engine else None
+            fields = {"frames": size} if reason == "small_frame_flood" else {"size": size}
             self.state.record(event="websocket", **connection_fields(conn, scope.sandbox if scope else None),
                               **(decision_fields(decision, conn.tunnel if conn else None,
                                                  flow.request.pretty_host, flow.request.port)
                                  | {"status": None}),
-                              method=flow.request.method, path=flow.request.path, size=size)
+                              method=flow.request.method, path=flow.request.path, **fields)
         except Exception:  # the close goes ahead whatever the audit did
             logging.getLogger("egress").exception("egress gateway: could not record a WebSocket refusal")
+
+    def client_disconnected(self, client) -> None:
+        read_ahead.release(client)
+
+    def _taker(self, flow: http.HTTPFlow):
+        """`frame_limits.take` bound to the sandbox of the flow's client."""
+        try:
+            key = self.state.sandbox_key(self.state.connections.get(flow.client_conn.id))
+        except Exception:  # fail closed: metered under one key shared by every client without one
+            key = "unknown"
+        return functools.partial(frame_limits.take, key)
+
+
+class _Reassembly:
+    """The message one side is sending: its pieces (joined once, at its end), its size so far,
+    the size of the frame under way and of the frames before it."""
+
+    __slots__ = ("pieces", "size", "frame_size", "fragments")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.size = 0
+        self.frame_size = 0
+        self.fragments: list[int] = []
+
+    @classmethod
+    def of(cls, ws) -> "_Reassembly":
+        found = getattr(ws, "_egress_reassembly", None)
+        if found is None:
+            found = ws._egress_reassembly = cls()
+        return found
+
+    def add(self, piece: bytes) -> None:
+        if piece:
+            self.pieces.append(piece)
+            self.size += len(piece)
+            self.frame_size += len(piece)
+
+    def frame_done(self) -> None:
+        self.fragments.append(self.frame_size)
+        self.frame_size = 0
+
+    def take(self) -> tuple[bytes, list[int]]:
+        """The whole message and its fragments' sizes; the reassembly starts again empty. Many
+        fragments smaller than mitmproxy's own (4,000 bytes) come back as none: the message is sent
+        on in mitmproxy's fragments."""
+        content = b"".join(self.pieces)
+        fragments = self.fragments
+        self.pieces, self.size, self.frame_size, self.fragments = [], 0, 0, []
+        if len(fragments) > 1 + len(content) // SMALL_FRAGMENT:
+            fragments = []
+        return content, fragments
 
 
 def _limit() -> int:
@@ -67,7 +130,7 @@ def _limit() -> int:
         return DEFAULT_MAX_MESSAGE_BYTES
 
 
-def install(on_refused) -> None:
+def install(on_refused, taker) -> None:
     """Wrap mitmproxy's WebsocketLayer (the class the HTTP stream makes, whatever wrapped it before)."""
     from mitmproxy.proxy import commands
     from mitmproxy.proxy.layers import websocket as ws_module
@@ -76,39 +139,138 @@ def install(on_refused) -> None:
 
     if getattr(ws_module.WebsocketLayer, "_egress_bounded", False):
         ws_module.WebsocketLayer._egress_on_refused = staticmethod(on_refused)
+        ws_module.WebsocketLayer._egress_taker = staticmethod(taker)
         return
 
     class BoundedWebsocketLayer(ws_module.WebsocketLayer):
         _egress_bounded = True
         _egress_on_refused = staticmethod(on_refused)
+        _egress_taker = staticmethod(taker)
+        _egress_take = None  # the client's sandbox bucket (frame_limits.take bound to its key), once known
 
+        def handle_event(self, event):
+            yield from super().handle_event(event)
+            read_ahead.settle(self)  # what arrives while a message's hook runs waits in the socket
+
+        @ws_module.expect(events.DataReceived, events.ConnectionClosed, ws_module.WebSocketMessageInjected)
         def relay_messages(self, event):
-            yield from super().relay_messages(event)
-            messages = self.flow.websocket.messages if self.flow.websocket is not None else None
-            if messages and len(messages) > 1:
-                del messages[:-1]  # every hook has seen them; only the last is kept
-            if self._handle_event != self.relay_messages:
-                return  # closed meanwhile
+            """mitmproxy 12.3's relay_messages, with what it lacks for hostile peers:
+            - the size of the message being reassembled is a running total per side, checked
+              against the limit as each piece arrives (summing `frame_buf` on every event was
+              quadratic in its fragments), and its pieces are joined once, at its end;
+            - each frame or ping from the client under egress_small_frame_bytes takes a token from
+              its sandbox's small-frame bucket (addons/frame_limits.py); none left: close 1008;
+            - a message sent in many small fragments goes on in mitmproxy's 4,000-byte fragments,
+              not fragment for fragment (1-byte continuation frames were relayed one by one);
+            - pings and pongs are not logged (one log line each, 123,000 for one flood);
+            - after the hooks, only the last message is kept in `flow.websocket.messages`."""
+            if isinstance(event, events.ConnectionEvent):
+                from_client = event.connection == self.context.client
+                injected = False
+            else:
+                from_client = event.message.from_client
+                injected = True
+            src_ws, dst_ws = (self.client_ws, self.server_ws) if from_client else (self.server_ws, self.client_ws)
+            reading = _Reassembly.of(src_ws)
+
+            if isinstance(event, events.DataReceived):
+                src_ws.receive_data(event.data)
+            elif isinstance(event, events.ConnectionClosed):
+                src_ws.receive_data(None)
+            else:
+                fragmentizer = ws_module.Fragmentizer([], event.message.type == Opcode.TEXT)
+                src_ws._events.extend(fragmentizer(event.message.content))
+
+            metered = from_client and not injected
             limit = _limit()
-            for ws, from_client in ((self.client_ws, True), (self.server_ws, False)):
-                size = sum(len(piece) for piece in ws.frame_buf)
-                if limit and size > limit:
-                    yield from self._too_large(from_client, size, limit)
-                    return
+            for ws_event in src_ws.events():
+                if isinstance(ws_event, wsproto.events.Message):
+                    piece = ws_event.data.encode() if isinstance(ws_event.data, str) else ws_event.data
+                    reading.add(piece)
+                    if limit and reading.size > limit:
+                        yield from self._too_large(from_client, reading.size, limit)
+                        return
+                    if ws_event.frame_finished:
+                        # A whole message is judged by its size, a fragment of one by its own.
+                        size, cost = ((reading.size, frame_limits.MESSAGE_COST) if ws_event.message_finished
+                                      else (reading.frame_size, frame_limits.FRAME_COST))
+                        if metered and not self._egress_small(size, cost):
+                            yield from self._flood()
+                            return
+                        reading.frame_done()
+                    if ws_event.message_finished:
+                        is_text = isinstance(ws_event.data, str)
+                        content, fragments = reading.take()
+                        fragmentizer = ws_module.Fragmentizer([], is_text)
+                        fragmentizer.fragment_lengths = fragments
+                        message = websocket.WebSocketMessage(Opcode.TEXT if is_text else Opcode.BINARY,
+                                                             from_client, content, injected=injected)
+                        self.flow.websocket.messages.append(message)
+                        yield ws_module.WebsocketMessageHook(self.flow)
+                        messages = self.flow.websocket.messages
+                        if len(messages) > 1:
+                            del messages[:-1]  # every hook has seen them; only the last is kept
+                        if not message.dropped:
+                            for msg in fragmentizer(message.content):
+                                yield dst_ws.send2(msg)
+                        if self._handle_event != self.relay_messages:
+                            return  # closed meanwhile
+                elif isinstance(ws_event, (wsproto.events.Ping, wsproto.events.Pong)):
+                    if metered and not self._egress_small(len(ws_event.payload), frame_limits.PING_COST):
+                        yield from self._flood()
+                        return
+                    yield dst_ws.send2(ws_event)
+                elif isinstance(ws_event, wsproto.events.CloseConnection):
+                    self.flow.websocket.timestamp_end = time.time()
+                    self.flow.websocket.closed_by_client = from_client
+                    self.flow.websocket.close_code = ws_event.code
+                    self.flow.websocket.close_reason = ws_event.reason
+                    for ws in (self.server_ws, self.client_ws):
+                        if ws.state in (wsproto.connection.ConnectionState.OPEN,
+                                        wsproto.connection.ConnectionState.REMOTE_CLOSING):
+                            yield ws.send2(ws_event)
+                        yield commands.CloseConnection(ws.conn)
+                    yield ws_module.WebsocketEndHook(self.flow)
+                    self.flow.live = False
+                    self._handle_event = self.done
+                else:  # pragma: no cover
+                    raise AssertionError(f"Unexpected WebSocket event: {ws_event}")
+
+        def _egress_small(self, size: int, cost: int) -> bool:
+            """A client frame of `size` payload bytes: False when it is small and its sandbox's
+            bucket has not `cost` tokens left."""
+            if not frame_limits.small(size):
+                return True
+            self._egress_small_frames = getattr(self, "_egress_small_frames", 0) + 1
+            take = self._egress_take
+            if take is None:
+                take = self._egress_take = self._egress_taker(self.flow)
+            return take(cost)
+
+        def _flood(self):
+            yield from self._close(True, MESSAGE_POLICY, "too many small frames", "small_frame_flood",
+                                   f"{frame_limits.describe()}; closed with {MESSAGE_POLICY}",
+                                   getattr(self, "_egress_small_frames", 0))
 
         def _too_large(self, from_client: bool, size: int, limit: int):
-            self.client_ws.frame_buf = [b""]
-            self.server_ws.frame_buf = [b""]
+            yield from self._close(from_client, MESSAGE_TOO_BIG, "message too big", "websocket_message_too_large",
+                                   f"a WebSocket message from the {'client' if from_client else 'upstream'} "
+                                   f"passed {limit} bytes; closed with {MESSAGE_TOO_BIG}", size)
+
+        def _close(self, from_client: bool, code: int, reason_text: str, reason: str, message: str, size: int):
+            for ws in (self.client_ws, self.server_ws):
+                _Reassembly.of(ws).take()
+                ws.frame_buf = [b""]
             try:
-                self._egress_on_refused(self.flow, from_client, size, limit)
+                self._egress_on_refused(self.flow, reason, message, size)
             except Exception:
                 logging.getLogger("egress").exception("egress gateway: WebSocket refusal hook failed")
-            websocket = self.flow.websocket
-            websocket.timestamp_end = time.time()
-            websocket.closed_by_client = from_client
-            websocket.close_code = MESSAGE_TOO_BIG
-            websocket.close_reason = "message too big"
-            close = wsproto.events.CloseConnection(code=MESSAGE_TOO_BIG, reason="message too big")
+            websocket_data = self.flow.websocket
+            websocket_data.timestamp_end = time.time()
+            websocket_data.closed_by_client = from_client
+            websocket_data.close_code = code
+            websocket_data.close_reason = reason_text
+            close = wsproto.events.CloseConnection(code=code, reason=reason_text)
             for ws in (self.server_ws, self.client_ws):
                 if ws.state is wsproto.connection.ConnectionState.OPEN:
                     yield ws.send2(close)

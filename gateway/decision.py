@@ -72,6 +72,9 @@ REASONS: dict[str, tuple[int, str]] = {
     "control_frame_flood": (503, "the HTTP/2 client sent more control frames (PING, SETTINGS, WINDOW_UPDATE, "
                                  "PRIORITY, unknown types, empty DATA) than the limit; the connection was closed "
                                  "(GOAWAY ENHANCE_YOUR_CALM: no status is sent)"),
+    "small_frame_flood": (429, "the sandbox sent more small frames (HTTP/2 DATA frames, HTTP/1 chunks, WebSocket "
+                               "frames and pings under egress_small_frame_bytes) than its per-second budget; the "
+                               "connection was closed (HTTP/2 GOAWAY, WebSocket 1008, HTTP/1 429 if not answered yet)"),
     "buffer_budget": (503, "buffering this body would pass the per-connection (or per-sandbox) buffer budget"),
     "connection_rate_limited": (503, "the sandbox opens new connections faster than the gateway allows; closed at "
                                      "accept (audit and metrics only: no status is sent)"),
