@@ -66,16 +66,22 @@ class PolicyReloader:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     async def _poll(self) -> None:
+        first = True
         while True:
-            await asyncio.sleep(max(ctx.options.egress_policy_poll, 1))
+            if not first:
+                await asyncio.sleep(max(ctx.options.egress_policy_poll, 1))
             try:
                 identity = self._stat(ctx.options.egress_policy)
-                if identity != self._identity:
+                # The first look compares content, not identity: the file may have changed between
+                # the start-up load and `running` (where the identity was taken), and that change
+                # would otherwise wait for the next one.
+                if first or identity != self._identity:
                     await self.reload_now()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("egress gateway: policy watcher failed; the current policy stays")
+            first = False
 
     async def reload_now(self) -> bool:
         """Reload if the file's content changed; True when a new policy was installed."""
