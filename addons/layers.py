@@ -450,10 +450,11 @@ class GatewayHttp2Server(Http2Server):
         self._head_requests: set[int] = set()  # streams whose request is a HEAD: answers carry no body
         self._counted_refusals: set[int] = set()  # streams answered 429 by the gateway: count as resets
         self.limits = h2_limits.Limits.from_options(context.options)
+        self.resets = h2budget.ResetTracker(self.limits.max_resets, self.limits.reset_window)
         self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams,
                                                      self.limits.max_control_frames,
-                                                     functools.partial(frame_limits.take, sandbox or "unknown"))
-        self.resets = h2budget.ResetTracker(self.limits.max_resets, self.limits.reset_window)
+                                                     functools.partial(frame_limits.take, sandbox or "unknown"),
+                                                     self.resets)
         self.aggregate = h2budget.RefusalAggregator()
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
@@ -496,11 +497,9 @@ class GatewayHttp2Server(Http2Server):
             return (yield from self._count_reset(now))
         if isinstance(event, h2.events.RequestReceived) and event.stream_id in self.h2_conn.reset_in_batch:
             return False  # opened and reset in one read: no request at all (its reset is counted below)
-        if isinstance(event, h2.events.StreamReset):
+        if isinstance(event, h2.events.StreamReset):  # counted as its frame was parsed (ResetFlood)
             self.ledger.release(event.stream_id)
-            if (yield from super().handle_h2_event(event)):
-                return True
-            return (yield from self._count_reset(now))
+            return (yield from super().handle_h2_event(event))
         if (isinstance(event, h2.events.DataReceived) and event.data
                 and self.streams.get(event.stream_id) is StreamState.HEADERS_RECEIVED):
             if not (yield from self._hold(event)):
@@ -519,14 +518,17 @@ class GatewayHttp2Server(Http2Server):
         return True
 
     def _control_flood(self, event) -> layer.CommandGenerator[bool]:
-        """Too many frames that carry no request: h2 has queued GOAWAY ENHANCE_YOUR_CALM and read no
-        further. One audit line, then the lingering close (as for reset_flood)."""
-        if isinstance(event, h2_limits.SmallFrameFlood):
-            decision, frames = Decision.deny(event.reason, str(event)), self.h2_conn.small_frames
+        """A flood h2 stopped parsing at (too many control frames, small frames or resets): it has
+        queued GOAWAY ENHANCE_YOUR_CALM and read no further. One audit line, then the lingering
+        close."""
+        decision = Decision.deny(event.reason, f"{event}; the connection was closed (GOAWAY)")
+        if isinstance(event, h2_limits.ResetFlood):
+            counted = {"resets": self.resets.total}
+        elif isinstance(event, h2_limits.SmallFrameFlood):
+            decision, counted = Decision.deny(event.reason, str(event)), {"frames": self.h2_conn.small_frames}
         else:
-            decision = Decision.deny(event.reason, f"{event}; the connection was closed (GOAWAY)")
-            frames = self.h2_conn.control.total
-        self._record(decision, None, event="connection", status_sent=False, frames=frames)
+            counted = {"frames": self.h2_conn.control.total}
+        self._record(decision, None, event="connection", status_sent=False, **counted)
         self._linger_close = True
         yield commands.Log(f"{human.format_address(self.conn.peername)}: egress gateway: {decision.message}")
         yield commands.SendData(self.conn, self.h2_conn.data_to_send())
