@@ -19,6 +19,7 @@ from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
 from addons.credentials import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
+from addons.fair_share import FairShare  # noqa: E402
 from addons.frame_limits import FrameLimits  # noqa: E402
 from addons.h2_limits import Http2Limits  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
@@ -53,6 +54,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         LayerGuard(state),
         Http2Limits(),  # the HTTP/2 budgets' options; upstream h2 connections drain their queue in a loop
         FrameLimits(),  # small frames per sandbox (HTTP/2 DATA, HTTP/1 chunks, WebSocket frames and pings)
+        FairShare(state),  # each sandbox's share of the event loop: its reads wait while it is over
         ConnectGuard(state),
         TlsGuard(state),
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone

@@ -43,6 +43,7 @@ from gateway.auditrate import DEFAULT_PER_KEY, DEFAULT_PER_SOURCE, DEFAULT_TOTAL
 from gateway.metrics import GatewayMetrics
 from gateway.workers import notify_ready, worker_index
 
+from . import fair_share
 from .state import GatewayState
 from .streaming import counting_stream
 
@@ -227,6 +228,7 @@ class Observability:
         self._audit_lock = threading.Lock()  # the heartbeat and the endpoint's thread both tell them
         state.install_listeners.append(self._on_install)  # every engine installed (start-up, reloads)
         state.usage_listeners.append(self.metrics.limited)  # bytes counted against policy limits
+        state.wait_listeners.append(self.metrics.loop_share_waited)  # reads held for a sandbox's loop share
 
     # --- options ---------------------------------------------------------------------------------
 
@@ -451,6 +453,7 @@ class Observability:
         proxyserver = ctx.master.addons.get("proxyserver") if ctx.master else None
         servers = list(proxyserver.servers) if proxyserver is not None else []
         self._listeners_up = bool(servers) and all(s.is_running for s in servers) and not self.draining
+        self.metrics.loop_share_active.set(fair_share.active())
 
     def reopen_audit(self) -> None:
         audit = self.state.audit

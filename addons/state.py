@@ -75,6 +75,7 @@ class GatewayState:
         self.request_gates: list[Callable[..., Decision | None]] = []
         # Told (sandbox, rule, "upload" | "download", bytes) for bytes counted against policy limits.
         self.usage_listeners: list[Callable[[str | None, str | None, str, int], None]] = []
+        self.wait_listeners: list[Callable[[str | None, float], None]] = []  # a read waited for its sandbox's loop share
         self._generation = 0
         # Sockets of the gateway's own besides the proxy listeners (the metrics port): every engine
         # installed refuses them as destinations.

@@ -138,6 +138,16 @@ class GatewayMetrics:
             "download_bytes_per_hour), by sandbox, rule and direction (upload|download).",
             ["sandbox", "rule", "direction"], registry=r,
         )
+        self.loop_share_waits = Counter(
+            "egress_loop_share_wait_seconds", "Seconds the reads of a sandbox's connections waited because it was over "
+            "its share of a worker's event loop while another sandbox was active (egress_max_loop_share_per_sandbox), "
+            "by sandbox.", ["sandbox"], registry=r,
+        )
+        self.loop_share_active = Gauge(
+            "egress_loop_share_active_sandboxes", "Sandboxes whose connections used a worker's event loop in the last "
+            "second (each may have 1/N of it while over egress_max_loop_share_per_sandbox's bound; summed over "
+            "workers).", registry=r, multiprocess_mode="livesum",
+        )
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,
         )
@@ -283,6 +293,10 @@ class GatewayMetrics:
     def limited(self, sandbox: Any, rule: Any, direction: str, count: int) -> None:
         if count > 0 and direction in USAGE_DIRECTIONS:
             self.limited_bytes.labels(self.sandbox_label(sandbox), self.rule_label(rule), direction).inc(count)
+
+    def loop_share_waited(self, sandbox: Any, seconds: float) -> None:
+        if seconds > 0:
+            self.loop_share_waits.labels(self.sandbox_label(sandbox)).inc(seconds)
 
     def metric_names(self) -> Iterable[str]:
         """Every sample name this registry exposes (in the text format), labelled or not yet."""

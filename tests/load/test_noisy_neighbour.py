@@ -36,7 +36,10 @@ CASES = {
 # Lower than the defaults so the floods reach them within a few hundred requests on a slow machine
 # (the defaults are generous: an agent running pip opens dozens of connections a second). B makes
 # at most VICTIM_RATE requests a second, each on a new connection: under its own budgets.
+# The loop share is off: it would slow A's floods below these rates before they reach their
+# refusals (tests/load/test_fair_share.py tests it).
 ARGS = [
+    "--set", "egress_max_loop_share_per_sandbox=0",
     "--set", "egress_max_requests_per_second_per_sandbox=20", "--set", "egress_request_burst_per_sandbox=40",
     "--set", "egress_max_new_connections_per_second_per_sandbox=20", "--set", "egress_new_connection_burst_per_sandbox=40",
 ]

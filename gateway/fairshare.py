@@ -1,0 +1,161 @@
+"""A fair share of one event loop per sandbox: the time each sandbox's work took, against a share
+that shrinks as more sandboxes are active, and how long its next read should wait.
+
+Every other budget bounds what one unit of work may cost or how many units a sandbox may start;
+none stops a sandbox that stays inside all of them from taking most of a worker (a flood at the
+allowed request rate: another sandbox's p99 4x; rapid-reset connections repeated at the allowed
+connection rate: 8x). A worker has one event loop and no scheduler between sandboxes. This is one:
+
+- `charge(key, seconds)` after each piece of a sandbox's work (the adapter times mitmproxy's event
+  handling and hooks, addons/fair_share.py);
+- each sandbox has a bucket of loop time that refills at its share of a second per second: at most
+  `max_share`, and 1/N when N sandboxes were active in the last `window` seconds, so the shares
+  of the active sandboxes never add up to more than the loop; it holds at most `burst` seconds;
+- `delay(key)` is how long the sandbox's next read waits: zero while its bucket is not in debt,
+  while no other sandbox is active, or while the loop is not contended (the work charged over
+  the last `window`, decayed exponentially, fills less than `busy` of it): the share only
+  matters when someone else waits for the loop, so a lone sandbox, or a busy one next to an idle
+  loop, is never slowed. Else it is the time the debt takes to refill, capped at MAX_DELAY (the
+  read asks again after it).
+
+Pure (no I/O, no asyncio): the clock is injected. Every call is O(1) amortised; keys are evicted
+once inactive for `window`, and never more than `max_keys` are kept.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
+DEFAULT_BURST = 0.2  # seconds of loop time saved up
+DEFAULT_WINDOW = 1.0  # seconds: a sandbox charged within it is active
+DEFAULT_BUSY = 0.7  # the loop counts as contended once the work charged lately fills this much of it
+MAX_DELAY = 0.5  # seconds one read waits at most before it asks again
+DEFAULT_MAX_KEYS = 65536
+
+
+class _Share:
+    __slots__ = ("tokens", "stamp", "active")
+
+    def __init__(self, tokens: float, now: float):
+        self.tokens = tokens
+        self.stamp = now
+        self.active = now
+
+
+class LoopShare:
+    def __init__(self, max_share: float = DEFAULT_MAX_SHARE, burst: float = DEFAULT_BURST,
+                 window: float = DEFAULT_WINDOW, max_keys: int = DEFAULT_MAX_KEYS, busy: float = DEFAULT_BUSY,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.window = float(window)
+        self.busy = float(busy)
+        self._load = 0.0  # work charged, decayed with time constant `window`
+        self._load_stamp = clock()
+        self.max_keys = max(2, int(max_keys))
+        self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
+        self.configure(max_share, burst)
+
+    def configure(self, max_share: float, burst: float) -> None:
+        if not 0 <= max_share <= 1 or burst < 0:
+            raise ValueError("max_share must be within [0, 1] and burst >= 0")
+        self.max_share = float(max_share)
+        self.burst = float(burst)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_share > 0
+
+    def active(self, now: float | None = None) -> int:
+        """Sandboxes charged within the window."""
+        now = self.clock() if now is None else now
+        self._expire(now)
+        return len(self._shares)
+
+    def share(self, now: float | None = None) -> float:
+        """The share of the loop each active sandbox may have now."""
+        return min(self.max_share, 1.0 / max(1, self.active(now)))
+
+    def charge(self, key: Hashable, seconds: float) -> None:
+        if not self.enabled or seconds <= 0:
+            return
+        now = self.clock()
+        share = self.share(now)  # expires inactive entries first
+        entry = self._shares.get(key)
+        if entry is None:
+            entry = self._shares[key] = _Share(self.burst, now)
+        else:
+            self._refill(entry, now, share)
+            self._shares.move_to_end(key)
+        entry.tokens -= seconds
+        entry.active = now
+        self._load = self._decayed(now) + seconds
+        while len(self._shares) > self.max_keys:
+            self._shares.popitem(last=False)
+
+    def delay(self, key: Hashable) -> float:
+        """Seconds the sandbox's next read should wait (0.0: none)."""
+        if not self.enabled:
+            return 0.0
+        now = self.clock()
+        share = self.share(now)
+        entry = self._shares.get(key)
+        if entry is None:
+            return 0.0
+        self._refill(entry, now, share)
+        if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
+            return 0.0
+        return min(-entry.tokens / share, MAX_DELAY)
+
+    def tokens(self, key: Hashable) -> float | None:
+        """The sandbox's bucket now (for tests and metrics); None if it has none."""
+        now = self.clock()
+        share = self.share(now)
+        entry = self._shares.get(key)
+        if entry is None:
+            return None
+        self._refill(entry, now, share)
+        return entry.tokens
+
+    def load(self, now: float | None = None) -> float:
+        """The fraction of the loop the work charged lately fills (about the last `window`)."""
+        return self._decayed(self.clock() if now is None else now) / self.window
+
+    def contended(self, now: float | None = None) -> bool:
+        return self.load(now) >= self.busy
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _decayed(self, now: float) -> float:
+        elapsed = now - self._load_stamp
+        if elapsed > 0:
+            self._load *= math.exp(-elapsed / self.window)
+            self._load_stamp = now
+        return self._load
+
+    def _refill(self, entry: _Share, now: float, share: float) -> None:
+        elapsed = max(0.0, now - entry.stamp)
+        if elapsed:
+            entry.tokens = min(self.burst, entry.tokens + elapsed * share)
+            entry.stamp = now
+
+    def _others_active(self, key: Hashable, now: float) -> bool:
+        """Whether a sandbox other than `key` was charged within the window: the most recently
+        active entries are at the end, so at most two are looked at."""
+        for other in reversed(self._shares):
+            if other == key:
+                continue
+            return now - self._shares[other].active <= self.window
+        return False
+
+    def _expire(self, now: float) -> None:
+        """Drop the least recently active entries once they are out of the window (a debt is
+        forgotten with them: a sandbox that stopped for a whole window has paid its share)."""
+        while self._shares:
+            key, entry = next(iter(self._shares.items()))
+            if now - entry.active <= self.window:
+                return
+            del self._shares[key]

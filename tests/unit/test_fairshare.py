@@ -1,0 +1,101 @@
+"""gateway/fairshare.py: each sandbox's share of the loop, driven by a fake clock."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from gateway.fairshare import MAX_DELAY, LoopShare
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def share(**kw) -> tuple[LoopShare, Clock]:
+    clock = Clock()
+    return LoopShare(clock=clock, **kw), clock
+
+
+def test_a_lone_sandbox_is_never_delayed_however_much_it_uses():
+    s, clock = share()
+    for _ in range(100):
+        s.charge("a", 0.1)
+        clock.now += 0.01
+    assert s.tokens("a") < 0
+    assert s.delay("a") == 0.0
+
+
+def test_over_its_share_on_a_contended_loop_with_another_active_it_waits_for_its_debt():
+    s, clock = share(max_share=0.5, burst=0.2)
+    s.charge("b", 0.001)
+    s.charge("a", 0.4)  # 0.2 saved, 0.2 in debt
+    assert s.share() == 0.5
+    assert not s.contended()  # 40% of the loop: nobody waits, nobody is slowed
+    assert s.delay("a") == 0.0
+    s.charge("a", 0.4)  # 80%: contended, 0.6 in debt
+    assert s.contended()
+    assert s.delay("a") == min(0.6 / 0.5, MAX_DELAY)
+    assert s.delay("b") == 0.0  # under its share
+
+
+def test_the_load_decays_with_the_window():
+    s, clock = share(window=1.0)
+    s.charge("a", 0.9)
+    assert s.contended()
+    clock.now += 1.0
+    assert abs(s.load() - 0.9 / 2.718281828) < 1e-6 and not s.contended()
+
+
+def test_the_share_is_one_over_the_active_sandboxes_and_expires_with_the_window():
+    s, clock = share(max_share=0.5, window=1.0)
+    for key in "abcd":
+        s.charge(key, 0.001)
+    assert s.active() == 4 and s.share() == 0.25
+    clock.now += 1.5
+    s.charge("a", 0.001)
+    assert s.active() == 1 and s.share() == 0.5
+    assert s.delay("a") == 0.0  # the others went quiet: a is alone again
+
+
+def test_the_delay_is_capped_and_asked_again():
+    s, clock = share(max_share=0.1, burst=0.0)
+    s.charge("b", 0.001)
+    s.charge("a", 10.0)
+    assert s.contended() and s.delay("a") == MAX_DELAY
+
+
+def test_off_means_never_delayed():
+    s, clock = share(max_share=0.0)
+    s.charge("b", 1.0)
+    s.charge("a", 10.0)
+    assert s.delay("a") == 0.0 and s.tokens("a") is None
+
+
+def test_keys_are_bounded():
+    s, clock = share(max_keys=10)
+    for k in range(1000):
+        s.charge(k, 0.001)
+    assert s.active() <= 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from("abc"), st.floats(0, 0.05), st.floats(0, 0.2)), max_size=200))
+def test_a_sandbox_that_waits_as_told_uses_no_more_than_its_share_plus_burst(steps):
+    """Whatever the others do: if `a` only works when its delay is 0, its work over any run is at
+    most its burst, plus the contention threshold's worth of the elapsed time (under it nobody is
+    slowed), plus one window at that threshold (the load decays over a window) and one piece (a
+    piece of work cannot be cut short)."""
+    s, clock = share(max_share=0.5, burst=0.2)
+    start, used = clock.now, 0.0
+    s.charge("b", 0.0001)
+    for key, work, gap in steps:
+        clock.now += gap
+        s.charge("b", 0.0001)  # b stays active
+        if key == "a" and s.delay("a") == 0.0:
+            s.charge("a", work)
+            used += work
+    assert used <= 0.2 + 0.7 * (clock.now - start) + 0.7 + 0.05 + 1e-9
