@@ -404,7 +404,118 @@ def _texts(raw: bytes, charsets: Sequence[str], percent: bool, value: bool = Fal
 
 
 def _override_names(raw: bytes, charsets: Sequence[str], percent: bool = True) -> list[str]:
-    return [t for t in _texts(raw, charsets, percent) if query_key(t) in FIELD_KEYS]
+    return [t for t in _texts(raw, charsets, percent) if _may_be_key(t) and query_key(t) in FIELD_KEYS]
+
+
+# --- the scan's fast paths ------------------------------------------------------------------------
+#
+# A body of a million tiny fields (`a=b&a=b&...`) must not cost a million trips through `query_key`:
+# the scan runs on the event loop every sandbox shares. Every override key contains "method", and no
+# character but the ASCII letters casefolds to a piece of a contiguous "method" (U+1E96 and U+1E97
+# casefold to a letter and a combining mark, U+FB05 and U+FB06 to "st"), so a text can only be an
+# override name if, once its percent-escapes are decoded, it holds "method" in ASCII letters of any
+# case. The tests below are necessary conditions only (never the verdict): whatever passes them goes
+# through the full reading, as before. tests/unit/test_method_scan_fast.py checks them against the
+# unabridged scanner (tests/unit/_methods_reference.py).
+
+_MAYBE_KEY = re.compile(r"%|[Mm][Ee][Tt][Hh][Oo][Dd]")
+
+
+def _may_be_key(text: str) -> bool:
+    """False only when `query_key(text)` cannot be an override key: without a `%` its unquoting
+    only turns `+` into spaces, so it needs "method" spelled out."""
+    return _MAYBE_KEY.search(text) is not None
+
+
+# An override key, once query_key has read it, is "method" after `_`, a space, `.`, `-` or `[` (or
+# after "http": `_HttpMethod`), then maybe the same and "override", then the end of the name or what
+# query_key drops (whitespace, a NUL, brackets): `_KEYISH`, in ASCII letters of any case (no other
+# character casefolds into these words; checked by the tests). `_SPELLING` is every character such
+# a match is made of, and so every character percent-escapes can spell it with (`%` and the hex
+# digits too). Decoding only the escapes that yield one of them leaves every other escape (and so
+# every `&`, `;` and `=` a field is split at) as it was, yet spells out every match the full
+# decoding would: an escape is `%` and two hex digits, and a character that is neither never
+# takes part in one.
+_KEYISH = re.compile(rb"(?:[ ._\-\[+]|[Hh][Tt][Tt][Pp])[Mm][Ee][Tt][Hh][Oo][Dd]"
+                     rb"(?:[ ._\-\[+][Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?(?![^\x09-\x0d\x1c-\x20\[\]\x00+\x80-\xff&;=])")
+_SPELLING = (b"%0123456789ABCDEFabcdef" + b"MmTtHhOoPpVvRrIiXx" + b" ._-[]+\x00" + bytes(range(0x09, 0x0e))
+             + bytes(range(0x1c, 0x20)))
+# Bytes that make some charset read more into a text than its bytes as ASCII (`_IDENTITY` below).
+_TRIGGERS = b"+~\\\x1b\x0e\x0f"
+
+
+def _escapes(chars: bytes) -> dict[bytes, bytes]:
+    out = {}
+    for c in chars:
+        for form in ("%%%02x" % c, "%%%02X" % c):
+            out[form.encode()] = bytes([c])
+    return out
+
+
+_ESCAPE_OF = _escapes(_SPELLING + _TRIGGERS)
+_SPELLED = re.compile(b"|".join(re.escape(e) for e in sorted(_ESCAPE_OF)))
+
+
+def _spelled(data: bytes, rounds: int) -> bytes:
+    """`data` with the escapes of `_SPELLING` and `_TRIGGERS` decoded, `rounds` times over."""
+    for _ in range(rounds):
+        if b"%" not in data:
+            break
+        decoded = _SPELLED.sub(lambda m: _ESCAPE_OF[m[0]], data)
+        if len(decoded) == len(data):
+            break
+        data = decoded
+    return data
+
+
+# Charsets (not ASCII-transparent, `_ascii_transparent`) whose text holds an ASCII character only
+# where the bytes hold that same byte, unless one of these bytes is there: UTF-7 (`+` opens base64),
+# HZ (`~{`, and `~` + newline vanishes), ISO-2022 (escape sequences, SO/SI), the escape codecs
+# (backslashes), Shift_JIS-2004 and JIS X 0213 (only 0x5C and 0x7E read otherwise; a double-byte
+# character is never ASCII). Every other such charset (EBCDIC, UTF-16/32, punycode) has no fast path.
+_IDENTITY: dict[str, bytes] = {
+    "utf-7": b"+", "hz": b"~", "unicode-escape": b"\\", "raw-unicode-escape": b"\\",
+    "iso2022_jp": b"\x1b\x0e\x0f", "iso2022_jp_1": b"\x1b\x0e\x0f", "iso2022_jp_2": b"\x1b\x0e\x0f",
+    "iso2022_jp_2004": b"\x1b\x0e\x0f", "iso2022_jp_3": b"\x1b\x0e\x0f", "iso2022_jp_ext": b"\x1b\x0e\x0f",
+    "iso2022_kr": b"\x1b\x0e\x0f", "shift_jis_2004": b"", "shift_jisx0213": b"",
+}
+
+
+class _NameFilter:
+    """Which of many complete urlencoded fields could have an override name under every reading
+    `_texts` gives a name (UTF-8 as sent, then each charset after percent-decoding), found with a
+    few passes over all of them at once. `None` from `for_charsets` when some charset has no such
+    test: then every field is read in full."""
+
+    def __init__(self, rounds: int, triggers: bytes):
+        self._rounds = rounds
+        self._triggers = re.compile(b"[" + re.escape(triggers) + b"]") if triggers else None
+
+    @classmethod
+    def for_charsets(cls, charsets: Sequence[str]) -> "_NameFilter | None":
+        if any(c not in _IDENTITY for c in charsets):
+            return None
+        # A charset's text is percent-decoded again by query_key: twice the rounds.
+        return cls(2 * _DECODE_ROUNDS if charsets else _DECODE_ROUNDS, b"".join(_IDENTITY[c] for c in charsets))
+
+    def candidates(self, fields: bytes) -> list[int]:
+        """Indexes (in `fields.split(b"&")`, `fields` with `;` as `&`) of the fields that may be one."""
+        text = _spelled(fields, self._rounds)
+        hits = [m.start() for m in _KEYISH.finditer(text)]
+        if self._triggers is not None:
+            hits += [m.start() for m in self._triggers.finditer(text)]
+            hits.sort()
+        out: list[int] = []
+        index, counted = 0, 0
+        for hit in hits:
+            index += text.count(b"&", counted, hit)
+            counted = hit
+            start = text.rfind(b"&", 0, hit) + 1
+            if text.find(b"=", start, hit) >= 0:
+                continue  # in the value: values are judged only under an override name
+            if not out or out[-1] != index:
+                out.append(index)
+        return out
 
 
 def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[str], percent: bool) -> list[Override]:
@@ -422,10 +533,16 @@ def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[st
 
 class _Form:
     """application/x-www-form-urlencoded (and a body without Content-Type, which Rack parses as a
-    form): `name=value` fields split at `&` (and `;`, looser than any server)."""
+    form): `name=value` fields split at `&` (and `;`, looser than any server).
+
+    The complete fields inside a chunk are not walked one by one: `_NameFilter` picks, in a few
+    passes over all of them, those whose name could be an override name, and only those are read
+    (`_step`, the same reading as for the field a chunk starts or ends in). A field it leaves out
+    would have been read as no override and skipped, so the findings are the same."""
 
     _STOP = re.compile(rb"[=&;]")
     _SEP = re.compile(rb"[&;]")
+    _SEMI = bytes.maketrans(b";", b"&")
 
     def __init__(self, charsets: Sequence[str] = ()) -> None:
         self._charsets = tuple(charsets)
@@ -433,8 +550,26 @@ class _Form:
         self._name = bytearray()
         self._value = bytearray()
         self._names: list[str] = []
+        self._filter = _NameFilter.for_charsets(self._charsets)
 
     def feed(self, data: bytes, found: list[Override]) -> None:
+        if self._filter is None:
+            self._step(data, found)
+            return
+        first = self._SEP.search(data)
+        if first is None:
+            self._step(data, found)
+            return
+        last = max(data.rfind(b"&"), data.rfind(b";"))
+        self._step(data[: first.end()], found)  # the field in progress ends here
+        if last > first.start():
+            fields = data[first.end(): last].translate(self._SEMI)
+            pieces = fields.split(b"&")
+            for index in self._filter.candidates(fields):
+                self._step(pieces[index] + b"&", found)
+        self._step(data[last + 1:], found)
+
+    def _step(self, data: bytes, found: list[Override]) -> None:
         pos, end = 0, len(data)
         while pos < end:
             if self._state == "name":
