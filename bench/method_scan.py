@@ -65,6 +65,8 @@ def shapes(size: int) -> list[tuple[str, list[str], bytes]]:
         ("JSON [1,1,...] (no object)", ["application/json"], b"{\"a\":[" + _repeat(b"1,", size) + b"1]}"),
         ("JSON {\"method\":1,...}", ["application/json"], b"{" + _repeat(b'"method":1,', size) + b'"a":1}'),
         ("JSON {\"a\":\"\\u0061\",...}", ["application/json"], b"{" + _repeat(b'"a":"\\u0061",', size) + b'"a":1}'),
+        ("JSON {\"a\":\"\\\\\\\\...\"} (escapes)", ["application/json"], b'{"a":"' + _repeat(b"\\\\", size) + b'"}'),
+        ("JSON {\"\\\\\\\\...\":1} (escaped key)", ["application/json"], b'{"' + _repeat(b"\\\\", size) + b'":1}'),
         ("multipart tiny parts", ["multipart/form-data; boundary=B"], _repeat(mp_part, size, tail=b"--B--\r\n")),
         ("multipart empty parts", ["multipart/form-data; boundary=B"], _repeat(b"--B\r\n\r\n\r\n", size)),
         ("multipart delimiters only", ["multipart/form-data; boundary=B"], _repeat(b"--B--", size)),

@@ -436,8 +436,10 @@ def _may_be_key(text: str) -> bool:
 # every `&`, `;` and `=` a field is split at) as it was, yet spells out every match the full
 # decoding would: an escape is `%` and two hex digits, and a character that is neither never
 # takes part in one.
-_KEYISH = re.compile(rb"(?:[ ._\-\[+]|[Hh][Tt][Tt][Pp])[Mm][Ee][Tt][Hh][Oo][Dd]"
-                     rb"(?:[ ._\-\[+][Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?(?![^\x09-\x0d\x1c-\x20\[\]\x00+\x80-\xff&;=])")
+_KEYISH_WORD = (rb"(?:[ ._\-\[+]|[Hh][Tt][Tt][Pp])[Mm][Ee][Tt][Hh][Oo][Dd]"
+                 rb"(?:[ ._\-\[+][Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?")
+_KEYISH_END = rb"\x09-\x0d\x1c-\x20\[\]\x00+\x80-\xff"  # what may follow: the name ends, or query_key drops it
+_KEYISH = re.compile(_KEYISH_WORD + rb"(?![^" + _KEYISH_END + rb"&;=])")
 _SPELLING = (b"%0123456789ABCDEFabcdef" + b"MmTtHhOoPpVvRrIiXx" + b" ._-[]+\x00" + bytes(range(0x09, 0x0e))
              + bytes(range(0x1c, 0x20)))
 # Bytes that make some charset read more into a text than its bytes as ASCII (`_IDENTITY` below).
@@ -793,6 +795,15 @@ class _Json:
     _STRUCT = re.compile(rb'["{}\[\],:]')
     _IN_STRING = re.compile(rb'["\\]')
     _SPACE = b" \t\r\n"
+    # Fast paths, each over bytes the step-by-step scan would read to the same end: inside a nested
+    # value, everything but brackets and whole strings (no key is read there); at the top level,
+    # whole `"key": value,` members whose key cannot be an override key (no escape, `%` or NUL, so
+    # its text is its bytes, and no `_KEYISH` word in it) and whose value is scalars and strings.
+    # Possessive: a string that does not end in this chunk is given up at once, not retried.
+    _STRING_BODY = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
+    _DEEP = re.compile(rb'(?:[^"{}\[\]]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
+    _MEMBERS = re.compile(rb'(?:[ \t\r\n]*+"(?![^"]*?' + _KEYISH_WORD + rb'(?![^' + _KEYISH_END + rb'"]))'
+                          rb'[^"\\%\x00]*+"[ \t\r\n]*+:(?:[^"{}\[\],]++|"(?:[^"\\]++|\\.)*+")*+,)+', re.DOTALL)
 
     def __init__(self) -> None:
         self._started = False
@@ -823,6 +834,8 @@ class _Json:
                     self._escape = False
                     pos += 1
                     continue
+                if self._capture is None or len(self._capture) > NAME_CAP:  # nothing kept: skip escapes at once
+                    pos = self._STRING_BODY.match(data, pos).end()
                 m = self._IN_STRING.search(data, pos)
                 stop = m.start() if m else end
                 self._keep(data[pos:stop])
@@ -836,6 +849,12 @@ class _Json:
                 pos = stop + 1
                 self._in_string = False
                 self._end_string(found)
+                continue
+            if self._depth >= 2:
+                pos = self._DEEP.match(data, pos).end()
+            elif self._depth == 1 and self._expect_key and (fast := self._MEMBERS.match(data, pos)):
+                pos = fast.end()
+                self._value_for = None
                 continue
             m = self._STRUCT.search(data, pos)
             if m is None:
