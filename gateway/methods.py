@@ -640,6 +640,9 @@ class _Multipart:
         self._delimiter = b"--" + boundary if boundary is not None else None
         self._known = tuple(known)
         self._charsets = tuple(charsets)
+        self._fast = _NameFilter.for_charsets(self._charsets) is not None
+        self._triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._fast else b""
+        self._parts = self._parts_pattern()
         self._buf = bytearray()
         self._state = "preamble"  # sniff | preamble | after_delimiter | headers | value | skip | done
         if boundary is None:
@@ -672,6 +675,7 @@ class _Multipart:
             buf.clear()
             return False
         self._delimiter, self._state = b"--" + boundary, "preamble"
+        self._parts = self._parts_pattern()
         return True
 
     def _step(self, found: list[Override]) -> bool:
@@ -679,6 +683,10 @@ class _Multipart:
         if self._state == "sniff":
             return self._sniff()
         buf, delimiter = self._buf, self._delimiter
+        if self._state in ("preamble", "skip") and self._parts is not None and (m := self._parts.match(buf)):
+            del buf[: m.end()]  # whole parts that name no override field: read as `skip` would
+            self._state = "skip"
+            return True
         if self._state in ("preamble", "skip", "value"):
             at = buf.find(delimiter)
             keep = len(delimiter) - 1
@@ -721,6 +729,23 @@ class _Multipart:
             self._state = "value" if self._names else "skip"
             return True
         return False
+
+    def _parts_pattern(self) -> re.Pattern | None:
+        """Whole parts as `_step` reads them from `preamble` or `skip` (up to the next delimiter, a
+        close-delimiter's `--` or the rest of the delimiter's line, a header block up to its first
+        empty line) whose header block cannot name an override field: no `%`, backslash or charset
+        trigger (`_IDENTITY`), and no "method" even with its line breaks dropped (PHP joins a
+        folded line without them). One match skips any number of them."""
+        if not self._fast or self._delimiter is None:
+            return None
+        method = rb"[\r\n]*+".join(b"[%s%s]" % (c.upper(), c) for c in (bytes([b]) for b in b"method"))
+        plain = b"[^\n%\\\\Mm" + re.escape(self._triggers) + b"]"
+        block = b"(?:" + plain + b"|[Mm](?!" + method[len(b"[Mm]"):] + b")|\n(?!\r?\n))*+\n\r?\n"
+        # Atomic: the first delimiter is the one `_step` stops at; a part that does not match must
+        # end the run there, never be skipped over to a later delimiter.
+        first = re.escape(self._delimiter[:1])  # alternatives that cannot both match: no retrying
+        return re.compile(b"(?>(?>(?:[^" + first + b"]++|" + first + b")*?" + re.escape(self._delimiter)
+                          + b")(?:--|[^\n]*+\n(?:\r?\n|" + block + b")))+", re.DOTALL)
 
     def _part_names(self, block: bytes) -> list[str]:
         names: list[str] = []

@@ -221,3 +221,14 @@ def test_the_filters_own_examples():
     fields = b"a=b&_method=PUT&x=_method&%5F%6d%65%74%68%6f%64=1&_methodx=1&X-HTTP-Method-Override&k[_method=1"
     assert f.candidates(fields) == [1, 3, 5, 6]  # 6: k[_method is no key, but may be kept
     assert new._NameFilter.for_charsets(("cp500",)) is None
+
+
+def test_a_multipart_override_between_harmless_parts_is_never_skipped_over():
+    """The run of harmless parts one regex skips stops at the first delimiter whose part may name an
+    override (a later delimiter must not be taken for the end of the run)."""
+    body = (b"--B\r\nX: y\r\n\r\nv\r\n--B\r\nContent-Disposition: form-data; name=_method\r\n\r\nDELETE\r\n"
+            b"--B\r\nX: y\r\n\r\nv\r\n--B--\r\n")
+    for cut in range(len(body) + 1):
+        _same(["multipart/form-data; boundary=B"], body, [cut])
+        found = _scan(new, ["multipart/form-data; boundary=B"], body, [cut])
+        assert ("form", "_method", "DELETE") in [o for step in found for o in step[0]]
