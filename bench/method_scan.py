@@ -8,7 +8,9 @@ what one sandbox can make every other one wait.
 For each shape it reports µs per byte of the scanner as it is now ("after") and of the copy kept
 for the differential tests (tests/unit/_methods_reference.py, "before"), each also as a ratio to a
 baseline measured on the same body in the same run (one `re.findall` pass for the separators), so
-the machine's noise cancels. It checks the two scanners find the same overrides. Not a timed test:
+the machine's noise cancels. It checks the two scanners find the same overrides, and says so when
+the new one refused a body the old one read (more than SLOW_FIELDS_CAP fields in a charset without
+a fast path). Not a timed test:
 pytest does not collect it.
 """
 
@@ -59,6 +61,12 @@ def shapes(size: int) -> list[tuple[str, list[str], bytes]]:
         ("form a=b& charset=utf-16 (wide)", [FORM + "; charset=utf-16"], _repeat(b"a=b&", size)),
         ("form a=b& six charsets", [FORM + "; charset=cp500; charset=utf-7; charset=cp037; charset=hz; "
                                     "charset=iso-2022-jp; charset=cp1026"], _repeat(b"a=b&", size)),
+        ("form a=b& charsets utf-7, hz, iso-2022-jp", [FORM + "; charset=utf-7; charset=hz; charset=iso-2022-jp"],
+         _repeat(b"a=b&", size)),
+        ("form %61=1& charsets utf-7, hz, iso-2022-jp", [FORM + "; charset=utf-7; charset=hz; charset=iso-2022-jp"],
+         _repeat(b"%61=1&", size)),
+        ("form a=method& (in values)", [FORM], _repeat(b"a=_method&", size)),
+        ("form _method[x]=GET& (override, new names)", [FORM], b"&".join(b"_method[%d]=GET" % i for i in range(size // 16))),
         ("form _method=GET& (override, repeated)", [FORM], _repeat(b"_method=GET&", size)),
         ("JSON {\"k1\":1,...}", ["application/json"], b"{" + _keys(size, '"k{i}":1') + b"}"),
         ("JSON {\"a\":1,...}", ["application/json"], b"{" + _repeat(b'"a":1,', size) + b'"a":1}'),
@@ -113,6 +121,8 @@ def main() -> None:
         before, found_old, problem_old = scan(old, types, body, args.chunk)
         same = [(o.source, o.name, o.method) for o in found_old] == [(o.source, o.name, o.method) for o in found_new]
         mark = "" if same and problem_old == problem_new else "  FINDINGS DIFFER"
+        if problem_new and problem_new != problem_old:
+            mark = f"  refused after {len(found_old)} findings: {problem_new[:60]}"
         print(f"{name[:52]:52} {before / len(body) * 1e6:11.3f} {after / len(body) * 1e6:10.3f} "
               f"{before / after:7.1f}x {before / base:11.1f} {after / base:10.1f}{mark}", flush=True)
     print(f"worst after: {worst:.3f} µs/byte")

@@ -89,6 +89,11 @@ _QUERY_SPLIT = re.compile(r"[&;]")
 MAX_ELEMENTS = 64
 VALUE_CAP = 512  # bytes of a field value kept; a longer value is not a method name
 NAME_CAP = 512  # bytes of a body field name kept; a longer name is not an override name
+# Fields (or multipart parts) one reading reads one by one when no fast path covers its charsets
+# (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`): each costs every charset's decoding, so
+# past this many the body is refused as uncheckable rather than hold the event loop for seconds.
+# PHP reads 1000 fields by default (max_input_vars), Tomcat 1000 (maxParameterCount).
+SLOW_FIELDS_CAP = 1000
 
 SOURCES = {"header": "header", "query": "query parameter", "form": "form field", "json": "JSON key"}
 
@@ -455,7 +460,7 @@ def _escapes(chars: bytes) -> dict[bytes, bytes]:
 
 
 _ESCAPE_OF = _escapes(_SPELLING + _TRIGGERS)
-_SPELLED = re.compile(b"|".join(re.escape(e) for e in sorted(_ESCAPE_OF)))
+_SPELLED = re.compile(rb"%[0-7][0-9A-Fa-f]")  # every ASCII escape; those not in _ESCAPE_OF are kept as they are
 
 
 def _spelled(data: bytes, rounds: int) -> bytes:
@@ -463,7 +468,7 @@ def _spelled(data: bytes, rounds: int) -> bytes:
     for _ in range(rounds):
         if b"%" not in data:
             break
-        decoded = _SPELLED.sub(lambda m: _ESCAPE_OF[m[0]], data)
+        decoded = _SPELLED.sub(lambda m: _ESCAPE_OF.get(m[0], m[0]), data)
         if len(decoded) == len(data):
             break
         data = decoded
@@ -489,8 +494,13 @@ class _NameFilter:
     few passes over all of them at once. `None` from `for_charsets` when some charset has no such
     test: then every field is read in full."""
 
+    # The last answer: the readings of an ASCII body through UTF-7, HZ or ISO-2022 are its bytes
+    # again, and each asks about the same fields (the question is pure, the answer is reused).
+    _last: tuple[bytes, int, bytes, list[int]] = (b"", 0, b"", [])
+
     def __init__(self, rounds: int, triggers: bytes):
         self._rounds = rounds
+        self._trigger_bytes = triggers
         self._triggers = re.compile(b"[" + re.escape(triggers) + b"]") if triggers else None
 
     @classmethod
@@ -502,6 +512,14 @@ class _NameFilter:
 
     def candidates(self, fields: bytes) -> list[int]:
         """Indexes (in `fields.split(b"&")`, `fields` with `;` as `&`) of the fields that may be one."""
+        last = _NameFilter._last
+        if last[1] == self._rounds and last[2] == self._trigger_bytes and last[0] == fields:
+            return last[3]
+        out = self._candidates(fields)
+        _NameFilter._last = (fields, self._rounds, self._trigger_bytes, out)
+        return out
+
+    def _candidates(self, fields: bytes) -> list[int]:
         text = _spelled(fields, self._rounds)
         hits = [m.start() for m in _KEYISH.finditer(text)]
         if self._triggers is not None:
@@ -533,6 +551,9 @@ def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[st
     return list(dict.fromkeys(found))
 
 
+_MEMO_CAP = 256  # distinct names (and values under override names) a form parser remembers
+
+
 class _Form:
     """application/x-www-form-urlencoded (and a body without Content-Type, which Rack parses as a
     form): `name=value` fields split at `&` (and `;`, looser than any server).
@@ -553,9 +574,21 @@ class _Form:
         self._value = bytearray()
         self._names: list[str] = []
         self._filter = _NameFilter.for_charsets(self._charsets)
+        self._fields = 0  # read one by one, without a fast path
+        self.problem: str | None = None
+        # A field repeated a million times (`_method=GET&...`) is read once: both are pure.
+        self._names_of: dict[bytes, list[str]] = {}
+        self._judged_of: dict[tuple, list[Override]] = {}
+        self._field_of: dict[bytes, list[Override]] = {}
 
     def feed(self, data: bytes, found: list[Override]) -> None:
+        if self.problem is not None:
+            return
         if self._filter is None:
+            self._fields += data.count(b"&") + data.count(b";")
+            if self._fields > SLOW_FIELDS_CAP:
+                self.problem = _TOO_MANY
+                return
             self._step(data, found)
             return
         first = self._SEP.search(data)
@@ -568,7 +601,7 @@ class _Form:
             fields = data[first.end(): last].translate(self._SEMI)
             pieces = fields.split(b"&")
             for index in self._filter.candidates(fields):
-                self._step(pieces[index] + b"&", found)
+                self._field(pieces[index], found)
         self._step(data[last + 1:], found)
 
     def _step(self, data: bytes, found: list[Override]) -> None:
@@ -583,7 +616,7 @@ class _Form:
                     return
                 pos = stop + 1
                 if data[stop] == ord("=") and len(self._name) <= NAME_CAP:
-                    self._names = _override_names(bytes(self._name), self._charsets)
+                    self._names = self._override_names(bytes(self._name))
                     self._state = "value" if self._names else "skip"
                 elif data[stop] == ord("="):
                     self._state = "skip"
@@ -598,19 +631,53 @@ class _Form:
                 pos = stop + 1
                 self._close(found)
 
+    def _field(self, field: bytes, found: list[Override]) -> None:
+        """One whole field (no `&` or `;`), read from the `name` state back to it: what it yields
+        depends on its bytes only."""
+        if len(field) > NAME_CAP + VALUE_CAP + 2:
+            self._step(field + b"&", found)
+            return
+        judged = self._field_of.get(field)
+        if judged is None:
+            if len(self._field_of) >= _MEMO_CAP:
+                self._field_of.clear()
+            judged = self._field_of[field] = []
+            self._step(field + b"&", judged)
+        found += judged
+
+    def _override_names(self, name: bytes) -> list[str]:
+        names = self._names_of.get(name)
+        if names is None:
+            if len(self._names_of) >= _MEMO_CAP:
+                self._names_of.clear()
+            names = self._names_of[name] = _override_names(name, self._charsets)
+        return names
+
     def _close(self, found: list[Override]) -> None:
         if self._state == "value":
-            found += _judged("form", self._names, bytes(self._value), self._charsets, percent=True)
+            key = (tuple(self._names), bytes(self._value))
+            judged = self._judged_of.get(key)
+            if judged is None:
+                if len(self._judged_of) >= _MEMO_CAP:
+                    self._judged_of.clear()
+                judged = self._judged_of[key] = _judged("form", self._names, key[1], self._charsets, percent=True)
+            found += judged
         self._state = "name"
         self._value.clear()
         self._name.clear()
 
     def finish(self, found: list[Override]) -> None:
-        self._close(found)
+        if self.problem is None:
+            self._close(found)
 
     @property
     def pending(self) -> bool:
         return self._state == "value"
+
+
+_HEADERS_TOO_LONG = "a multipart part's header block is too long to tell whether it is a method override field"
+_TOO_MANY = (f"it has more than {SLOW_FIELDS_CAP} fields in a charset the gateway can only read field by field "
+             f"(EBCDIC, UTF-16/32)")
 
 
 class _Multipart:
@@ -649,7 +716,8 @@ class _Multipart:
             self._state = "sniff"
         self._names: list[str] = []
         self._value = bytearray()
-        self.unreadable = False  # part headers beyond HEADER_CAP: the caller refuses
+        self.problem: str | None = None  # why the caller must refuse the body (part headers beyond HEADER_CAP...)
+        self._slow_parts = 0
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         if self._state == "done":
@@ -702,6 +770,12 @@ class _Multipart:
                 self._close_value(found)
             del buf[: at + len(delimiter)]
             self._state = "after_delimiter"
+            if self._parts is None:
+                self._slow_parts += 1
+                if self._slow_parts > SLOW_FIELDS_CAP:
+                    self.problem, self._state = _TOO_MANY, "done"
+                    buf.clear()
+                    return False
             return True
         if self._state == "after_delimiter":
             if len(buf) < 2:
@@ -713,7 +787,7 @@ class _Multipart:
             newline = buf.find(b"\n")
             if newline < 0:
                 if len(buf) > self.HEADER_CAP:
-                    self.unreadable, self._state = True, "done"
+                    self.problem, self._state = _HEADERS_TOO_LONG, "done"
                 return False
             del buf[: newline + 1]
             self._state = "headers"
@@ -722,7 +796,7 @@ class _Multipart:
             m = self._BLANK.search(buf)
             if m is None:
                 if len(buf) > self.HEADER_CAP:
-                    self.unreadable, self._state = True, "done"
+                    self.problem, self._state = _HEADERS_TOO_LONG, "done"
                 return False
             self._names = self._part_names(bytes(buf[: m.start()]))
             del buf[: m.end()]
@@ -998,8 +1072,8 @@ class _Reading:
         return any(p.pending for p in self.parsers)
 
     @property
-    def unreadable(self) -> bool:
-        return any(getattr(p, "unreadable", False) for p in self.parsers)
+    def problem(self) -> str | None:
+        return next((p.problem for p in self.parsers if getattr(p, "problem", None)), None)
 
 
 class _Stream:
@@ -1048,8 +1122,9 @@ class _Stream:
 
     @property
     def problem(self) -> str | None:
-        if any(r.unreadable for r in self.readings):
-            return "a multipart part's header block is too long to tell whether it is a method override field"
+        for reading in self.readings:
+            if (why := reading.problem) is not None:
+                return why
         failed = [r.codec for r in self.readings if r.failed]
         return f"it does not decode as its charset {failed[0]}" if failed else None
 

@@ -232,3 +232,28 @@ def test_a_multipart_override_between_harmless_parts_is_never_skipped_over():
         _same(["multipart/form-data; boundary=B"], body, [cut])
         found = _scan(new, ["multipart/form-data; boundary=B"], body, [cut])
         assert ("form", "_method", "DELETE") in [o for step in found for o in step[0]]
+
+
+def _problem(types: list[str], body: bytes) -> str | None:
+    s = new.BodyScanner.for_headers([("Content-Type", t) for t in types], streaming_decoder)
+    for at in range(0, len(body), 4096):
+        s.feed(body[at:at + 4096])
+    s.finish()
+    return s.problem
+
+
+def test_charsets_without_a_fast_path_are_read_for_so_many_fields_then_refused():
+    """EBCDIC and UTF-16/32 names are read field by field, every charset's way: past SLOW_FIELDS_CAP
+    fields (or parts) the body is refused as uncheckable instead of holding the event loop."""
+    cap = new.SLOW_FIELDS_CAP
+    form = "application/x-www-form-urlencoded; charset="
+    assert _problem([form + "cp500"], b"a=b&" * (cap - 1) + b"a=b") is None
+    assert "more than 1000 fields" in _problem([form + "cp500"], b"a=b&" * (cap + 1))
+    assert "more than 1000 fields" in _problem([form + "utf-16"], b"a=b&" * (cap + 1))
+    part = b"--B\r\nContent-Disposition: form-data; name=a\r\n\r\nb\r\n"
+    assert _problem(["multipart/form-data; boundary=B; charset=utf-16"], part * (cap - 1) + b"--B--") is None
+    assert "more than 1000 fields" in _problem(["multipart/form-data; boundary=B; charset=cp500"], part * (cap + 1))
+    # With a fast path there is no such cap.
+    assert _problem([form + "utf-8"], b"a=b&" * 100 * cap) is None
+    assert _problem([form + "utf-7; charset=iso-2022-jp"], b"a=b&" * 100 * cap) is None
+    assert _problem(["multipart/form-data; boundary=B"], part * 10 * cap) is None
