@@ -65,6 +65,8 @@ def shapes(size: int) -> list[tuple[str, list[str], bytes]]:
          _repeat(b"a=b&", size)),
         ("form %61=1& charsets utf-7, hz, iso-2022-jp", [FORM + "; charset=utf-7; charset=hz; charset=iso-2022-jp"],
          _repeat(b"%61=1&", size)),
+        ("form k1_method=1& (distinct near-misses)", [FORM], b"&".join(b"k%d_method=1" % i for i in range(size // 14))),
+        ("form _method[k1]& (distinct keys, no value)", [FORM], b"&".join(b"_method[%d]" % i for i in range(size // 12))),
         ("form a=method& (in values)", [FORM], _repeat(b"a=_method&", size)),
         ("form _method[x]=GET& (override, new names)", [FORM], b"&".join(b"_method[%d]=GET" % i for i in range(size // 16))),
         ("form _method=GET& (override, repeated)", [FORM], _repeat(b"_method=GET&", size)),

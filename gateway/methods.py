@@ -89,10 +89,12 @@ _QUERY_SPLIT = re.compile(r"[&;]")
 MAX_ELEMENTS = 64
 VALUE_CAP = 512  # bytes of a field value kept; a longer value is not a method name
 NAME_CAP = 512  # bytes of a body field name kept; a longer name is not an override name
-# Fields (or multipart parts) one reading reads one by one when no fast path covers its charsets
-# (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`): each costs every charset's decoding, so
-# past this many the body is refused as uncheckable rather than hold the event loop for seconds.
-# PHP reads 1000 fields by default (max_input_vars), Tomcat 1000 (maxParameterCount).
+# Fields (or multipart parts) one reading reads in full, one by one: every field when no fast path
+# covers its charsets (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`), else the distinct
+# fields the fast path could not rule out (names that look like an override's). Each costs every
+# charset's decoding and query_key, so past this many the body is refused as uncheckable rather
+# than hold the event loop for seconds. No client sends 1000 fields named like `_method`; PHP reads
+# 1000 fields in all by default (max_input_vars), Tomcat 1000 (maxParameterCount).
 SLOW_FIELDS_CAP = 1000
 
 SOURCES = {"header": "header", "query": "query parameter", "form": "form field", "json": "JSON key"}
@@ -445,6 +447,15 @@ _KEYISH_WORD = (rb"(?:[ ._\-\[+]|[Hh][Tt][Tt][Pp])[Mm][Ee][Tt][Hh][Oo][Dd]"
                  rb"(?:[ ._\-\[+][Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?")
 _KEYISH_END = rb"\x09-\x0d\x1c-\x20\[\]\x00+\x80-\xff"  # what may follow: the name ends, or query_key drops it
 _KEYISH = re.compile(_KEYISH_WORD + rb"(?![^" + _KEYISH_END + rb"&;=])")
+# Tighter, where every character query_key strips from the front of a name (whitespace, then
+# brackets) is ASCII or a byte >= 0x80 (UTF-8, the charsets of `_IDENTITY` but the double-byte ones,
+# whose U+3000 has an ASCII second byte): the word at the start of a field, after `_` (or its
+# spellings) or `x` and a separator, maybe "http" and another; `_http` before "method" too.
+_SEP = rb"[ ._\-\[+]"
+_KEY_AT_START = re.compile(
+    rb"(?<![^&])[\x09-\x0d\x1c-\x20+\[\]\x80-\xff]*(?:" + _SEP + rb"(?:[Hh][Tt][Tt][Pp])?|[Xx]" + _SEP
+    + rb"(?:[Hh][Tt][Tt][Pp]" + _SEP + rb")?)[Mm][Ee][Tt][Hh][Oo][Dd](?:" + _SEP
+    + rb"[Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?(?![^" + _KEYISH_END + rb"&;=])")
 _SPELLING = (b"%0123456789ABCDEFabcdef" + b"MmTtHhOoPpVvRrIiXx" + b" ._-[]+\x00" + bytes(range(0x09, 0x0e))
              + bytes(range(0x1c, 0x20)))
 # Bytes that make some charset read more into a text than its bytes as ASCII (`_IDENTITY` below).
@@ -488,6 +499,11 @@ _IDENTITY: dict[str, bytes] = {
 }
 
 
+_DOUBLE_BYTE = ("shift_jis_2004", "shift_jisx0213")
+if not all(_KEY_AT_START.search(k.encode()) and _KEYISH.search(k.encode()) for k in FIELD_KEYS | set(OVERRIDE_FIELDS)):
+    raise RuntimeError("the body scan's fast paths must know every override field name")
+
+
 class _NameFilter:
     """Which of many complete urlencoded fields could have an override name under every reading
     `_texts` gives a name (UTF-8 as sent, then each charset after percent-decoding), found with a
@@ -498,9 +514,10 @@ class _NameFilter:
     # again, and each asks about the same fields (the question is pure, the answer is reused).
     _last: tuple[bytes, int, bytes, list[int]] = (b"", 0, b"", [])
 
-    def __init__(self, rounds: int, triggers: bytes):
+    def __init__(self, rounds: int, triggers: bytes, loose: bool = False):
         self._rounds = rounds
-        self._trigger_bytes = triggers
+        self._trigger_bytes = triggers + (b"L" if loose else b"")  # (the cache key)
+        self._words = _KEYISH if loose else _KEY_AT_START
         self._triggers = re.compile(b"[" + re.escape(triggers) + b"]") if triggers else None
 
     @classmethod
@@ -508,7 +525,8 @@ class _NameFilter:
         if any(c not in _IDENTITY for c in charsets):
             return None
         # A charset's text is percent-decoded again by query_key: twice the rounds.
-        return cls(2 * _DECODE_ROUNDS if charsets else _DECODE_ROUNDS, b"".join(_IDENTITY[c] for c in charsets))
+        return cls(2 * _DECODE_ROUNDS if charsets else _DECODE_ROUNDS, b"".join(_IDENTITY[c] for c in charsets),
+                   loose=any(c in _DOUBLE_BYTE for c in charsets))
 
     def candidates(self, fields: bytes) -> list[int]:
         """Indexes (in `fields.split(b"&")`, `fields` with `;` as `&`) of the fields that may be one."""
@@ -521,7 +539,7 @@ class _NameFilter:
 
     def _candidates(self, fields: bytes) -> list[int]:
         text = _spelled(fields, self._rounds)
-        hits = [m.start() for m in _KEYISH.finditer(text)]
+        hits = [m.start() for m in self._words.finditer(text)]
         if self._triggers is not None:
             hits += [m.start() for m in self._triggers.finditer(text)]
             hits.sort()
@@ -575,6 +593,7 @@ class _Form:
         self._names: list[str] = []
         self._filter = _NameFilter.for_charsets(self._charsets)
         self._fields = 0  # read one by one, without a fast path
+        self._full = 0  # distinct fields the fast path could not rule out, read in full
         self.problem: str | None = None
         # A field repeated a million times (`_method=GET&...`) is read once: both are pure.
         self._names_of: dict[bytes, list[str]] = {}
@@ -602,6 +621,8 @@ class _Form:
             pieces = fields.split(b"&")
             for index in self._filter.candidates(fields):
                 self._field(pieces[index], found)
+                if self.problem is not None:
+                    return
         self._step(data[last + 1:], found)
 
     def _step(self, data: bytes, found: list[Override]) -> None:
@@ -634,11 +655,17 @@ class _Form:
     def _field(self, field: bytes, found: list[Override]) -> None:
         """One whole field (no `&` or `;`), read from the `name` state back to it: what it yields
         depends on its bytes only."""
-        if len(field) > NAME_CAP + VALUE_CAP + 2:
-            self._step(field + b"&", found)
-            return
+        if b"=" not in field:
+            return  # a name alone is no field: `_step` drops it
         judged = self._field_of.get(field)
         if judged is None:
+            self._full += 1
+            if self._full > SLOW_FIELDS_CAP:
+                self.problem = _TOO_MANY
+                return
+            if len(field) > NAME_CAP + VALUE_CAP + 2:
+                self._step(field + b"&", found)
+                return
             if len(self._field_of) >= _MEMO_CAP:
                 self._field_of.clear()
             judged = self._field_of[field] = []
@@ -676,8 +703,8 @@ class _Form:
 
 
 _HEADERS_TOO_LONG = "a multipart part's header block is too long to tell whether it is a method override field"
-_TOO_MANY = (f"it has more than {SLOW_FIELDS_CAP} fields in a charset the gateway can only read field by field "
-             f"(EBCDIC, UTF-16/32)")
+_TOO_MANY = (f"it has more than {SLOW_FIELDS_CAP} fields the gateway must read one by one (named like an "
+             f"override, or in a charset it can only read so: EBCDIC, UTF-16/32)")
 
 
 class _Multipart:
@@ -710,6 +737,7 @@ class _Multipart:
         self._fast = _NameFilter.for_charsets(self._charsets) is not None
         self._triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._fast else b""
         self._parts = self._parts_pattern()
+        self._plain_block = re.compile(b"(?:[^%\\\\Mm" + re.escape(self._triggers) + b"]|[Mm](?![Ee][Tt][Hh][Oo][Dd]))*+")
         self._buf = bytearray()
         self._state = "preamble"  # sniff | preamble | after_delimiter | headers | value | skip | done
         if boundary is None:
@@ -822,6 +850,14 @@ class _Multipart:
                           + b")(?:--|[^\n]*+\n(?:\r?\n|" + block + b")))+", re.DOTALL)
 
     def _part_names(self, block: bytes) -> list[str]:
+        if self._parts is not None:
+            if self._plain_block.fullmatch(block.replace(b"\r", b"").replace(b"\n", b"")):
+                return []  # what `_parts_pattern` passes over: no "method", `%`, backslash or trigger
+            self._slow_parts += 1
+            if self._slow_parts > SLOW_FIELDS_CAP:
+                self.problem, self._state = _TOO_MANY, "done"
+                self._buf.clear()
+                return []
         names: list[str] = []
         for text in _texts(block, self._charsets, percent=False):
             names += [n for n in _disposition_names(text, self._NAME) if query_key(n) in FIELD_KEYS]
@@ -874,7 +910,7 @@ def _disposition_names(headers: str, pattern: re.Pattern) -> list[str]:
         for m in pattern.finditer(value):
             raw = m.group(2).strip()
             variants = [raw]
-            if raw[:1] in "\"'":
+            if raw[:1] and raw[0] in "\"'":  # ("" is in every string: `name=` alone crashed the scan)
                 quote = raw[0]
                 inner = raw[1:].removesuffix(quote) if len(raw) > 1 else ""
                 variants = [inner, re.sub(r"\\(.)", r"\1", inner), inner.split(quote, 1)[0]]

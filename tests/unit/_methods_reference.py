@@ -1,5 +1,7 @@
 """A frozen copy of gateway/methods.py before the fast body scan (commit 1d064cd), for the differential
 tests only (tests/unit/test_method_scan_fast.py): the new scanner must find exactly what this one finds.
+One change: a multipart `name=` with nothing after it raised IndexError in `_disposition_names`
+(the request was refused as a failed check, 500); both now read it as the empty name it is.
 
 The method a request is judged by: the method on the wire and every method override in it.
 
@@ -641,7 +643,7 @@ def _disposition_names(headers: str, pattern: re.Pattern) -> list[str]:
         for m in pattern.finditer(value):
             raw = m.group(2).strip()
             variants = [raw]
-            if raw[:1] in "\"'":
+            if raw[:1] and raw[0] in "\"'":  # the one change: `name=` alone crashed it
                 quote = raw[0]
                 inner = raw[1:].removesuffix(quote) if len(raw) > 1 else ""
                 variants = [inner, re.sub(r"\\(.)", r"\1", inner), inner.split(quote, 1)[0]]

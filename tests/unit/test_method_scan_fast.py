@@ -219,7 +219,9 @@ def test_no_character_but_ascii_letters_casefolds_into_an_override_word():
 def test_the_filters_own_examples():
     f = new._NameFilter.for_charsets(())
     fields = b"a=b&_method=PUT&x=_method&%5F%6d%65%74%68%6f%64=1&_methodx=1&X-HTTP-Method-Override&k[_method=1"
-    assert f.candidates(fields) == [1, 3, 5, 6]  # 6: k[_method is no key, but may be kept
+    assert f.candidates(fields) == [1, 3, 5]  # not k[_method: query_key reads k__method
+    assert f.candidates(b"k1_method=1& [_method[]=1&\xe3\x80\x80_METHOD=1&%20%5b%2e%6DeThOd=1") == [1, 2, 3]
+    assert new._NameFilter.for_charsets(("shift_jis_2004",)).candidates(b"\x81\x40_method=1") == [0]
     assert new._NameFilter.for_charsets(("cp500",)) is None
 
 
@@ -257,3 +259,22 @@ def test_charsets_without_a_fast_path_are_read_for_so_many_fields_then_refused()
     assert _problem([form + "utf-8"], b"a=b&" * 100 * cap) is None
     assert _problem([form + "utf-7; charset=iso-2022-jp"], b"a=b&" * 100 * cap) is None
     assert _problem(["multipart/form-data; boundary=B"], part * 10 * cap) is None
+
+
+def test_distinct_fields_named_like_overrides_are_read_for_so_many_then_refused():
+    """The fields the fast path cannot rule out are read in full; a body of thousands of distinct
+    ones (`_method[1]=`, `_method[2]=`...) is refused past SLOW_FIELDS_CAP, repeats cost nothing."""
+    form = ["application/x-www-form-urlencoded"]
+    many = b"&".join(b"_method[%d]=" % i for i in range(new.SLOW_FIELDS_CAP + 10))
+    assert "more than 1000 fields" in _problem(form, many)
+    assert _problem(form, b"_method=GET&" * 10 * new.SLOW_FIELDS_CAP) is None
+    assert _problem(form, b"&".join(b"_method[%d]" % i for i in range(10 * new.SLOW_FIELDS_CAP))) is None  # no values
+    mp = b"".join(b"--B\r\nContent-Disposition: form-data; name=_method[%d]\r\n\r\n\r\n" % i
+                  for i in range(new.SLOW_FIELDS_CAP + 10))
+    assert "more than 1000 fields" in _problem(["multipart/form-data; boundary=B"], mp)
+
+
+def test_an_empty_multipart_name_is_no_override_and_no_crash():
+    body = b"--B\r\nContent-Disposition: form-data; name=\r\n\r\nDELETE\r\n--B--\r\n"
+    for module in (new, old):
+        assert _scan(module, ["multipart/form-data; boundary=B"], body, []) == [([], False, None), ([], False, None)]
