@@ -451,10 +451,10 @@ _KEYISH = re.compile(_KEYISH_WORD + rb"(?![^" + _KEYISH_END + rb"&;=])")
 # brackets) is ASCII or a byte >= 0x80 (UTF-8, the charsets of `_IDENTITY` but the double-byte ones,
 # whose U+3000 has an ASCII second byte): the word at the start of a field, after `_` (or its
 # spellings) or `x` and a separator, maybe "http" and another; `_http` before "method" too.
-_SEP = rb"[ ._\-\[+]"
+_KEY_SEP = rb"[ ._\-\[+]"
 _KEY_AT_START = re.compile(
-    rb"(?<![^&])[\x09-\x0d\x1c-\x20+\[\]\x80-\xff]*(?:" + _SEP + rb"(?:[Hh][Tt][Tt][Pp])?|[Xx]" + _SEP
-    + rb"(?:[Hh][Tt][Tt][Pp]" + _SEP + rb")?)[Mm][Ee][Tt][Hh][Oo][Dd](?:" + _SEP
+    rb"(?<![^&])[\x09-\x0d\x1c-\x20+\[\]\x80-\xff]*(?:" + _KEY_SEP + rb"(?:[Hh][Tt][Tt][Pp])?|[Xx]" + _KEY_SEP
+    + rb"(?:[Hh][Tt][Tt][Pp]" + _KEY_SEP + rb")?)[Mm][Ee][Tt][Hh][Oo][Dd](?:" + _KEY_SEP
     + rb"[Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?(?![^" + _KEYISH_END + rb"&;=])")
 _SPELLING = (b"%0123456789ABCDEFabcdef" + b"MmTtHhOoPpVvRrIiXx" + b" ._-[]+\x00" + bytes(range(0x09, 0x0e))
              + bytes(range(0x1c, 0x20)))

@@ -52,8 +52,9 @@ def spelled(draw, text: str) -> str:
 
 @st.composite
 def names(draw) -> str:
-    word = draw(st.sampled_from(WORDS))
-    return draw(st.sampled_from(JUNK)) + draw(spelled(word)) + draw(st.sampled_from(JUNK))
+    word = draw(st.one_of(st.sampled_from(old.OVERRIDE_FIELDS), st.sampled_from(WORDS)))  # half are overrides
+    junk = st.one_of(st.just(""), st.sampled_from(JUNK))
+    return draw(junk) + draw(spelled(word)) + draw(junk)
 
 
 @st.composite
