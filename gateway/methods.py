@@ -89,6 +89,13 @@ _QUERY_SPLIT = re.compile(r"[&;]")
 MAX_ELEMENTS = 64
 VALUE_CAP = 512  # bytes of a field value kept; a longer value is not a method name
 NAME_CAP = 512  # bytes of a body field name kept; a longer name is not an override name
+# Fields (or multipart parts) one reading reads in full, one by one: every field when no fast path
+# covers its charsets (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`), else the distinct
+# fields the fast path could not rule out (names that look like an override's). Each costs every
+# charset's decoding and query_key, so past this many the body is refused as uncheckable rather
+# than hold the event loop for seconds. No client sends 1000 fields named like `_method`; PHP reads
+# 1000 fields in all by default (max_input_vars), Tomcat 1000 (maxParameterCount).
+SLOW_FIELDS_CAP = 1000
 
 SOURCES = {"header": "header", "query": "query parameter", "form": "form field", "json": "JSON key"}
 
@@ -404,7 +411,149 @@ def _texts(raw: bytes, charsets: Sequence[str], percent: bool, value: bool = Fal
 
 
 def _override_names(raw: bytes, charsets: Sequence[str], percent: bool = True) -> list[str]:
-    return [t for t in _texts(raw, charsets, percent) if query_key(t) in FIELD_KEYS]
+    return [t for t in _texts(raw, charsets, percent) if _may_be_key(t) and query_key(t) in FIELD_KEYS]
+
+
+# --- the scan's fast paths ------------------------------------------------------------------------
+#
+# A body of a million tiny fields (`a=b&a=b&...`) must not cost a million trips through `query_key`:
+# the scan runs on the event loop every sandbox shares. Every override key contains "method", and no
+# character but the ASCII letters casefolds to a piece of a contiguous "method" (U+1E96 and U+1E97
+# casefold to a letter and a combining mark, U+FB05 and U+FB06 to "st"), so a text can only be an
+# override name if, once its percent-escapes are decoded, it holds "method" in ASCII letters of any
+# case. The tests below are necessary conditions only (never the verdict): whatever passes them goes
+# through the full reading, as before. tests/unit/test_method_scan_fast.py checks them against the
+# unabridged scanner (tests/unit/_methods_reference.py).
+
+_MAYBE_KEY = re.compile(r"%|[Mm][Ee][Tt][Hh][Oo][Dd]")
+
+
+def _may_be_key(text: str) -> bool:
+    """False only when `query_key(text)` cannot be an override key: without a `%` its unquoting
+    only turns `+` into spaces, so it needs "method" spelled out."""
+    return _MAYBE_KEY.search(text) is not None
+
+
+# An override key, once query_key has read it, is "method" after `_`, a space, `.`, `-` or `[` (or
+# after "http": `_HttpMethod`), then maybe the same and "override", then the end of the name or what
+# query_key drops (whitespace, a NUL, brackets): `_KEYISH`, in ASCII letters of any case (no other
+# character casefolds into these words; checked by the tests). `_SPELLING` is every character such
+# a match is made of, and so every character percent-escapes can spell it with (`%` and the hex
+# digits too). Decoding only the escapes that yield one of them leaves every other escape (and so
+# every `&`, `;` and `=` a field is split at) as it was, yet spells out every match the full
+# decoding would: an escape is `%` and two hex digits, and a character that is neither never
+# takes part in one.
+_KEYISH_WORD = (rb"(?:[ ._\-\[+]|[Hh][Tt][Tt][Pp])[Mm][Ee][Tt][Hh][Oo][Dd]"
+                 rb"(?:[ ._\-\[+][Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?")
+_KEYISH_END = rb"\x09-\x0d\x1c-\x20\[\]\x00+\x80-\xff"  # what may follow: the name ends, or query_key drops it
+_KEYISH = re.compile(_KEYISH_WORD + rb"(?![^" + _KEYISH_END + rb"&;=])")
+# Tighter, where every character query_key strips from the front of a name (whitespace, then
+# brackets) is ASCII or a byte >= 0x80 (UTF-8, the charsets of `_IDENTITY` but the double-byte ones,
+# whose U+3000 has an ASCII second byte): the word at the start of a field, after `_` (or its
+# spellings) or `x` and a separator, maybe "http" and another; `_http` before "method" too.
+_KEY_SEP = rb"[ ._\-\[+]"
+_KEY_AT_START = re.compile(
+    rb"(?<![^&])[\x09-\x0d\x1c-\x20+\[\]\x80-\xff]*(?:" + _KEY_SEP + rb"(?:[Hh][Tt][Tt][Pp])?|[Xx]" + _KEY_SEP
+    + rb"(?:[Hh][Tt][Tt][Pp]" + _KEY_SEP + rb")?)[Mm][Ee][Tt][Hh][Oo][Dd](?:" + _KEY_SEP
+    + rb"[Oo][Vv][Ee][Rr][Rr][Ii][Dd][Ee])?(?![^" + _KEYISH_END + rb"&;=])")
+_SPELLING = (b"%0123456789ABCDEFabcdef" + b"MmTtHhOoPpVvRrIiXx" + b" ._-[]+\x00" + bytes(range(0x09, 0x0e))
+             + bytes(range(0x1c, 0x20)))
+# Bytes that make some charset read more into a text than its bytes as ASCII (`_IDENTITY` below).
+_TRIGGERS = b"+~\\\x1b\x0e\x0f"
+
+
+def _escapes(chars: bytes) -> dict[bytes, bytes]:
+    out = {}
+    for c in chars:
+        for form in ("%%%02x" % c, "%%%02X" % c):
+            out[form.encode()] = bytes([c])
+    return out
+
+
+_ESCAPE_OF = _escapes(_SPELLING + _TRIGGERS)
+_SPELLED = re.compile(rb"%[0-7][0-9A-Fa-f]")  # every ASCII escape; those not in _ESCAPE_OF are kept as they are
+
+
+def _spelled(data: bytes, rounds: int) -> bytes:
+    """`data` with the escapes of `_SPELLING` and `_TRIGGERS` decoded, `rounds` times over."""
+    for _ in range(rounds):
+        if b"%" not in data:
+            break
+        decoded = _SPELLED.sub(lambda m: _ESCAPE_OF.get(m[0], m[0]), data)
+        if len(decoded) == len(data):
+            break
+        data = decoded
+    return data
+
+
+# Charsets (not ASCII-transparent, `_ascii_transparent`) whose text holds an ASCII character only
+# where the bytes hold that same byte, unless one of these bytes is there: UTF-7 (`+` opens base64),
+# HZ (`~{`, and `~` + newline vanishes), ISO-2022 (escape sequences, SO/SI), the escape codecs
+# (backslashes), Shift_JIS-2004 and JIS X 0213 (only 0x5C and 0x7E read otherwise; a double-byte
+# character is never ASCII). Every other such charset (EBCDIC, UTF-16/32, punycode) has no fast path.
+_IDENTITY: dict[str, bytes] = {
+    "utf-7": b"+", "hz": b"~", "unicode-escape": b"\\", "raw-unicode-escape": b"\\",
+    "iso2022_jp": b"\x1b\x0e\x0f", "iso2022_jp_1": b"\x1b\x0e\x0f", "iso2022_jp_2": b"\x1b\x0e\x0f",
+    "iso2022_jp_2004": b"\x1b\x0e\x0f", "iso2022_jp_3": b"\x1b\x0e\x0f", "iso2022_jp_ext": b"\x1b\x0e\x0f",
+    "iso2022_kr": b"\x1b\x0e\x0f", "shift_jis_2004": b"", "shift_jisx0213": b"",
+}
+
+
+_DOUBLE_BYTE = ("shift_jis_2004", "shift_jisx0213")
+if not all(_KEY_AT_START.search(k.encode()) and _KEYISH.search(k.encode()) for k in FIELD_KEYS | set(OVERRIDE_FIELDS)):
+    raise RuntimeError("the body scan's fast paths must know every override field name")
+
+
+class _NameFilter:
+    """Which of many complete urlencoded fields could have an override name under every reading
+    `_texts` gives a name (UTF-8 as sent, then each charset after percent-decoding), found with a
+    few passes over all of them at once. `None` from `for_charsets` when some charset has no such
+    test: then every field is read in full."""
+
+    # The last answer: the readings of an ASCII body through UTF-7, HZ or ISO-2022 are its bytes
+    # again, and each asks about the same fields (the question is pure, the answer is reused).
+    _last: tuple[bytes, int, bytes, list[int]] = (b"", 0, b"", [])
+
+    def __init__(self, rounds: int, triggers: bytes, loose: bool = False):
+        self._rounds = rounds
+        self._trigger_bytes = triggers + (b"L" if loose else b"")  # (the cache key)
+        self._words = _KEYISH if loose else _KEY_AT_START
+        self._triggers = re.compile(b"[" + re.escape(triggers) + b"]") if triggers else None
+
+    @classmethod
+    def for_charsets(cls, charsets: Sequence[str]) -> "_NameFilter | None":
+        if any(c not in _IDENTITY for c in charsets):
+            return None
+        # A charset's text is percent-decoded again by query_key: twice the rounds.
+        return cls(2 * _DECODE_ROUNDS if charsets else _DECODE_ROUNDS, b"".join(_IDENTITY[c] for c in charsets),
+                   loose=any(c in _DOUBLE_BYTE for c in charsets))
+
+    def candidates(self, fields: bytes) -> list[int]:
+        """Indexes (in `fields.split(b"&")`, `fields` with `;` as `&`) of the fields that may be one."""
+        last = _NameFilter._last
+        if last[1] == self._rounds and last[2] == self._trigger_bytes and last[0] == fields:
+            return last[3]
+        out = self._candidates(fields)
+        _NameFilter._last = (fields, self._rounds, self._trigger_bytes, out)
+        return out
+
+    def _candidates(self, fields: bytes) -> list[int]:
+        text = _spelled(fields, self._rounds)
+        hits = [m.start() for m in self._words.finditer(text)]
+        if self._triggers is not None:
+            hits += [m.start() for m in self._triggers.finditer(text)]
+            hits.sort()
+        out: list[int] = []
+        index, counted = 0, 0
+        for hit in hits:
+            index += text.count(b"&", counted, hit)
+            counted = hit
+            start = text.rfind(b"&", 0, hit) + 1
+            if text.find(b"=", start, hit) >= 0:
+                continue  # in the value: values are judged only under an override name
+            if not out or out[-1] != index:
+                out.append(index)
+        return out
 
 
 def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[str], percent: bool) -> list[Override]:
@@ -420,12 +569,21 @@ def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[st
     return list(dict.fromkeys(found))
 
 
+_MEMO_CAP = 256  # distinct names (and values under override names) a form parser remembers
+
+
 class _Form:
     """application/x-www-form-urlencoded (and a body without Content-Type, which Rack parses as a
-    form): `name=value` fields split at `&` (and `;`, looser than any server)."""
+    form): `name=value` fields split at `&` (and `;`, looser than any server).
+
+    The complete fields inside a chunk are not walked one by one: `_NameFilter` picks, in a few
+    passes over all of them, those whose name could be an override name, and only those are read
+    (`_step`, the same reading as for the field a chunk starts or ends in). A field it leaves out
+    would have been read as no override and skipped, so the findings are the same."""
 
     _STOP = re.compile(rb"[=&;]")
     _SEP = re.compile(rb"[&;]")
+    _SEMI = bytes.maketrans(b";", b"&")
 
     def __init__(self, charsets: Sequence[str] = ()) -> None:
         self._charsets = tuple(charsets)
@@ -433,8 +591,41 @@ class _Form:
         self._name = bytearray()
         self._value = bytearray()
         self._names: list[str] = []
+        self._filter = _NameFilter.for_charsets(self._charsets)
+        self._fields = 0  # read one by one, without a fast path
+        self._full = 0  # distinct fields the fast path could not rule out, read in full
+        self.problem: str | None = None
+        # A field repeated a million times (`_method=GET&...`) is read once: both are pure.
+        self._names_of: dict[bytes, list[str]] = {}
+        self._judged_of: dict[tuple, list[Override]] = {}
+        self._field_of: dict[bytes, list[Override]] = {}
 
     def feed(self, data: bytes, found: list[Override]) -> None:
+        if self.problem is not None:
+            return
+        if self._filter is None:
+            self._fields += data.count(b"&") + data.count(b";")
+            if self._fields > SLOW_FIELDS_CAP:
+                self.problem = _TOO_MANY
+                return
+            self._step(data, found)
+            return
+        first = self._SEP.search(data)
+        if first is None:
+            self._step(data, found)
+            return
+        last = max(data.rfind(b"&"), data.rfind(b";"))
+        self._step(data[: first.end()], found)  # the field in progress ends here
+        if last > first.start():
+            fields = data[first.end(): last].translate(self._SEMI)
+            pieces = fields.split(b"&")
+            for index in self._filter.candidates(fields):
+                self._field(pieces[index], found)
+                if self.problem is not None:
+                    return
+        self._step(data[last + 1:], found)
+
+    def _step(self, data: bytes, found: list[Override]) -> None:
         pos, end = 0, len(data)
         while pos < end:
             if self._state == "name":
@@ -446,7 +637,7 @@ class _Form:
                     return
                 pos = stop + 1
                 if data[stop] == ord("=") and len(self._name) <= NAME_CAP:
-                    self._names = _override_names(bytes(self._name), self._charsets)
+                    self._names = self._override_names(bytes(self._name))
                     self._state = "value" if self._names else "skip"
                 elif data[stop] == ord("="):
                     self._state = "skip"
@@ -461,19 +652,59 @@ class _Form:
                 pos = stop + 1
                 self._close(found)
 
+    def _field(self, field: bytes, found: list[Override]) -> None:
+        """One whole field (no `&` or `;`), read from the `name` state back to it: what it yields
+        depends on its bytes only."""
+        if b"=" not in field:
+            return  # a name alone is no field: `_step` drops it
+        judged = self._field_of.get(field)
+        if judged is None:
+            self._full += 1
+            if self._full > SLOW_FIELDS_CAP:
+                self.problem = _TOO_MANY
+                return
+            if len(field) > NAME_CAP + VALUE_CAP + 2:
+                self._step(field + b"&", found)
+                return
+            if len(self._field_of) >= _MEMO_CAP:
+                self._field_of.clear()
+            judged = self._field_of[field] = []
+            self._step(field + b"&", judged)
+        found += judged
+
+    def _override_names(self, name: bytes) -> list[str]:
+        names = self._names_of.get(name)
+        if names is None:
+            if len(self._names_of) >= _MEMO_CAP:
+                self._names_of.clear()
+            names = self._names_of[name] = _override_names(name, self._charsets)
+        return names
+
     def _close(self, found: list[Override]) -> None:
         if self._state == "value":
-            found += _judged("form", self._names, bytes(self._value), self._charsets, percent=True)
+            key = (tuple(self._names), bytes(self._value))
+            judged = self._judged_of.get(key)
+            if judged is None:
+                if len(self._judged_of) >= _MEMO_CAP:
+                    self._judged_of.clear()
+                judged = self._judged_of[key] = _judged("form", self._names, key[1], self._charsets, percent=True)
+            found += judged
         self._state = "name"
         self._value.clear()
         self._name.clear()
 
     def finish(self, found: list[Override]) -> None:
-        self._close(found)
+        if self.problem is None:
+            self._close(found)
 
     @property
     def pending(self) -> bool:
         return self._state == "value"
+
+
+_HEADERS_TOO_LONG = "a multipart part's header block is too long to tell whether it is a method override field"
+_TOO_MANY = (f"it has more than {SLOW_FIELDS_CAP} fields the gateway must read one by one (named like an "
+             f"override, or in a charset it can only read so: EBCDIC, UTF-16/32)")
 
 
 class _Multipart:
@@ -503,13 +734,18 @@ class _Multipart:
         self._delimiter = b"--" + boundary if boundary is not None else None
         self._known = tuple(known)
         self._charsets = tuple(charsets)
+        self._fast = _NameFilter.for_charsets(self._charsets) is not None
+        self._triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._fast else b""
+        self._parts = self._parts_pattern()
+        self._plain_block = re.compile(b"(?:[^%\\\\Mm" + re.escape(self._triggers) + b"]|[Mm](?![Ee][Tt][Hh][Oo][Dd]))*+")
         self._buf = bytearray()
         self._state = "preamble"  # sniff | preamble | after_delimiter | headers | value | skip | done
         if boundary is None:
             self._state = "sniff"
         self._names: list[str] = []
         self._value = bytearray()
-        self.unreadable = False  # part headers beyond HEADER_CAP: the caller refuses
+        self.problem: str | None = None  # why the caller must refuse the body (part headers beyond HEADER_CAP...)
+        self._slow_parts = 0
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         if self._state == "done":
@@ -535,6 +771,7 @@ class _Multipart:
             buf.clear()
             return False
         self._delimiter, self._state = b"--" + boundary, "preamble"
+        self._parts = self._parts_pattern()
         return True
 
     def _step(self, found: list[Override]) -> bool:
@@ -542,6 +779,10 @@ class _Multipart:
         if self._state == "sniff":
             return self._sniff()
         buf, delimiter = self._buf, self._delimiter
+        if self._state in ("preamble", "skip") and self._parts is not None and (m := self._parts.match(buf)):
+            del buf[: m.end()]  # whole parts that name no override field: read as `skip` would
+            self._state = "skip"
+            return True
         if self._state in ("preamble", "skip", "value"):
             at = buf.find(delimiter)
             keep = len(delimiter) - 1
@@ -557,6 +798,12 @@ class _Multipart:
                 self._close_value(found)
             del buf[: at + len(delimiter)]
             self._state = "after_delimiter"
+            if self._parts is None:
+                self._slow_parts += 1
+                if self._slow_parts > SLOW_FIELDS_CAP:
+                    self.problem, self._state = _TOO_MANY, "done"
+                    buf.clear()
+                    return False
             return True
         if self._state == "after_delimiter":
             if len(buf) < 2:
@@ -568,7 +815,7 @@ class _Multipart:
             newline = buf.find(b"\n")
             if newline < 0:
                 if len(buf) > self.HEADER_CAP:
-                    self.unreadable, self._state = True, "done"
+                    self.problem, self._state = _HEADERS_TOO_LONG, "done"
                 return False
             del buf[: newline + 1]
             self._state = "headers"
@@ -577,7 +824,7 @@ class _Multipart:
             m = self._BLANK.search(buf)
             if m is None:
                 if len(buf) > self.HEADER_CAP:
-                    self.unreadable, self._state = True, "done"
+                    self.problem, self._state = _HEADERS_TOO_LONG, "done"
                 return False
             self._names = self._part_names(bytes(buf[: m.start()]))
             del buf[: m.end()]
@@ -585,7 +832,32 @@ class _Multipart:
             return True
         return False
 
+    def _parts_pattern(self) -> re.Pattern | None:
+        """Whole parts as `_step` reads them from `preamble` or `skip` (up to the next delimiter, a
+        close-delimiter's `--` or the rest of the delimiter's line, a header block up to its first
+        empty line) whose header block cannot name an override field: no `%`, backslash or charset
+        trigger (`_IDENTITY`), and no "method" even with its line breaks dropped (PHP joins a
+        folded line without them). One match skips any number of them."""
+        if not self._fast or self._delimiter is None:
+            return None
+        method = rb"[\r\n]*+".join(b"[%s%s]" % (c.upper(), c) for c in (bytes([b]) for b in b"method"))
+        plain = b"[^\n%\\\\Mm" + re.escape(self._triggers) + b"]"
+        block = b"(?:" + plain + b"|[Mm](?!" + method[len(b"[Mm]"):] + b")|\n(?!\r?\n))*+\n\r?\n"
+        # Atomic: the first delimiter is the one `_step` stops at; a part that does not match must
+        # end the run there, never be skipped over to a later delimiter.
+        first = re.escape(self._delimiter[:1])  # alternatives that cannot both match: no retrying
+        return re.compile(b"(?>(?>(?:[^" + first + b"]++|" + first + b")*?" + re.escape(self._delimiter)
+                          + b")(?:--|[^\n]*+\n(?:\r?\n|" + block + b")))+", re.DOTALL)
+
     def _part_names(self, block: bytes) -> list[str]:
+        if self._parts is not None:
+            if self._plain_block.fullmatch(block.replace(b"\r", b"").replace(b"\n", b"")):
+                return []  # what `_parts_pattern` passes over: no "method", `%`, backslash or trigger
+            self._slow_parts += 1
+            if self._slow_parts > SLOW_FIELDS_CAP:
+                self.problem, self._state = _TOO_MANY, "done"
+                self._buf.clear()
+                return []
         names: list[str] = []
         for text in _texts(block, self._charsets, percent=False):
             names += [n for n in _disposition_names(text, self._NAME) if query_key(n) in FIELD_KEYS]
@@ -638,7 +910,7 @@ def _disposition_names(headers: str, pattern: re.Pattern) -> list[str]:
         for m in pattern.finditer(value):
             raw = m.group(2).strip()
             variants = [raw]
-            if raw[:1] in "\"'":
+            if raw[:1] and raw[0] in "\"'":  # ("" is in every string: `name=` alone crashed the scan)
                 quote = raw[0]
                 inner = raw[1:].removesuffix(quote) if len(raw) > 1 else ""
                 variants = [inner, re.sub(r"\\(.)", r"\1", inner), inner.split(quote, 1)[0]]
@@ -658,6 +930,15 @@ class _Json:
     _STRUCT = re.compile(rb'["{}\[\],:]')
     _IN_STRING = re.compile(rb'["\\]')
     _SPACE = b" \t\r\n"
+    # Fast paths, each over bytes the step-by-step scan would read to the same end: inside a nested
+    # value, everything but brackets and whole strings (no key is read there); at the top level,
+    # whole `"key": value,` members whose key cannot be an override key (no escape, `%` or NUL, so
+    # its text is its bytes, and no `_KEYISH` word in it) and whose value is scalars and strings.
+    # Possessive: a string that does not end in this chunk is given up at once, not retried.
+    _STRING_BODY = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
+    _DEEP = re.compile(rb'(?:[^"{}\[\]]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
+    _MEMBERS = re.compile(rb'(?:[ \t\r\n]*+"(?![^"]*?' + _KEYISH_WORD + rb'(?![^' + _KEYISH_END + rb'"]))'
+                          rb'[^"\\%\x00]*+"[ \t\r\n]*+:(?:[^"{}\[\],]++|"(?:[^"\\]++|\\.)*+")*+,)+', re.DOTALL)
 
     def __init__(self) -> None:
         self._started = False
@@ -688,6 +969,8 @@ class _Json:
                     self._escape = False
                     pos += 1
                     continue
+                if self._capture is None or len(self._capture) > NAME_CAP:  # nothing kept: skip escapes at once
+                    pos = self._STRING_BODY.match(data, pos).end()
                 m = self._IN_STRING.search(data, pos)
                 stop = m.start() if m else end
                 self._keep(data[pos:stop])
@@ -701,6 +984,12 @@ class _Json:
                 pos = stop + 1
                 self._in_string = False
                 self._end_string(found)
+                continue
+            if self._depth >= 2:
+                pos = self._DEEP.match(data, pos).end()
+            elif self._depth == 1 and self._expect_key and (fast := self._MEMBERS.match(data, pos)):
+                pos = fast.end()
+                self._value_for = None
                 continue
             m = self._STRUCT.search(data, pos)
             if m is None:
@@ -819,8 +1108,8 @@ class _Reading:
         return any(p.pending for p in self.parsers)
 
     @property
-    def unreadable(self) -> bool:
-        return any(getattr(p, "unreadable", False) for p in self.parsers)
+    def problem(self) -> str | None:
+        return next((p.problem for p in self.parsers if getattr(p, "problem", None)), None)
 
 
 class _Stream:
@@ -869,8 +1158,9 @@ class _Stream:
 
     @property
     def problem(self) -> str | None:
-        if any(r.unreadable for r in self.readings):
-            return "a multipart part's header block is too long to tell whether it is a method override field"
+        for reading in self.readings:
+            if (why := reading.problem) is not None:
+                return why
         failed = [r.codec for r in self.readings if r.failed]
         return f"it does not decode as its charset {failed[0]}" if failed else None
 

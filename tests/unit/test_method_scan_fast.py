@@ -1,0 +1,281 @@
+"""The body scan's fast paths (gateway/methods.py `_NameFilter`, `_Form.feed`, `_Json`, `_Multipart`)
+find exactly what the unabridged scanner finds (tests/unit/_methods_reference.py, the scanner before
+them): for random bodies built from override names in every spelling the readings undo (case,
+percent-escapes of any characters, nested, `+`, brackets, whitespace, NULs, JSON escapes, multipart
+headers), random Content-Types and charsets, cut into random chunks. An override the fast path missed
+would be a bypass (a POST executed as DELETE), so the filters are also checked on their own: they
+may keep too much, never too little.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway import methods as new
+from gateway.decompress import streaming_decoder
+from tests.unit import _methods_reference as old
+
+WORDS = list(old.OVERRIDE_FIELDS) + ["method", "_method", "methodx", "x_http", "http_method", "override",
+                                     "_method_overrid", "_httpmethod", "x-method", "a", "k1", ""]
+JUNK = ["", "[", "]", "[]", "[x]", "[0", " ", "\t", "\x1c", "\x00", "\x00x", "\xa0", "\u3000", ".", "-", "+",
+        "_", "x", "%", "%2", "%25", "=", "\u1e96", "\ufb01", "İ", "\\", "~", "+AF8-", "\x1b(B", "é"]
+CHARSETS = ["utf-8", "latin-1", "cp500", "utf-16", "utf-16-le", "utf-32", "utf-7", "hz", "iso-2022-jp",
+            "shift_jis_2004", "unicode-escape", "big5", "nonsense-charset"]
+METHODS = ["DELETE", "GET", "POST", "delete", " PUT ", "GET,DELETE", "TRACE", "DELETE;x", "", "%44ELETE"]
+
+
+@st.composite
+def spelled(draw, text: str) -> str:
+    """`text` with random case and some characters percent-encoded, maybe twice over."""
+    out = []
+    for ch in text:
+        ch = draw(st.sampled_from([ch, ch.upper(), ch.lower()]))
+        mode = draw(st.integers(0, 9))
+        if mode == 0 and ch.isascii():
+            ch = "%{:02x}".format(ord(ch))
+        elif mode == 1 and ch.isascii():
+            ch = "%{:02X}".format(ord(ch))
+        elif mode == 2 and ch.isascii():
+            ch = "%25{:02X}".format(ord(ch))  # nested
+        elif mode == 3 and ch.isascii():
+            ch = "%%{:02x}%{:02x}".format(ord("{:02x}".format(ord(ch))[0]), ord("{:02x}".format(ord(ch))[1]))
+        elif mode == 4 and ch == " ":
+            ch = "+"
+        elif mode == 5 and ch in "_-. ":
+            ch = draw(st.sampled_from(["_", "-", ".", " ", "+", "["]))
+        out.append(ch)
+    return "".join(out)
+
+
+@st.composite
+def names(draw) -> str:
+    word = draw(st.one_of(st.sampled_from(old.OVERRIDE_FIELDS), st.sampled_from(WORDS)))  # half are overrides
+    junk = st.one_of(st.just(""), st.sampled_from(JUNK))
+    return draw(junk) + draw(spelled(word)) + draw(junk)
+
+
+@st.composite
+def form_body(draw) -> bytes:
+    fields = []
+    for _ in range(draw(st.integers(0, 12))):
+        name = draw(names())
+        value = draw(spelled(draw(st.sampled_from(METHODS + ["x", "_method", "a=b"]))))
+        field = name + draw(st.sampled_from(["=", "=", "", "=="])) + value
+        fields.append(field)
+    text = "".join(f + draw(st.sampled_from(["&", ";", "&&"])) for f in fields)[: draw(st.integers(0, 2000))]
+    charset = draw(st.sampled_from(["utf-8", "utf-8", "utf-16-le", "utf-16-be", "cp500", "utf-7", "hz"]))
+    return _encoded(text, charset)
+
+
+def _encoded(text: str, charset: str) -> bytes:
+    try:
+        return text.encode(charset, "surrogatepass")
+    except UnicodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _json_string(draw, text: str) -> str:
+    out = []
+    for ch in text:
+        mode = draw(st.integers(0, 7))
+        if mode == 0:
+            out.append("\\u{:04x}".format(ord(ch)))
+        elif ch in '"\\' or ord(ch) < 0x20:
+            out.append("\\u{:04X}".format(ord(ch)))
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+@st.composite
+def json_body(draw) -> bytes:
+    items = []
+    for _ in range(draw(st.integers(0, 10))):
+        key = _json_string(draw, draw(names()))
+        value = draw(st.sampled_from([
+            _json_string(draw, draw(st.sampled_from(METHODS))), "1", "null", "[1, \"DELETE\", {\"_method\": 1}]",
+            "{\"_method\": \"DELETE\"}", "\"a\\\"b\"", "[[[]]]", "\"x{y}[z],\"", "true"]))
+        items.append(key + draw(st.sampled_from([":", " : ", ":\n"])) + value)
+    text = draw(st.sampled_from(["{", " {", "[", "{{"])) + draw(st.sampled_from([",", ", ", " ,\n"])).join(items)
+    text += draw(st.sampled_from(["}", "} junk", "", "}{\"_method\":\"PUT\"}"]))
+    return _encoded(text, draw(st.sampled_from(["utf-8", "utf-8", "utf-16-le", "utf-32"])))
+
+
+@st.composite
+def multipart_body(draw, boundary: str = "B") -> bytes:
+    parts = []
+    for _ in range(draw(st.integers(0, 8))):
+        name = draw(names())
+        quote = draw(st.sampled_from(['"', "'", ""]))
+        header = draw(st.sampled_from([
+            "Content-Disposition: form-data; name={q}{n}{q}", "content-disposition:form-data;name={q}{n}{q}",
+            "Content-Disposition: form-data; name*=utf-8''{n}", "X: y", "", "Content-Disposition: form-data;\r\n"
+            " name={q}{n}{q}", "Content-Disposition: form-data; name={q}_met\r\nhod{q}"])).format(q=quote, n=name)
+        blank = draw(st.sampled_from(["\r\n\r\n", "\n\n", "\r\n\n", "\r\n"]))
+        value = draw(st.sampled_from(METHODS + ["--" + boundary, "x" * 600]))
+        parts.append("--" + boundary + draw(st.sampled_from(["\r\n", "\n", "--", " junk\r\n"])) + header + blank + value
+                     + "\r\n")
+    text = draw(st.sampled_from(["", "preamble\r\n"])) + "".join(parts)
+    text += draw(st.sampled_from(["--" + boundary + "--\r\n", "", "--" + boundary]))
+    return _encoded(text, draw(st.sampled_from(["utf-8", "utf-8", "utf-16-le", "cp500"])))
+
+
+@st.composite
+def content_types(draw) -> list[str]:
+    base = draw(st.sampled_from([
+        [], ["application/x-www-form-urlencoded"], ["application/json"], ["multipart/form-data; boundary=B"],
+        ["text/plain"], ["application/x-www-form-urlencoded", "application/json"]]))
+    if base and draw(st.booleans()):
+        charsets = draw(st.lists(st.sampled_from(CHARSETS), max_size=3))
+        base = [base[0] + "".join(f"; charset={c}" for c in charsets)] + base[1:]
+    return base
+
+
+def _seen(found) -> list:
+    return [(o.source, o.name, o.method) for o in found]
+
+
+def _scan(module, types: list[str], body: bytes, cuts: list[int]) -> list:
+    """What the scanner says after every chunk and at the end (an exception too: the caller refuses
+    the body then, and the fast paths must not change that either)."""
+    s = module.BodyScanner.for_headers([("Content-Type", t) for t in types], streaming_decoder)
+    if s is None:
+        return ["no scanner"]
+    trace, start = [], 0
+    try:
+        for cut in sorted(set(c for c in cuts if 0 < c < len(body))) + [len(body)]:
+            trace.append((_seen(s.feed(body[start:cut])), s.pending, s.problem))
+            start = cut
+        trace.append((_seen(s.finish()), s.pending, s.problem))
+    except Exception as exc:  # noqa: BLE001
+        trace.append(type(exc).__name__)
+    return trace
+
+
+def _same(types: list[str], body: bytes, cuts: list[int]) -> None:
+    assert _scan(new, types, body, cuts) == _scan(old, types, body, cuts), (types, body, cuts)
+
+
+EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@EXAMPLES
+@given(st.data())
+def test_bodies_of_every_kind_give_the_same_findings_in_any_chunking(data):
+    types = data.draw(content_types())
+    body = data.draw(st.one_of(form_body(), json_body(), multipart_body()))
+    cuts = data.draw(st.lists(st.integers(0, max(len(body), 1)), max_size=8))
+    _same(types, body, cuts)
+
+
+@EXAMPLES
+@given(form_body(), st.lists(st.integers(0, 3000), max_size=6),
+       st.lists(st.sampled_from(["utf-8", "utf-7", "hz", "iso-2022-jp", "shift_jis_2004", "unicode-escape",
+                                 "raw-unicode-escape", "cp500", "utf-16", "latin-1"]), max_size=3))
+def test_form_bodies_under_every_charset(body, cuts, charsets):
+    types = ["application/x-www-form-urlencoded" + "".join(f"; charset={c}" for c in charsets)]
+    _same(types, body, cuts)
+
+
+@EXAMPLES
+@given(json_body(), st.lists(st.integers(0, 3000), max_size=6))
+def test_json_bodies(body, cuts):
+    _same(["application/json"], body, cuts)
+
+
+@EXAMPLES
+@given(multipart_body(), st.lists(st.integers(0, 3000), max_size=6), st.sampled_from(["", "; charset=cp500",
+                                                                                       "; charset=utf-16"]))
+def test_multipart_bodies(body, cuts, charset):
+    _same(["multipart/form-data; boundary=B" + charset], body, cuts)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(names(), st.lists(st.sampled_from(sorted(new._IDENTITY)), max_size=3), st.sampled_from(["utf-8", "utf-7"]))
+def test_the_name_filter_never_drops_a_name_the_full_reading_judges(name, charsets, encoding):
+    """A superset test: every field whose name the full reading takes for an override name is kept."""
+    raw = name.encode(encoding, "surrogatepass")
+    if b"&" in raw or b";" in raw or b"=" in raw:
+        return
+    names_ = old._override_names(raw, tuple(charsets))
+    kept = new._NameFilter.for_charsets(tuple(charsets)).candidates(b"x=1&" + raw + b"=DELETE&y")
+    if names_:
+        assert 1 in kept, (raw, charsets, names_)
+
+
+def test_no_character_but_ascii_letters_casefolds_into_an_override_word():
+    """`_KEYISH` spells the words in ASCII letters only: no other character's casefolding puts one of
+    their letters where it could continue the word (these four add a mark or another letter)."""
+    letters = set("methodoverridehttpx")
+    odd = {cp for cp in range(128, sys.maxunicode + 1) if letters & set(chr(cp).casefold())}
+    assert odd <= {0x130, 0x1E96, 0x1E97, 0xFB01, 0xFB03, 0xFB05, 0xFB06}
+    for cp in odd:
+        folded = chr(cp).casefold()
+        assert len(folded) > 1 and not all(c in letters for c in folded), hex(cp)
+
+
+def test_the_filters_own_examples():
+    f = new._NameFilter.for_charsets(())
+    fields = b"a=b&_method=PUT&x=_method&%5F%6d%65%74%68%6f%64=1&_methodx=1&X-HTTP-Method-Override&k[_method=1"
+    assert f.candidates(fields) == [1, 3, 5]  # not k[_method: query_key reads k__method
+    assert f.candidates(b"k1_method=1& [_method[]=1&\xe3\x80\x80_METHOD=1&%20%5b%2e%6DeThOd=1") == [1, 2, 3]
+    assert new._NameFilter.for_charsets(("shift_jis_2004",)).candidates(b"\x81\x40_method=1") == [0]
+    assert new._NameFilter.for_charsets(("cp500",)) is None
+
+
+def test_a_multipart_override_between_harmless_parts_is_never_skipped_over():
+    """The run of harmless parts one regex skips stops at the first delimiter whose part may name an
+    override (a later delimiter must not be taken for the end of the run)."""
+    body = (b"--B\r\nX: y\r\n\r\nv\r\n--B\r\nContent-Disposition: form-data; name=_method\r\n\r\nDELETE\r\n"
+            b"--B\r\nX: y\r\n\r\nv\r\n--B--\r\n")
+    for cut in range(len(body) + 1):
+        _same(["multipart/form-data; boundary=B"], body, [cut])
+        found = _scan(new, ["multipart/form-data; boundary=B"], body, [cut])
+        assert ("form", "_method", "DELETE") in [o for step in found for o in step[0]]
+
+
+def _problem(types: list[str], body: bytes) -> str | None:
+    s = new.BodyScanner.for_headers([("Content-Type", t) for t in types], streaming_decoder)
+    for at in range(0, len(body), 4096):
+        s.feed(body[at:at + 4096])
+    s.finish()
+    return s.problem
+
+
+def test_charsets_without_a_fast_path_are_read_for_so_many_fields_then_refused():
+    """EBCDIC and UTF-16/32 names are read field by field, every charset's way: past SLOW_FIELDS_CAP
+    fields (or parts) the body is refused as uncheckable instead of holding the event loop."""
+    cap = new.SLOW_FIELDS_CAP
+    form = "application/x-www-form-urlencoded; charset="
+    assert _problem([form + "cp500"], b"a=b&" * (cap - 1) + b"a=b") is None
+    assert "more than 1000 fields" in _problem([form + "cp500"], b"a=b&" * (cap + 1))
+    assert "more than 1000 fields" in _problem([form + "utf-16"], b"a=b&" * (cap + 1))
+    part = b"--B\r\nContent-Disposition: form-data; name=a\r\n\r\nb\r\n"
+    assert _problem(["multipart/form-data; boundary=B; charset=utf-16"], part * (cap - 1) + b"--B--") is None
+    assert "more than 1000 fields" in _problem(["multipart/form-data; boundary=B; charset=cp500"], part * (cap + 1))
+    # With a fast path there is no such cap.
+    assert _problem([form + "utf-8"], b"a=b&" * 100 * cap) is None
+    assert _problem([form + "utf-7; charset=iso-2022-jp"], b"a=b&" * 100 * cap) is None
+    assert _problem(["multipart/form-data; boundary=B"], part * 10 * cap) is None
+
+
+def test_distinct_fields_named_like_overrides_are_read_for_so_many_then_refused():
+    """The fields the fast path cannot rule out are read in full; a body of thousands of distinct
+    ones (`_method[1]=`, `_method[2]=`...) is refused past SLOW_FIELDS_CAP, repeats cost nothing."""
+    form = ["application/x-www-form-urlencoded"]
+    many = b"&".join(b"_method[%d]=" % i for i in range(new.SLOW_FIELDS_CAP + 10))
+    assert "more than 1000 fields" in _problem(form, many)
+    assert _problem(form, b"_method=GET&" * 10 * new.SLOW_FIELDS_CAP) is None
+    assert _problem(form, b"&".join(b"_method[%d]" % i for i in range(10 * new.SLOW_FIELDS_CAP))) is None  # no values
+    mp = b"".join(b"--B\r\nContent-Disposition: form-data; name=_method[%d]\r\n\r\n\r\n" % i
+                  for i in range(new.SLOW_FIELDS_CAP + 10))
+    assert "more than 1000 fields" in _problem(["multipart/form-data; boundary=B"], mp)
+
+
+def test_an_empty_multipart_name_is_no_override_and_no_crash():
+    body = b"--B\r\nContent-Disposition: form-data; name=\r\n\r\nDELETE\r\n--B--\r\n"
+    for module in (new, old):
+        assert _scan(module, ["multipart/form-data; boundary=B"], body, []) == [([], False, None), ([], False, None)]
