@@ -68,8 +68,9 @@ class PolicyReloader:
     async def _poll(self) -> None:
         first = True
         while True:
-            if not first:
-                await asyncio.sleep(max(ctx.options.egress_policy_poll, 1))
+            # Even the first look waits one interval: a rejected reload logs an error, and an error
+            # logged while mitmproxy is still starting makes it exit.
+            await asyncio.sleep(max(ctx.options.egress_policy_poll, 1))
             try:
                 identity = self._stat(ctx.options.egress_policy)
                 # The first look compares content, not identity: the file may have changed between
