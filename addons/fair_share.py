@@ -23,7 +23,7 @@ import time
 
 from mitmproxy import ctx, exceptions
 
-from gateway.fairshare import DEFAULT_BURST, DEFAULT_MAX_SHARE, LoopShare
+from gateway.fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, LoopShare
 
 ATTR = "_egress_share_key"
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # the ConnectionHandler
@@ -122,12 +122,17 @@ class FairShare:
             "egress_loop_share_burst", str, f"{DEFAULT_BURST:g}",
             "Seconds of loop time a sandbox may use at once above its share.",
         )
+        loader.add_option(
+            "egress_loop_share_busy", str, f"{DEFAULT_BUSY:g}",
+            "The loop counts as contended (shares apply) once the work of about the last second fills this "
+            "fraction of it; below it nobody is slowed. 0: always contended.",
+        )
 
     def configure(self, updated: set[str]) -> None:
-        if updated & {"egress_max_loop_share_per_sandbox", "egress_loop_share_burst"}:
+        names = {"egress_max_loop_share_per_sandbox", "egress_loop_share_burst", "egress_loop_share_busy"}
+        if updated & names:
             try:
-                share = float(ctx.options.egress_max_loop_share_per_sandbox)
-                burst = float(ctx.options.egress_loop_share_burst)
-                _share.configure(share, burst)
+                _share.configure(float(ctx.options.egress_max_loop_share_per_sandbox),
+                                 float(ctx.options.egress_loop_share_burst), float(ctx.options.egress_loop_share_busy))
             except ValueError as exc:
-                raise exceptions.OptionsError(f"egress_max_loop_share_per_sandbox / egress_loop_share_burst: {exc}") from None
+                raise exceptions.OptionsError(f"{', '.join(sorted(names))}: {exc}") from None

@@ -59,11 +59,13 @@ class LoopShare:
         self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
         self.configure(max_share, burst)
 
-    def configure(self, max_share: float, burst: float) -> None:
-        if not 0 <= max_share <= 1 or burst < 0:
-            raise ValueError("max_share must be within [0, 1] and burst >= 0")
+    def configure(self, max_share: float, burst: float, busy: float | None = None) -> None:
+        if not 0 <= max_share <= 1 or burst < 0 or (busy is not None and not 0 <= busy <= 1):
+            raise ValueError("max_share and busy must be within [0, 1] and burst >= 0")
         self.max_share = float(max_share)
         self.burst = float(burst)
+        if busy is not None:
+            self.busy = float(busy)
 
     @property
     def enabled(self) -> bool:
