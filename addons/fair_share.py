@@ -7,7 +7,8 @@ tasks it starts, for its connections and its hooks, inherit the mark). That is a
 where it runs: TLS, HTTP/1 and HTTP/2 parsing, WebSocket framing, the layers, every addon's
 decision, audit and metrics work, and nothing while a hook awaits (a DNS answer costs the loop
 nothing, and the work of others that runs meanwhile is theirs). The cost: two clock reads per
-callback. What it is made to do: after each read of one of its connections
+callback. The time is summed on the handler and charged at its next read. What it is made to do: after each
+read of one of its connections
 (ConnectionHandler.drain_writers, awaited after every read of every connection, mitmproxy 12.3),
 wait `LoopShare.delay` seconds before the next one while it is over its share on a contended loop.
 Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandbox alone on a
@@ -86,19 +87,25 @@ def install(state) -> None:
         handler = self._context.get(_serving)
         if handler is None:
             return run(self)
-        started = time.perf_counter()
+        started = perf_counter()
         try:
             return run(self)
         finally:
-            _charge(handler, time.perf_counter() - started)
+            handler._egress_spent += perf_counter() - started  # charged at its next read (cheap here)
 
     async def shared_drain_writers(self) -> None:
         await drain_writers(self)
+        spent = self._egress_spent
+        if spent:
+            self._egress_spent = 0.0
+            _charge(self, spent)
         key = getattr(self, ATTR, None)
         if key is not None and (wait := _share.delay(key)):
             await asyncio.sleep(wait)
             _waited(key, wait)
 
+    perf_counter = time.perf_counter
+    handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet
     marked_handle_client._egress_share = True
     handler_class.handle_client = marked_handle_client
     handler_class.drain_writers = shared_drain_writers
