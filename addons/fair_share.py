@@ -10,7 +10,8 @@ nothing, and the work of others that runs meanwhile is theirs). The cost: two cl
 callback. The time is summed on the handler and charged at its next read. What it is made to do: after each
 read of one of its connections
 (ConnectionHandler.drain_writers, awaited after every read of every connection, mitmproxy 12.3),
-wait `LoopShare.delay` seconds before the next one while it is over its share on a contended loop.
+wait `LoopShare.delay` seconds, and ask again, until it is no longer over its share on a contended
+loop.
 Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandbox alone on a
 worker, or next to an idle loop, is never slowed.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import random
 import time
 
 from mitmproxy import ctx, exceptions
@@ -100,9 +102,18 @@ def install(state) -> None:
             self._egress_spent = 0.0
             _charge(self, spent)
         key = getattr(self, ATTR, None)
-        if key is not None and (wait := _share.delay(key)):
+        if key is None:
+            return
+        waited = 0.0
+        # Until the sandbox is out of debt, however many connections it holds: each waits, asks
+        # again, and wakes at a random point of up to twice its wait, so that the connections of a
+        # sandbox that has paid its debt do not all read at once (150 of them did, as one burst).
+        while wait := _share.delay(key):
+            wait *= 1.0 + random.random()
             await asyncio.sleep(wait)
-            _waited(key, wait)
+            waited += wait
+        if waited:
+            _waited(key, waited)
 
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet

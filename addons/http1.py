@@ -323,6 +323,16 @@ class GatewayHttp1Client(Http1Client):
                 trailers, catcher.trailers = catcher.trailers, None
                 yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
             yield command
+        if self.state == self.read_body and len(self.buf) > MAX_RESPONSE_HEAD_BYTES:
+            # What h11 left unread is an unfinished chunk-size line (its extensions) or trailer
+            # section: h11 bounds neither, and an upstream could grow it without end.
+            self.buf = ReceiveBuffer()
+            yield commands.CloseConnection(self.conn)
+            self.state = self.done
+            if self.stream_id is not None and not self.response_done:
+                yield ReceiveHttp(ResponseProtocolError(
+                    self.stream_id, f"the upstream sent a chunk-size line or trailer section of more than "
+                                    f"{MAX_RESPONSE_HEAD_BYTES} bytes", ErrorCode.RESPONSE_TOO_LARGE))
 
 
 def install() -> None:

@@ -410,10 +410,18 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         except SmallChunkFlood as flood:
             yield from self._cut(Decision.deny("small_frame_flood", f"{flood}; the connection was closed"),
                                  "the client sent too many small chunks")
+            return
         except NotImplementedError:
             # mitmproxy cannot relay request trailers and would leave the connection hanging.
             yield from self._refuse(Decision.deny("malformed_request", "request trailers are not supported"),
                                     self.request, getattr(self.request, "method", None))
+            return
+        if self.state == self.read_body and len(self.buf) > self.max_head_bytes:
+            # What h11 left unread is an unfinished chunk-size line (its extensions) or trailer
+            # section: h11 bounds neither (300 MiB of one grew a worker by 300 MiB).
+            yield from self._cut(Decision.deny("chunk_line_too_large", f"a chunk-size line or the trailer section "
+                                               f"passed {self.max_head_bytes} bytes"),
+                                 "the client sent a chunk-size line or trailer section too large")
 
     def send(self, event) -> layer.CommandGenerator[None]:
         if (yield from self.send_framed(event)):
@@ -941,10 +949,19 @@ class GatewayHttpStream(HttpStream):
         """mitmproxy's, and then the stream lets go of its buffered bodies: a dropped stream sits in
         reference cycles (its contexts' layer lists, its bound state methods) until a full garbage
         collection, and bytes do not trigger one (91 HTTP/2 streams refused over the buffer budget
-        kept 26 MiB that way)."""
+        kept 26 MiB that way). A response cut off by a budget (response_too_large) once its head
+        went out, so that no refusal can be sent, is audited here, with the rule it ran under."""
+        started = self.server_state == self.state_stream_response_body
         yield from super().handle_protocol_error(event)
         self.request_body_buf.clear()
         self.response_body_buf.clear()
+        if (started and isinstance(event, ResponseProtocolError) and event.code == ErrorCode.RESPONSE_TOO_LARGE
+                and self.on_refusal is not None and self.flow is not None):
+            decision = protocol_error_decision(event)
+            allowed_by = self.flow.metadata.get("egress_decision")
+            if getattr(allowed_by, "rule", None):
+                decision = replace(decision, rule=allowed_by.rule)
+            _report(self.on_refusal, self.context, decision, self.flow.request, status_sent=False)
 
     def client_reset(self) -> str | None:
         """Why the client ended this stream while it waited (a reset, a disconnect), if it did: the

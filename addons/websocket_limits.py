@@ -82,6 +82,39 @@ class WebsocketLimits:
         return functools.partial(frame_limits.take, key)
 
 
+def _on_characters(content: bytes, fragments: list[int]) -> list[int]:
+    """Fragment sizes for a text message that cut it only between UTF-8 characters: mitmproxy's
+    Fragmentizer decodes each fragment on its own (errors="replace"), so a character split across
+    two fragments came out as U+FFFD. The sizes asked for (the client's, or none: mitmproxy's
+    4,000-byte ones) are kept where they fall between characters and moved back to the character's
+    start where they do not."""
+    total = len(content)
+    if fragments and sum(fragments) == total:
+        cuts, at = [], 0
+        for size in fragments[:-1]:
+            at += size
+            cuts.append(at)
+    else:
+        cuts = list(range(SMALL_FRAGMENT, total, SMALL_FRAGMENT))
+    sizes, start = [], 0
+    for cut in cuts:
+        while start < cut < total and content[cut] & 0xC0 == 0x80:  # a continuation byte: not a start
+            cut -= 1
+        if cut > start:
+            sizes.append(cut - start)
+            start = cut
+    sizes.append(total - start)
+    return sizes
+
+
+def _sized(total: int) -> list[int]:
+    """mitmproxy's own fragments for a message of `total` bytes: 4,000 bytes each."""
+    sizes = [SMALL_FRAGMENT] * (total // SMALL_FRAGMENT)
+    if total % SMALL_FRAGMENT or not sizes:
+        sizes.append(total % SMALL_FRAGMENT)
+    return sizes
+
+
 class _Reassembly:
     """The message one side is sending: its pieces (joined once, at its end), its size so far,
     the size of the frame under way and of the frames before it."""
@@ -201,8 +234,6 @@ def install(on_refused, taker) -> None:
                     if ws_event.message_finished:
                         is_text = isinstance(ws_event.data, str)
                         content, fragments = reading.take()
-                        fragmentizer = ws_module.Fragmentizer([], is_text)
-                        fragmentizer.fragment_lengths = fragments
                         message = websocket.WebSocketMessage(Opcode.TEXT if is_text else Opcode.BINARY,
                                                              from_client, content, injected=injected)
                         self.flow.websocket.messages.append(message)
@@ -211,7 +242,15 @@ def install(on_refused, taker) -> None:
                         if len(messages) > 1:
                             del messages[:-1]  # every hook has seen them; only the last is kept
                         if not message.dropped:
-                            for msg in fragmentizer(message.content):
+                            # Cut as the sender did where the hooks left the size alone (else in
+                            # mitmproxy's 4,000-byte pieces), and a text only between characters.
+                            out = message.content
+                            if len(out) != len(content):
+                                fragments = []
+                            fragmentizer = ws_module.Fragmentizer([], is_text)
+                            fragmentizer.fragment_lengths = _on_characters(out, fragments) if is_text else (
+                                fragments or _sized(len(out)))
+                            for msg in fragmentizer(out):
                                 yield dst_ws.send2(msg)
                         if self._handle_event != self.relay_messages:
                             return  # closed meanwhile

@@ -88,6 +88,8 @@ REASONS: dict[str, tuple[int, str]] = {
                                      "allows; nothing was sent"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
     "request_head_too_large": (431, "the request line and headers exceed the size limit"),
+    "chunk_line_too_large": (431, "an HTTP/1 chunk-size line (with its extensions) or trailer section passed "
+                                  "egress_max_head_bytes; answered if the response had not started, then closed"),
     "pipeline_too_large": (431, "an HTTP/1 client sent more than twice egress_max_head_bytes ahead of a response "
                                 "(pipelined); answered if the response had not started, then closed"),
     "websocket_message_too_large": (413, "a WebSocket message passed egress_max_websocket_message_bytes while "

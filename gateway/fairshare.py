@@ -16,7 +16,7 @@ connection rate: 8x). A worker has one event loop and no scheduler between sandb
   the last `window`, decayed exponentially, fills less than `busy` of it): the share only
   matters when someone else waits for the loop, so a lone sandbox, or a busy one next to an idle
   loop, is never slowed. Else it is the time the debt takes to refill, capped at MAX_DELAY (the
-  read asks again after it).
+  read asks again after it, until it gets 0).
 
 Pure (no I/O, no asyncio): the clock is injected. Every call is O(1) amortised; keys are evicted
 once inactive for `window`, and never more than `max_keys` are kept.

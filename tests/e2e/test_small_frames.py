@@ -20,13 +20,14 @@ import h2.errors
 import h2.events
 import pytest
 
-from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, tls_tunnel
+from tests.e2e.helpers import H2Client, ScriptedUpstream, audit_for, connect_proxy, extra_static_hosts, tls_tunnel
 
 OCTET = 190
+CHUNKY_OCTET = 191  # an upstream that sends an endless chunk-size line
 BURST = 400
 RULES = """
 - id: frames
-  hosts: [frames.test, allowed.test]
+  hosts: [frames.test, allowed.test, chunky.test]
   schemes: [http, https]
 """
 _WS_ACCEPT = b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # for the sample key of RFC 6455
@@ -158,7 +159,8 @@ def _chunked(pieces: list[bytes]) -> bytes:
 @pytest.fixture
 def world(start_gateway, upstreams):
     origin = FrameOrigin(f"{upstreams.block}.{OCTET}")
-    gateway = start_gateway(RULES, extra_static_hosts({"frames.test": f"{upstreams.block}.{OCTET}"}), args=[
+    gateway = start_gateway(RULES, extra_static_hosts({"frames.test": f"{upstreams.block}.{OCTET}",
+                                                       "chunky.test": f"{upstreams.block}.{CHUNKY_OCTET}"}), args=[
         "--set", f"egress_small_frame_burst_per_sandbox={BURST}",
         "--set", "egress_max_small_frames_per_second_per_sandbox=0.001",
     ])
@@ -228,6 +230,47 @@ def test_a_flood_after_the_body_started_upstream_resets_the_upstream(world):
     assert origin.closed.wait(10)
     assert not origin.bodies
     _flood_line(gateway, conn.client, "request")
+
+
+@pytest.mark.parametrize("endless", [b"1;" + b"e" * 70000, b"0\r\n" + b"X-T: v\r\n" * 12000],
+                         ids=["chunk-extension", "trailer-section"])
+def test_an_endless_chunk_line_or_trailer_section_is_431(world, endless):
+    """h11 bounds neither a chunk-size line (its extensions) nor a trailer section; 300 MiB of one
+    grew the worker by 300 MiB. Past egress_max_head_bytes: 431 chunk_line_too_large, closed."""
+    gateway, origin = world
+    conn = connect_proxy(gateway)
+    conn.send(b"POST http://frames.test/up HTTP/1.1\r\nHost: frames.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+    try:
+        for k in range(0, len(endless), 8192):
+            conn.send(endless[k:k + 8192])
+    except OSError:
+        pass
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (431, "chunk_line_too_large"), response
+    assert conn.closed()
+    assert not origin.bodies
+
+
+def test_an_upstreams_endless_chunk_line_is_cut_off(world, upstreams):
+    """The same from an upstream (256 KiB, as for its response head): the upstream connection is
+    closed and the client's response cut off, not grown without end."""
+    gateway, _ = world
+    upstream = ScriptedUpstream(f"{upstreams.block}.{CHUNKY_OCTET}", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                b"5\r\nhello\r\n1;" + b"e" * 400_000, port=80)
+    try:
+        conn = connect_proxy(gateway)
+        conn.send(b"GET http://chunky.test/c HTTP/1.1\r\nHost: chunky.test\r\n\r\n")
+        head = conn.read_until(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") or head.startswith(b"HTTP/1.1 502"), head
+        rest, conn.buf = bytes(conn.buf), b""
+        conn.sock.settimeout(10)
+        while chunk := conn.sock.recv(65536):  # until the gateway closes (a timeout fails the test)
+            rest += chunk
+        assert b"0\r\n\r\n" not in rest and len(rest) < 300_000, rest[:200]  # cut off, never the end
+        lines = [a for a in audit_for(gateway, conn.client, 2) if a.get("reason") == "response_too_large"]
+        assert lines, audit_for(gateway, conn.client, 2)
+    finally:
+        upstream.stop()
 
 
 # -- HTTP/2 DATA frames --------------------------------------------------------------------------
@@ -321,6 +364,24 @@ def test_a_message_in_many_small_fragments_goes_on_as_one_frame(world):
               + _ws_frame(0, b"c", fin=True))
     assert origin.wait(lambda o: o.frames, 10), origin.frames
     assert origin.frames == [(1, True, b"a" + b"b" * 299 + b"c")]
+
+
+@pytest.mark.parametrize("fragment", [300, 500, 1])
+def test_a_text_message_goes_on_whole_and_never_split_inside_a_character(world, fragment):
+    """27,000 bytes of "€" (three bytes each) in fragments of `fragment` bytes (500 and 1 split
+    characters across fragments, which RFC 6455 allows): the origin gets the same text, and every
+    frame it gets holds whole characters (mitmproxy decodes each fragment it sends on its own, and a
+    cut inside a character came out as U+FFFD)."""
+    gateway, origin = world
+    conn = _websocket(gateway)
+    text = ("€" * 9000).encode()
+    pieces = [text[i:i + fragment] for i in range(0, len(text), fragment)] if fragment > 1 else [text[:100], text[100:]]
+    frames = [_ws_frame(1 if k == 0 else 0, p, fin=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+    conn.send(b"".join(frames))
+    assert origin.wait(lambda o: o.frames and o.frames[-1][1], 10), origin.frames[-1:]
+    assert b"".join(f[2] for f in origin.frames) == text
+    for _, _, payload in origin.frames:
+        payload.decode("utf-8")  # whole characters in every frame
 
 
 def test_a_ping_flood_closes_both_sides_with_1008(world):
