@@ -10,8 +10,7 @@ nothing, and the work of others that runs meanwhile is theirs). The cost: two cl
 callback. The time is summed on the handler and charged at its next read. What it is made to do: after each
 read of one of its connections
 (ConnectionHandler.drain_writers, awaited after every read of every connection, mitmproxy 12.3),
-wait `LoopShare.delay` seconds, and ask again, until it is no longer over its share on a contended
-loop.
+wait for its slot (`LoopShare.reserve`) while it is over its share on a contended loop.
 Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandbox alone on a
 worker, or next to an idle loop, is never slowed.
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import random
 import time
 
 from mitmproxy import ctx, exceptions
@@ -104,16 +102,11 @@ def install(state) -> None:
         key = getattr(self, ATTR, None)
         if key is None:
             return
-        waited = 0.0
-        # Until the sandbox is out of debt, however many connections it holds: each waits, asks
-        # again, and wakes at a random point of up to twice its wait, so that the connections of a
-        # sandbox that has paid its debt do not all read at once (150 of them did, as one burst).
-        while wait := _share.delay(key):
-            wait *= 1.0 + random.random()
+        # A read waits for its own slot (LoopShare.reserve): its sandbox's debt paid, and the reads
+        # of its other connections before it spaced by what a read costs, however many it holds.
+        if wait := _share.reserve(key):
             await asyncio.sleep(wait)
-            waited += wait
-        if waited:
-            _waited(key, waited)
+            _waited(key, wait)
 
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet

@@ -33,17 +33,20 @@ DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
 DEFAULT_BURST = 0.2  # seconds of loop time saved up
 DEFAULT_WINDOW = 1.0  # seconds: a sandbox charged within it is active
 DEFAULT_BUSY = 0.7  # the loop counts as contended once the work charged lately fills this much of it
-MAX_DELAY = 0.5  # seconds one read waits at most before it asks again
+MAX_DELAY = 0.5  # seconds one read waits at most before it asks again (`delay`)
+MAX_WAIT = 5.0  # seconds one read waits at most for its slot (`reserve`)
 DEFAULT_MAX_KEYS = 65536
 
 
 class _Share:
-    __slots__ = ("tokens", "stamp", "active")
+    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot")
 
     def __init__(self, tokens: float, now: float):
         self.tokens = tokens
         self.stamp = now
         self.active = now
+        self.per_read = 0.0  # what one charge (one read's work) costs, on average lately
+        self.next_slot = now  # the first time a read of this sandbox may be given, while in debt
 
 
 class LoopShare:
@@ -93,6 +96,7 @@ class LoopShare:
             self._refill(entry, now, share)
             self._shares.move_to_end(key)
         entry.tokens -= seconds
+        entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
         entry.active = now
         self._load = self._decayed(now) + seconds
         while len(self._shares) > self.max_keys:
@@ -111,6 +115,26 @@ class LoopShare:
         if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
             return 0.0
         return min(-entry.tokens / share, MAX_DELAY)
+
+    def reserve(self, key: Hashable) -> float:
+        """Like `delay`, for a read that will then go ahead: while the sandbox is in debt each read
+        gets its own slot, the first once the debt is paid and each next one a read's cost (at its
+        share) later, so that its connections resume one by one, not all at once when the debt
+        is paid (a sandbox holding 150 connections resumed them as one burst)."""
+        if not self.enabled:
+            return 0.0
+        now = self.clock()
+        share = self.share(now)
+        entry = self._shares.get(key)
+        if entry is None:
+            return 0.0
+        self._refill(entry, now, share)
+        if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
+            entry.next_slot = now
+            return 0.0
+        slot = max(now - entry.tokens / share, entry.next_slot)
+        entry.next_slot = slot + entry.per_read / share
+        return min(slot - now, MAX_WAIT)
 
     def tokens(self, key: Hashable) -> float | None:
         """The sandbox's bucket now (for tests and metrics); None if it has none."""

@@ -99,3 +99,15 @@ def test_a_sandbox_that_waits_as_told_uses_no_more_than_its_share_plus_burst(ste
             s.charge("a", work)
             used += work
     assert used <= 0.2 + 0.7 * (clock.now - start) + 0.7 + 0.05 + 1e-9
+
+
+def test_reads_in_debt_get_slots_spaced_by_a_reads_cost():
+    """A sandbox in debt holding many connections: each read gets its own slot, the first when the
+    debt is paid, the next ones a read's cost (at its share) apart."""
+    s, clock = share(max_share=0.5, burst=0.005, busy=0.0)
+    s.charge("b", 0.001)
+    s.charge("a", 0.01)  # one read cost 10 ms: 5 ms of debt
+    waits = [s.reserve("a") for _ in range(5)]
+    assert abs(waits[0] - 0.005 / 0.5) < 1e-9
+    assert all(abs((b - a) - 0.01 / 0.5) < 1e-9 for a, b in zip(waits, waits[1:])), waits
+    assert s.reserve("b") == 0.0  # not in debt: no slot to wait for
