@@ -471,15 +471,26 @@ def _escapes(chars: bytes) -> dict[bytes, bytes]:
 
 
 _ESCAPE_OF = _escapes(_SPELLING + _TRIGGERS)
-_SPELLED = re.compile(rb"%[0-7][0-9A-Fa-f]")  # every ASCII escape; those not in _ESCAPE_OF are kept as they are
+# Every escape: an ASCII one not in _ESCAPE_OF is kept as it is; a non-ASCII one (`%C2%A0`, a piece
+# of U+00A0 that query_key strips after decoding) becomes the byte 0x80, which the classes around
+# the word accept as they accept raw non-ASCII bytes. It is no hex digit, `%`, `&`, `;` or `=`, as
+# the decoded byte is not, so it neither makes nor breaks an escape or a field boundary.
+_SPELLED = re.compile(rb"%[0-9A-Fa-f][0-9A-Fa-f]")
+_HIGH = b"\x80"
+
+
+def _spelled_escape(m: re.Match) -> bytes:
+    escape = m[0]
+    return _ESCAPE_OF.get(escape, escape) if escape[1] < 0x38 else _HIGH  # 0x38: "8"
 
 
 def _spelled(data: bytes, rounds: int) -> bytes:
-    """`data` with the escapes of `_SPELLING` and `_TRIGGERS` decoded, `rounds` times over."""
+    """`data` with the escapes of `_SPELLING` and `_TRIGGERS` decoded (and every non-ASCII escape
+    as 0x80), `rounds` times over."""
     for _ in range(rounds):
         if b"%" not in data:
             break
-        decoded = _SPELLED.sub(lambda m: _ESCAPE_OF.get(m[0], m[0]), data)
+        decoded = _SPELLED.sub(_spelled_escape, data)
         if len(decoded) == len(data):
             break
         data = decoded
