@@ -88,7 +88,13 @@ _QUERY_SPLIT = re.compile(r"[&;]")
 # judge and describe thousands of them for one header.
 MAX_ELEMENTS = 64
 VALUE_CAP = 512  # bytes of a field value kept; a longer value is not a method name
-NAME_CAP = 512  # bytes of a body field name kept; a longer name is not an override name
+NAME_CAP = 512  # bytes of a body field name kept; a longer name that may hold an override is refused
+# A longer name is not read, yet frameworks shorten names: PHP cuts one at its first NUL and drops
+# leading spaces, Rack drops leading and trailing brackets (`_method` + 600 NULs is PHP's `_method`).
+# So an over-long form name that could hold an override key once shortened (it holds "method" in any
+# case, a `%` that could spell it, or a byte some declared charset reads more into) is an override
+# naming no method: refused as uncheckable, as an over-long value under an override name is.
+_LONG_SUSPECT = re.compile(rb"%|[Mm][Ee][Tt][Hh][Oo][Dd]")
 # Fields (or multipart parts) one reading reads in full, one by one: every field when no fast path
 # covers its charsets (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`), else the distinct
 # fields the fast path could not rule out (names that look like an override's). Each costs every
@@ -548,9 +554,19 @@ class _NameFilter:
         _NameFilter._last = (fields, self._rounds, self._trigger_bytes, out)
         return out
 
+    # A name past NAME_CAP (raw bytes) and its `=`: kept when it may hold an override (`_LONG_SUSPECT`),
+    # so that `_Form._step` refuses it. The decoded text lines up with no raw offset: counted apart.
+    _LONG = re.compile(rb"(?<![^&])[^&=]{%d,}=" % (NAME_CAP + 1))
+
     def _candidates(self, fields: bytes) -> list[int]:
         text = _spelled(fields, self._rounds)
         hits = [m.start() for m in self._words.finditer(text)]
+        long, at, index = [], 0, 0
+        for m in self._LONG.finditer(fields):
+            if _LONG_SUSPECT.search(m[0]):
+                index += fields.count(b"&", at, m.start())
+                at = m.start()
+                long.append(index)
         if self._triggers is not None:
             hits += [m.start() for m in self._triggers.finditer(text)]
             hits.sort()
@@ -564,7 +580,7 @@ class _NameFilter:
                 continue  # in the value: values are judged only under an override name
             if not out or out[-1] != index:
                 out.append(index)
-        return out
+        return sorted(set(out).union(long)) if long else out
 
 
 def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[str], percent: bool) -> list[Override]:
@@ -610,6 +626,24 @@ class _Form:
         self._names_of: dict[bytes, list[str]] = {}
         self._judged_of: dict[tuple, list[Override]] = {}
         self._field_of: dict[bytes, list[Override]] = {}
+        # The over-long name in progress: may it hold an override (`_LONG_SUSPECT`), and its last
+        # bytes (a "method" split across chunks). Every distinct refusal is reported once.
+        self._long_suspect = False
+        self._long_tail = b""
+        self._long_found: set[Override] = set()
+        self._long_triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._filter is not None else b""
+
+    def _suspect(self, piece: bytes) -> bool:
+        if self._filter is None:
+            return True  # a charset read only field by field (EBCDIC, UTF-16/32): any bytes may spell it
+        return _LONG_SUSPECT.search(piece) is not None or any(t in piece for t in self._long_triggers)
+
+    def _long_name(self, piece: bytes) -> None:
+        """`piece` of a name already past NAME_CAP (the kept bytes were looked at before)."""
+        if not self._long_suspect and piece:
+            joined = self._long_tail + piece
+            self._long_suspect = self._suspect(joined)
+            self._long_tail = joined[-5:]
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         if self.problem is not None:
@@ -643,7 +677,13 @@ class _Form:
                 m = self._STOP.search(data, pos)
                 stop = m.start() if m else end
                 if len(self._name) <= NAME_CAP:
-                    self._name += data[pos:stop][: NAME_CAP + 1 - len(self._name)]
+                    room = NAME_CAP + 1 - len(self._name)
+                    self._name += data[pos:min(stop, pos + room)]
+                    if len(self._name) > NAME_CAP:
+                        self._long_name(bytes(self._name))
+                        self._long_name(data[pos + room:stop])
+                else:
+                    self._long_name(data[pos:stop])
                 if m is None:
                     return
                 pos = stop + 1
@@ -652,7 +692,13 @@ class _Form:
                     self._state = "value" if self._names else "skip"
                 elif data[stop] == ord("="):
                     self._state = "skip"
+                    if self._long_suspect:
+                        refused = Override("form", bytes(self._name[:64]).decode("utf-8", "replace"), None)
+                        if refused not in self._long_found and len(self._long_found) < MAX_ELEMENTS:
+                            self._long_found.add(refused)
+                            found.append(refused)
                 self._name.clear()
+                self._long_suspect, self._long_tail = False, b""
             else:
                 m = self._SEP.search(data, pos)
                 stop = m.start() if m else end
@@ -703,6 +749,7 @@ class _Form:
         self._state = "name"
         self._value.clear()
         self._name.clear()
+        self._long_suspect, self._long_tail = False, b""
 
     def finish(self, found: list[Override]) -> None:
         if self.problem is None:
