@@ -795,7 +795,8 @@ class _Multipart:
         self._fast = _NameFilter.for_charsets(self._charsets) is not None
         self._triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._fast else b""
         self._parts = self._parts_pattern()
-        self._plain_block = re.compile(b"(?:[^%\\\\Mm" + re.escape(self._triggers) + b"]|[Mm](?![Ee][Tt][Hh][Oo][Dd]))*+")
+        # `*`: RFC 2231 continuations spell a name in pieces (`name*0="_me"; name*1="thod"`).
+        self._plain_block = re.compile(b"(?:[^%*\\\\Mm" + re.escape(self._triggers) + b"]|[Mm](?![Ee][Tt][Hh][Oo][Dd]))*+")
         self._buf = bytearray()
         self._state = "preamble"  # sniff | preamble | after_delimiter | headers | value | skip | done
         if boundary is None:
@@ -899,7 +900,7 @@ class _Multipart:
         if not self._fast or self._delimiter is None:
             return None
         method = rb"[\r\n]*+".join(b"[%s%s]" % (c.upper(), c) for c in (bytes([b]) for b in b"method"))
-        plain = b"[^\n%\\\\Mm" + re.escape(self._triggers) + b"]"
+        plain = b"[^\n%*\\\\Mm" + re.escape(self._triggers) + b"]"
         block = b"(?:" + plain + b"|[Mm](?!" + method[len(b"[Mm]"):] + b")|\n(?!\r?\n))*+\n\r?\n"
         # Atomic: the first delimiter is the one `_step` stops at; a part that does not match must
         # end the run there, never be skipped over to a later delimiter.
@@ -977,7 +978,51 @@ def _disposition_names(headers: str, pattern: re.Pattern) -> list[str]:
             if m.group(1):  # name*=utf-8''%5Fmethod (RFC 2231 / 5987)
                 variants = [v.split("'", 2)[-1] for v in variants]
             names += variants
+        names += _continued_names(value)
     return list(dict.fromkeys(names))
+
+
+# A plain piece is a quoted-string (or PHP's single quotes, or a token); an extended one (`name*1*=`)
+# is a token, its first one `charset'language'` first.
+_CONTINUATION = re.compile(r"""(?:^|[;,\s])name\s*\*\s*(\d+)\s*(?:(\*)\s*=\s*("[^"]*"?|[^;,\s]*)|"""
+                           r"""=\s*("(?:[^"\\]|\\.)*"?|'[^']*'?|[^;,\s]*))""", re.IGNORECASE)
+
+
+def _continued_names(value: str) -> list[str]:
+    """RFC 2231 continuations (`name*0="_me"; name*1="thod"`, `name*0*=utf-8''%5Fme; name*1*=thod`),
+    joined as Werkzeug joins them: in the order sent and in the order of their numbers, the
+    extended (`*`) pieces percent-decoded in the first piece's charset (and UTF-8, Latin-1)."""
+    pieces = []
+    for m in _CONTINUATION.finditer(value):
+        raw = (m.group(3) if m.group(2) else m.group(4)).strip()
+        if m.group(2):
+            raw = raw.strip('"')
+        elif raw[:1] in ("\"", "'"):
+            raw = raw[1:].removesuffix(raw[0]) if len(raw) > 1 else ""
+            raw = re.sub(r"\\(.)", r"\1", raw)
+        pieces.append((int(m.group(1)[:6]), bool(m.group(2)), raw))
+    if not pieces:
+        return []
+    charset = "utf-8"
+    first = min(pieces, key=lambda p: p[0])
+    if first[1] and first[2].count("'") >= 2:
+        charset = first[2].split("'", 1)[0] or "utf-8"
+    names = []
+    for order in (pieces, sorted(pieces, key=lambda p: p[0])):
+        for codec in dict.fromkeys((_codec(charset) or "utf-8", "utf-8", "latin-1")):
+            joined = b""
+            for index, extended, raw in order:
+                if extended:
+                    if raw.count("'") >= 2 and index == first[0]:
+                        raw = raw.split("'", 2)[2]
+                    joined += unquote_to_bytes(raw)
+                else:
+                    joined += raw.encode("utf-8", "surrogateescape")
+            try:
+                names.append(joined.decode(codec, "replace"))
+            except Exception:
+                names.append(joined.decode("utf-8", "replace"))
+    return names
 
 
 class _Json:

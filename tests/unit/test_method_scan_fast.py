@@ -357,3 +357,18 @@ def test_over_long_multipart_names_are_read_in_full():
         for cuts in ([], [100], [700]):
             steps = _scan(new, ["multipart/form-data; boundary=B"], body, cuts)
             assert [o[2] for step in steps for o in step[0]] == ["DELETE"], (name, steps)
+
+
+def test_rfc_2231_name_continuations_are_joined():
+    """Werkzeug joins `name*0="_me"; name*1="thod"` into `_method`. Stricter than the reference on
+    purpose (it read each piece alone), between harmless parts too (the fast path reads a header
+    block with a `*` in full)."""
+    harmless = b"--B\r\nContent-Disposition: form-data; name=a\r\n\r\nb\r\n"
+    for disposition in ('name*0="_me"; name*1="thod"', "name*0*=utf-8''%5Fme; name*1*=thod",
+                        'name*1="thod"; name*0="_me"', "name*0=_me;name*1=thod", "name*0*=''_me; name*1=thod",
+                        "name*0*=utf-8''%5F%6D%65; name*1*=%74hod"):
+        part = b"--B\r\nContent-Disposition: form-data; " + disposition.encode() + b"\r\n\r\nDELETE\r\n"
+        body = harmless * 3 + part + harmless * 3 + b"--B--\r\n"
+        for cuts in ([], [len(harmless) * 3 + 20]):
+            steps = _scan(new, ["multipart/form-data; boundary=B"], body, cuts)
+            assert ("form", "_method", "DELETE") in [o for step in steps for o in step[0]], (disposition, steps)
