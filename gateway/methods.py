@@ -760,6 +760,8 @@ class _Form:
         return self._state == "value"
 
 
+_TOO_MANY_STEPS = ("its JSON has too many keys or nested values the gateway must read one by one (escaped or "
+                   "named like an override, or nested more than 8 levels)")
 _HEADERS_TOO_LONG = "a multipart part's header block is too long to tell whether it is a method override field"
 _TOO_MANY = (f"it has more than {SLOW_FIELDS_CAP} fields the gateway must read one by one (named like an "
              f"override, or in a charset it can only read so: EBCDIC, UTF-16/32)")
@@ -1039,13 +1041,37 @@ class _Json:
     # its text is its bytes, and no `_KEYISH` word in it) and whose value is scalars and strings.
     # Possessive: a string that does not end in this chunk is given up at once, not retried.
     _STRING_BODY = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
-    _DEEP = re.compile(rb'(?:[^"{}\[\]]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
-    _MEMBERS = re.compile(rb'(?:[ \t\r\n]*+"(?![^"]*?' + _KEYISH_WORD + rb'(?![^' + _KEYISH_END + rb'"]))'
-                          rb'[^"\\%\x00]*+"[ \t\r\n]*+:(?:[^"{}\[\],]++|"(?:[^"\\]++|\\.)*+")*+,)+', re.DOTALL)
+    # Balanced brackets (of any kind: the depth count does not match kinds either), strings in them
+    # skipped whole, to _NESTED levels: one regex step for `[]`, `{"a":1}`, `[[0.1,0.2],[0.3]]`.
+    _STR = rb'"(?:[^"\\]++|\\.)*+"'
+    _GROUP = rb'[\[{](?:[^"{}\[\]]++|' + _STR + rb')*+[\]}]'
+    for _ in range(7):
+        _GROUP = rb'[\[{](?:[^"{}\[\]]++|' + _STR + rb'|' + _GROUP + rb')*+[\]}]'
+    _DEEP = re.compile(rb'(?:[^"{}\[\]]++|' + _STR + rb'|' + _GROUP + rb')*+', re.DOTALL)
+    # A key without `%`, NUL or an escape of an ASCII character (`\u005f`): its text is its bytes but
+    # for escapes of control characters, quotes, slashes and non-ASCII characters, none of which is a
+    # letter of the words. query_key strips what such an escape decodes to (`"_method\t"`), so a
+    # backslash after the word counts as its end.
+    _KEY_BODY = rb'(?:[^"\\%\x00]++|\\[^u%\x00]|\\u(?!00[0-7])[0-9A-Fa-f]{4})*+'
+    _MEMBERS = re.compile(rb'(?:[ \t\r\n]*+"(?!(?:[^"\\]|\\.)*?' + _KEYISH_WORD + rb'(?![^' + _KEYISH_END + rb'"\\]))'
+                          + _KEY_BODY + rb'"[ \t\r\n]*+:(?:[^"{}\[\],]++|' + _STR + rb'|' + _GROUP + rb')*+,)+',
+                          re.DOTALL)
+
+    # Steps the scan takes one by one (each a few regex calls and, for a key, json.loads and
+    # query_key): past STEPS_FREE plus one per STEP_BYTES bytes read (and 4 per chunk), the body is refused as
+    # uncheckable. What the fast paths leave to them: keys with `%`, a NUL, an escaped ASCII
+    # character or a word of an override key, values nested more than 8 levels, the pieces of a
+    # member cut by a chunk boundary. Real bodies need a handful per chunk; a body of a million
+    # `"\u0061":1` members or 10,000-level nesting would hold the event loop for seconds.
+    STEPS_FREE = 20_000
+    STEP_BYTES = 32
 
     def __init__(self) -> None:
         self._started = False
         self._dead = False  # not an object at the top, or past its end: no keys to find
+        self._steps = 0
+        self._budget = self.STEPS_FREE
+        self.problem: str | None = None
         self._depth = 0
         self._in_string = False
         self._escape = False  # a backslash ended the last chunk
@@ -1056,7 +1082,12 @@ class _Json:
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         pos, end = 0, len(data)
+        self._budget += end // self.STEP_BYTES + 4  # a chunk boundary costs a few steps (a cut member)
         while pos < end and not self._dead:
+            self._steps += 1
+            if self._steps > self._budget:
+                self.problem, self._dead = _TOO_MANY_STEPS, True
+                return
             if not self._started:
                 while pos < end and data[pos] in self._SPACE:
                     pos += 1

@@ -24,7 +24,7 @@ WORDS = list(old.OVERRIDE_FIELDS) + ["method", "_method", "methodx", "x_http", "
                                      "_method_overrid", "_httpmethod", "x-method", "a", "k1", ""]
 JUNK = ["", "[", "]", "[]", "[x]", "[0", " ", "\t", "\x1c", "\x00", "\x00x", "\xa0", "\u3000", ".", "-", "+",
         "_", "x", "%", "%2", "%25", "=", "\u1e96", "\ufb01", "İ", "\\", "~", "+AF8-", "\x1b(B", "é",
-        "\x85", "\u1680", "\u2000", "\u200a", "\u2028", "\u202f", "\u205f", "\u3000\xa0"]
+        "\x85", "\u1680", "\u2000", "\u200a", "\u2028", "\u202f", "\u205f", "\u3000\xa0", "\n", "\r", "/"]
 CHARSETS = ["utf-8", "latin-1", "cp500", "utf-16", "utf-16-le", "utf-32", "utf-7", "hz", "iso-2022-jp",
             "shift_jis_2004", "unicode-escape", "big5", "nonsense-charset"]
 METHODS = ["DELETE", "GET", "POST", "delete", " PUT ", "GET,DELETE", "TRACE", "DELETE;x", "", "%44ELETE"]
@@ -85,12 +85,18 @@ def _encoded(text: str, charset: str) -> bytes:
         return text.encode("utf-8", "surrogatepass")
 
 
+SHORT_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\b": "\\b", "\f": "\\f", "/": "\\/", '"': '\\"',
+                 "\\": "\\\\"}
+
+
 def _json_string(draw, text: str) -> str:
     out = []
     for ch in text:
         mode = draw(st.integers(0, 7))
         if mode == 0:
             out.append("\\u{:04x}".format(ord(ch)))
+        elif mode == 1 and ch in SHORT_ESCAPES:
+            out.append(SHORT_ESCAPES[ch])
         elif ch in '"\\' or ord(ch) < 0x20:
             out.append("\\u{:04X}".format(ord(ch)))
         else:
@@ -105,7 +111,9 @@ def json_body(draw) -> bytes:
         key = _json_string(draw, draw(names()))
         value = draw(st.sampled_from([
             _json_string(draw, draw(st.sampled_from(METHODS))), "1", "null", "[1, \"DELETE\", {\"_method\": 1}]",
-            "{\"_method\": \"DELETE\"}", "\"a\\\"b\"", "[[[]]]", "\"x{y}[z],\"", "true"]))
+            "{\"_method\": \"DELETE\"}", "\"a\\\"b\"", "[[[]]]", "\"x{y}[z],\"", "true", "[]", "{}",
+            "[" * 8 + "]" * 8, "[" * 9 + "\"]\"" + "]" * 9, "{\"a\":{\"b\":{\"_method\":\"PUT\"}}}", "[{\"a\":[1,{\"b\":\"]}\"}]}]",
+            "[0.1, 0.2, [0.3, {\"c\": \"[\"}]]", "[" * 12 + "1" + "]" * 11, "{]", "[}"]))
         items.append(key + draw(st.sampled_from([":", " : ", ":\n"])) + value)
     text = draw(st.sampled_from(["{", " {", "[", "{{"])) + draw(st.sampled_from([",", ", ", " ,\n"])).join(items)
     text += draw(st.sampled_from(["}", "} junk", "", "}{\"_method\":\"PUT\"}"]))
@@ -372,3 +380,28 @@ def test_rfc_2231_name_continuations_are_joined():
         for cuts in ([], [len(harmless) * 3 + 20]):
             steps = _scan(new, ["multipart/form-data; boundary=B"], body, cuts)
             assert ("form", "_method", "DELETE") in [o for step in steps for o in step[0]], (disposition, steps)
+
+
+def test_json_shapes_that_cost_a_step_each_are_refused_past_the_budget_real_ones_are_not():
+    """The fast paths skip bracketed values (8 levels), escaped keys and nested arrays whole; what is
+    left to the step-by-step scan is bounded (STEPS_FREE + a step per STEP_BYTES bytes), then the body
+    is refused as uncheckable (the reference read on, for seconds)."""
+    js = ["application/json"]
+    n = 200_000
+    assert "too many keys" in _problem(js, b'{"a":' + b"[" * n + b"}")
+    assert "too many keys" in _problem(js, b"{" + b'"\\u0061":1,' * n + b'"a":1}')
+    assert "too many keys" in _problem(js, b"{" + (b'"a":' + b"[" * 12 + b"]" * 12 + b",") * (n // 10) + b'"a":1}')
+    vectors = b'{"model":"m","input":[' + b",".join([b"[" + b",".join([b"0.0123"] * 64) + b"]"] * 3000) + b"]}"
+    for body in (vectors, b"{" + b'"a":[],' * n + b'"a":1}', b"{" + b'"k":{"a":[1,{"b":"]"}]},' * n + b'"a":1}',
+                 b"{" + b'"\\n":1,' * n + b'"a":1}', b"{" + b",".join(b'"\\u00e9%d":1' % i for i in range(n)) + b"}",
+                 b'{"a":[' + b"[[[[[[[]]]]]]]," * n + b"1]}"):
+        assert _problem(js, body) is None, body[:80]
+        s = new.BodyScanner.for_headers([("Content-Type", "application/json")], streaming_decoder)
+        for at in range(0, min(len(body), 1 << 16), 512):  # small chunks cost a few steps each, allowed
+            s.feed(body[at:at + 512])
+        assert s.problem is None
+    for tail in (b'"_method":"DELETE"}', b'"\\t_method\\n":"DELETE"}', b'"_method\\t":"DELETE"}'):
+        body = b"{" + b'"a":[[1],{"b":2}],"\\n":{"c":[]},' * 1000 + tail
+        steps = _scan(new, js, body, [1000, 20000])
+        assert [o[2] for step in steps for o in step[0]] == ["DELETE"], tail
+        assert steps == _scan(old, js, body, [1000, 20000])
