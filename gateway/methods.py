@@ -94,7 +94,13 @@ NAME_CAP = 512  # bytes of a body field name kept; a longer name that may hold a
 # So an over-long form name that could hold an override key once shortened (it holds "method" in any
 # case, a `%` that could spell it, or a byte some declared charset reads more into) is an override
 # naming no method: refused as uncheckable, as an over-long value under an override name is.
+# Only a name that starts with an override key (after what PHP and Rack drop from the front:
+# whitespace, brackets, and the escapes that spell them) can be shortened into one, so binary data
+# read as a form (a gzip body as sent) is not refused for a long run without `&`. The first
+# LONG_HEAD bytes are kept to tell; past a padding run that long, "method" or `%` anywhere counts.
 _LONG_SUSPECT = re.compile(rb"%|[Mm][Ee][Tt][Hh][Oo][Dd]")
+_PADDING = re.compile(rb"[\x09-\x0d\x1c-\x20+\[\]\x80-\xff%0-9A-Fa-f]*+")
+LONG_HEAD = 4096
 # Fields (or multipart parts) one reading reads in full, one by one: every field when no fast path
 # covers its charsets (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`), else the distinct
 # fields the fast path could not rule out (names that look like an override's). Each costs every
@@ -630,6 +636,8 @@ class _Form:
         # bytes (a "method" split across chunks). Every distinct refusal is reported once.
         self._long_suspect = False
         self._long_tail = b""
+        self._long_head = bytearray()
+        self._long_length = 0
         self._long_found: set[Override] = set()
         self._long_triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._filter is not None else b""
 
@@ -637,6 +645,17 @@ class _Form:
         if self._filter is None:
             return True  # a charset read only field by field (EBCDIC, UTF-16/32): any bytes may spell it
         return _LONG_SUSPECT.search(piece) is not None or any(t in piece for t in self._long_triggers)
+
+    def _long_verdict(self, length: int) -> bool:
+        """May the over-long name now ended (its first LONG_HEAD bytes in `_long_head`) be an override?"""
+        if not self._long_suspect:
+            return False  # no "method", `%` or trigger anywhere
+        if self._filter is None or self._long_triggers or self._filter._words is not _KEY_AT_START:
+            return True
+        head = bytes(self._long_head)
+        if length > len(head) and _PADDING.match(head).end() > len(head) - NAME_CAP:
+            return True  # padding too long to see past
+        return _KEY_AT_START.match(_spelled(head, self._filter._rounds)) is not None
 
     def _long_name(self, piece: bytes) -> None:
         """`piece` of a name already past NAME_CAP (the kept bytes were looked at before)."""
@@ -682,8 +701,14 @@ class _Form:
                     if len(self._name) > NAME_CAP:
                         self._long_name(bytes(self._name))
                         self._long_name(data[pos + room:stop])
+                        self._long_head += self._name
+                        self._long_head += data[pos + room:stop][: LONG_HEAD - len(self._long_head)]
+                        self._long_length = len(self._name) + stop - pos - room
                 else:
                     self._long_name(data[pos:stop])
+                    if len(self._long_head) < LONG_HEAD:
+                        self._long_head += data[pos:stop][: LONG_HEAD - len(self._long_head)]
+                    self._long_length += stop - pos
                 if m is None:
                     return
                 pos = stop + 1
@@ -692,13 +717,14 @@ class _Form:
                     self._state = "value" if self._names else "skip"
                 elif data[stop] == ord("="):
                     self._state = "skip"
-                    if self._long_suspect:
+                    if self._long_verdict(self._long_length):
                         refused = Override("form", bytes(self._name[:64]).decode("utf-8", "replace"), None)
                         if refused not in self._long_found and len(self._long_found) < MAX_ELEMENTS:
                             self._long_found.add(refused)
                             found.append(refused)
                 self._name.clear()
-                self._long_suspect, self._long_tail = False, b""
+                self._long_suspect, self._long_tail, self._long_length = False, b"", 0
+                self._long_head.clear()
             else:
                 m = self._SEP.search(data, pos)
                 stop = m.start() if m else end
@@ -749,7 +775,8 @@ class _Form:
         self._state = "name"
         self._value.clear()
         self._name.clear()
-        self._long_suspect, self._long_tail = False, b""
+        self._long_suspect, self._long_tail, self._long_length = False, b"", 0
+        self._long_head.clear()
 
     def finish(self, found: list[Override]) -> None:
         if self.problem is None:
