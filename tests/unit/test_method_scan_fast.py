@@ -412,3 +412,23 @@ def test_json_shapes_that_cost_a_step_each_are_refused_past_the_budget_real_ones
         steps = _scan(new, js, body, [1000, 20000])
         assert [o[2] for step in steps for o in step[0]] == ["DELETE"], tail
         assert steps == _scan(old, js, body, [1000, 20000])
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(names(), st.sampled_from([b"[", b"]", b" ", b"+", b"%20", b"%5B", b"%00", b"\x00", b"%C2%A0", b"x", b"%2520"]),
+       st.integers(100, 1500), st.booleans(), st.sampled_from([[], ["utf-7"], ["hz"], ["shift_jis_2004"]]),
+       st.lists(st.integers(0, 3000), max_size=4))
+def test_an_over_long_name_the_full_reading_would_take_for_an_override_is_refused(name, pad, times, front, charsets,
+                                                                                  cuts):
+    """Padded past NAME_CAP, in front or behind: whenever the full reading of the whole name (no cap)
+    finds an override name, the scan refuses the field."""
+    raw = name.encode("utf-8", "surrogatepass")
+    if b"&" in raw or b";" in raw or b"=" in raw:
+        return
+    raw = pad * times + raw if front else raw + pad * times
+    if len(raw) <= new.NAME_CAP or not old._override_names(raw, tuple(charsets)):
+        return
+    types = ["application/x-www-form-urlencoded" + "".join(f"; charset={c}" for c in charsets)]
+    body = b"a=1&" + raw + b"=DELETE&b=2"
+    found = [o for step in _scan(new, types, body, cuts) for o in step[0]]
+    assert any(o[0] == "form" and o[2] is None for o in found), (raw[:80], charsets, found)
