@@ -1331,7 +1331,7 @@ class BodyScanner:
     as sent and, when it has a Content-Encoding the gateway can decode, decoded too (frameworks
     that ignore the coding read the first, those that decode it the second); each stream is read
     every way `_Stream` and `plan_body` say. Memory stays bounded: a parser keeps at most one field
-    name or value (NAME_CAP, VALUE_CAP), one part's header block (HEADER_CAP) and one delimiter's
+    name or value (NAME_CAP, VALUE_CAP; the first LONG_HEAD bytes of an over-long form name), one part's header block (HEADER_CAP) and one delimiter's
     worth of bytes, and there are at most a few dozen parsers (READINGS_CAP, CODINGS_CAP)."""
 
     def __init__(self, plan: BodyPlan, decoders: Sequence = (), problem: str | None = None):
