@@ -88,7 +88,19 @@ _QUERY_SPLIT = re.compile(r"[&;]")
 # judge and describe thousands of them for one header.
 MAX_ELEMENTS = 64
 VALUE_CAP = 512  # bytes of a field value kept; a longer value is not a method name
-NAME_CAP = 512  # bytes of a body field name kept; a longer name is not an override name
+NAME_CAP = 512  # bytes of a body field name kept; a longer name that may hold an override is refused
+# A longer name is not read, yet frameworks shorten names: PHP cuts one at its first NUL and drops
+# leading spaces, Rack drops leading and trailing brackets (`_method` + 600 NULs is PHP's `_method`).
+# So an over-long form name that could hold an override key once shortened (it holds "method" in any
+# case, a `%` that could spell it, or a byte some declared charset reads more into) is an override
+# naming no method: refused as uncheckable, as an over-long value under an override name is.
+# Only a name that starts with an override key (after what PHP and Rack drop from the front:
+# whitespace, brackets, and the escapes that spell them) can be shortened into one, so binary data
+# read as a form (a gzip body as sent) is not refused for a long run without `&`. The first
+# LONG_HEAD bytes are kept to tell; past a padding run that long, "method" or `%` anywhere counts.
+_LONG_SUSPECT = re.compile(rb"%|[Mm][Ee][Tt][Hh][Oo][Dd]")
+_PADDING = re.compile(rb"[\x09-\x0d\x1c-\x20+\[\]\x80-\xff%0-9A-Fa-f]*+")
+LONG_HEAD = 4096
 # Fields (or multipart parts) one reading reads in full, one by one: every field when no fast path
 # covers its charsets (EBCDIC, UTF-16/32, punycode: `_NameFilter.for_charsets`), else the distinct
 # fields the fast path could not rule out (names that look like an override's). Each costs every
@@ -471,15 +483,26 @@ def _escapes(chars: bytes) -> dict[bytes, bytes]:
 
 
 _ESCAPE_OF = _escapes(_SPELLING + _TRIGGERS)
-_SPELLED = re.compile(rb"%[0-7][0-9A-Fa-f]")  # every ASCII escape; those not in _ESCAPE_OF are kept as they are
+# Every escape: an ASCII one not in _ESCAPE_OF is kept as it is; a non-ASCII one (`%C2%A0`, a piece
+# of U+00A0 that query_key strips after decoding) becomes the byte 0x80, which the classes around
+# the word accept as they accept raw non-ASCII bytes. It is no hex digit, `%`, `&`, `;` or `=`, as
+# the decoded byte is not, so it neither makes nor breaks an escape or a field boundary.
+_SPELLED = re.compile(rb"%[0-9A-Fa-f][0-9A-Fa-f]")
+_HIGH = b"\x80"
+
+
+def _spelled_escape(m: re.Match) -> bytes:
+    escape = m[0]
+    return _ESCAPE_OF.get(escape, escape) if escape[1] < 0x38 else _HIGH  # 0x38: "8"
 
 
 def _spelled(data: bytes, rounds: int) -> bytes:
-    """`data` with the escapes of `_SPELLING` and `_TRIGGERS` decoded, `rounds` times over."""
+    """`data` with the escapes of `_SPELLING` and `_TRIGGERS` decoded (and every non-ASCII escape
+    as 0x80), `rounds` times over."""
     for _ in range(rounds):
         if b"%" not in data:
             break
-        decoded = _SPELLED.sub(lambda m: _ESCAPE_OF.get(m[0], m[0]), data)
+        decoded = _SPELLED.sub(_spelled_escape, data)
         if len(decoded) == len(data):
             break
         data = decoded
@@ -537,9 +560,19 @@ class _NameFilter:
         _NameFilter._last = (fields, self._rounds, self._trigger_bytes, out)
         return out
 
+    # A name past NAME_CAP (raw bytes) and its `=`: kept when it may hold an override (`_LONG_SUSPECT`),
+    # so that `_Form._step` refuses it. The decoded text lines up with no raw offset: counted apart.
+    _LONG = re.compile(rb"(?<![^&])[^&=]{%d,}=" % (NAME_CAP + 1))
+
     def _candidates(self, fields: bytes) -> list[int]:
         text = _spelled(fields, self._rounds)
         hits = [m.start() for m in self._words.finditer(text)]
+        long, at, index = [], 0, 0
+        for m in self._LONG.finditer(fields):
+            if _LONG_SUSPECT.search(m[0]):
+                index += fields.count(b"&", at, m.start())
+                at = m.start()
+                long.append(index)
         if self._triggers is not None:
             hits += [m.start() for m in self._triggers.finditer(text)]
             hits.sort()
@@ -553,7 +586,7 @@ class _NameFilter:
                 continue  # in the value: values are judged only under an override name
             if not out or out[-1] != index:
                 out.append(index)
-        return out
+        return sorted(set(out).union(long)) if long else out
 
 
 def _judged(source: str, names: Sequence[str], raw: bytes, charsets: Sequence[str], percent: bool) -> list[Override]:
@@ -599,6 +632,37 @@ class _Form:
         self._names_of: dict[bytes, list[str]] = {}
         self._judged_of: dict[tuple, list[Override]] = {}
         self._field_of: dict[bytes, list[Override]] = {}
+        # The over-long name in progress: may it hold an override (`_LONG_SUSPECT`), and its last
+        # bytes (a "method" split across chunks). Every distinct refusal is reported once.
+        self._long_suspect = False
+        self._long_tail = b""
+        self._long_head = bytearray()
+        self._long_length = 0
+        self._long_found: set[Override] = set()
+        self._long_triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._filter is not None else b""
+
+    def _suspect(self, piece: bytes) -> bool:
+        if self._filter is None:
+            return True  # a charset read only field by field (EBCDIC, UTF-16/32): any bytes may spell it
+        return _LONG_SUSPECT.search(piece) is not None or any(t in piece for t in self._long_triggers)
+
+    def _long_verdict(self, length: int) -> bool:
+        """May the over-long name now ended (its first LONG_HEAD bytes in `_long_head`) be an override?"""
+        if not self._long_suspect:
+            return False  # no "method", `%` or trigger anywhere
+        if self._filter is None or self._long_triggers or self._filter._words is not _KEY_AT_START:
+            return True
+        head = bytes(self._long_head)
+        if length > len(head) and _PADDING.match(head).end() > len(head) - NAME_CAP:
+            return True  # padding too long to see past
+        return _KEY_AT_START.match(_spelled(head, self._filter._rounds)) is not None
+
+    def _long_name(self, piece: bytes) -> None:
+        """`piece` of a name already past NAME_CAP (the kept bytes were looked at before)."""
+        if not self._long_suspect and piece:
+            joined = self._long_tail + piece
+            self._long_suspect = self._suspect(joined)
+            self._long_tail = joined[-5:]
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         if self.problem is not None:
@@ -632,7 +696,19 @@ class _Form:
                 m = self._STOP.search(data, pos)
                 stop = m.start() if m else end
                 if len(self._name) <= NAME_CAP:
-                    self._name += data[pos:stop][: NAME_CAP + 1 - len(self._name)]
+                    room = NAME_CAP + 1 - len(self._name)
+                    self._name += data[pos:min(stop, pos + room)]
+                    if len(self._name) > NAME_CAP:
+                        self._long_name(bytes(self._name))
+                        self._long_name(data[pos + room:stop])
+                        self._long_head += self._name
+                        self._long_head += data[pos + room:stop][: LONG_HEAD - len(self._long_head)]
+                        self._long_length = len(self._name) + stop - pos - room
+                else:
+                    self._long_name(data[pos:stop])
+                    if len(self._long_head) < LONG_HEAD:
+                        self._long_head += data[pos:stop][: LONG_HEAD - len(self._long_head)]
+                    self._long_length += stop - pos
                 if m is None:
                     return
                 pos = stop + 1
@@ -641,7 +717,14 @@ class _Form:
                     self._state = "value" if self._names else "skip"
                 elif data[stop] == ord("="):
                     self._state = "skip"
+                    if self._long_verdict(self._long_length):
+                        refused = Override("form", bytes(self._name[:64]).decode("utf-8", "replace"), None)
+                        if refused not in self._long_found and len(self._long_found) < MAX_ELEMENTS:
+                            self._long_found.add(refused)
+                            found.append(refused)
                 self._name.clear()
+                self._long_suspect, self._long_tail, self._long_length = False, b"", 0
+                self._long_head.clear()
             else:
                 m = self._SEP.search(data, pos)
                 stop = m.start() if m else end
@@ -692,6 +775,8 @@ class _Form:
         self._state = "name"
         self._value.clear()
         self._name.clear()
+        self._long_suspect, self._long_tail, self._long_length = False, b"", 0
+        self._long_head.clear()
 
     def finish(self, found: list[Override]) -> None:
         if self.problem is None:
@@ -702,6 +787,8 @@ class _Form:
         return self._state == "value"
 
 
+_TOO_MANY_STEPS = ("its JSON has too many keys or nested values the gateway must read one by one (escaped or "
+                   "named like an override, or nested more than 8 levels)")
 _HEADERS_TOO_LONG = "a multipart part's header block is too long to tell whether it is a method override field"
 _TOO_MANY = (f"it has more than {SLOW_FIELDS_CAP} fields the gateway must read one by one (named like an "
              f"override, or in a charset it can only read so: EBCDIC, UTF-16/32)")
@@ -737,7 +824,8 @@ class _Multipart:
         self._fast = _NameFilter.for_charsets(self._charsets) is not None
         self._triggers = b"".join(_IDENTITY[c] for c in self._charsets) if self._fast else b""
         self._parts = self._parts_pattern()
-        self._plain_block = re.compile(b"(?:[^%\\\\Mm" + re.escape(self._triggers) + b"]|[Mm](?![Ee][Tt][Hh][Oo][Dd]))*+")
+        # `*`: RFC 2231 continuations spell a name in pieces (`name*0="_me"; name*1="thod"`).
+        self._plain_block = re.compile(b"(?:[^%*\\\\Mm" + re.escape(self._triggers) + b"]|[Mm](?![Ee][Tt][Hh][Oo][Dd]))*+")
         self._buf = bytearray()
         self._state = "preamble"  # sniff | preamble | after_delimiter | headers | value | skip | done
         if boundary is None:
@@ -841,7 +929,7 @@ class _Multipart:
         if not self._fast or self._delimiter is None:
             return None
         method = rb"[\r\n]*+".join(b"[%s%s]" % (c.upper(), c) for c in (bytes([b]) for b in b"method"))
-        plain = b"[^\n%\\\\Mm" + re.escape(self._triggers) + b"]"
+        plain = b"[^\n%*\\\\Mm" + re.escape(self._triggers) + b"]"
         block = b"(?:" + plain + b"|[Mm](?!" + method[len(b"[Mm]"):] + b")|\n(?!\r?\n))*+\n\r?\n"
         # Atomic: the first delimiter is the one `_step` stops at; a part that does not match must
         # end the run there, never be skipped over to a later delimiter.
@@ -919,7 +1007,51 @@ def _disposition_names(headers: str, pattern: re.Pattern) -> list[str]:
             if m.group(1):  # name*=utf-8''%5Fmethod (RFC 2231 / 5987)
                 variants = [v.split("'", 2)[-1] for v in variants]
             names += variants
+        names += _continued_names(value)
     return list(dict.fromkeys(names))
+
+
+# A plain piece is a quoted-string (or PHP's single quotes, or a token); an extended one (`name*1*=`)
+# is a token, its first one `charset'language'` first.
+_CONTINUATION = re.compile(r"""(?:^|[;,\s])name\s*\*\s*(\d+)\s*(?:(\*)\s*=\s*("[^"]*"?|[^;,\s]*)|"""
+                           r"""=\s*("(?:[^"\\]|\\.)*"?|'[^']*'?|[^;,\s]*))""", re.IGNORECASE)
+
+
+def _continued_names(value: str) -> list[str]:
+    """RFC 2231 continuations (`name*0="_me"; name*1="thod"`, `name*0*=utf-8''%5Fme; name*1*=thod`),
+    joined as Werkzeug joins them: in the order sent and in the order of their numbers, the
+    extended (`*`) pieces percent-decoded in the first piece's charset (and UTF-8, Latin-1)."""
+    pieces = []
+    for m in _CONTINUATION.finditer(value):
+        raw = (m.group(3) if m.group(2) else m.group(4)).strip()
+        if m.group(2):
+            raw = raw.strip('"')
+        elif raw[:1] in ("\"", "'"):
+            raw = raw[1:].removesuffix(raw[0]) if len(raw) > 1 else ""
+            raw = re.sub(r"\\(.)", r"\1", raw)
+        pieces.append((int(m.group(1)[:6]), bool(m.group(2)), raw))
+    if not pieces:
+        return []
+    charset = "utf-8"
+    first = min(pieces, key=lambda p: p[0])
+    if first[1] and first[2].count("'") >= 2:
+        charset = first[2].split("'", 1)[0] or "utf-8"
+    names = []
+    for order in (pieces, sorted(pieces, key=lambda p: p[0])):
+        for codec in dict.fromkeys((_codec(charset) or "utf-8", "utf-8", "latin-1")):
+            joined = b""
+            for index, extended, raw in order:
+                if extended:
+                    if raw.count("'") >= 2 and index == first[0]:
+                        raw = raw.split("'", 2)[2]
+                    joined += unquote_to_bytes(raw)
+                else:
+                    joined += raw.encode("utf-8", "surrogateescape")
+            try:
+                names.append(joined.decode(codec, "replace"))
+            except Exception:
+                names.append(joined.decode("utf-8", "replace"))
+    return names
 
 
 class _Json:
@@ -936,13 +1068,37 @@ class _Json:
     # its text is its bytes, and no `_KEYISH` word in it) and whose value is scalars and strings.
     # Possessive: a string that does not end in this chunk is given up at once, not retried.
     _STRING_BODY = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
-    _DEEP = re.compile(rb'(?:[^"{}\[\]]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
-    _MEMBERS = re.compile(rb'(?:[ \t\r\n]*+"(?![^"]*?' + _KEYISH_WORD + rb'(?![^' + _KEYISH_END + rb'"]))'
-                          rb'[^"\\%\x00]*+"[ \t\r\n]*+:(?:[^"{}\[\],]++|"(?:[^"\\]++|\\.)*+")*+,)+', re.DOTALL)
+    # Balanced brackets (of any kind: the depth count does not match kinds either), strings in them
+    # skipped whole, to _NESTED levels: one regex step for `[]`, `{"a":1}`, `[[0.1,0.2],[0.3]]`.
+    _STR = rb'"(?:[^"\\]++|\\.)*+"'
+    _GROUP = rb'[\[{](?:[^"{}\[\]]++|' + _STR + rb')*+[\]}]'
+    for _ in range(7):
+        _GROUP = rb'[\[{](?:[^"{}\[\]]++|' + _STR + rb'|' + _GROUP + rb')*+[\]}]'
+    _DEEP = re.compile(rb'(?:[^"{}\[\]]++|' + _STR + rb'|' + _GROUP + rb')*+', re.DOTALL)
+    # A key without `%`, NUL or an escape of an ASCII character (`\u005f`): its text is its bytes but
+    # for escapes of control characters, quotes, slashes and non-ASCII characters, none of which is a
+    # letter of the words. query_key strips what such an escape decodes to (`"_method\t"`), so a
+    # backslash after the word counts as its end.
+    _KEY_BODY = rb'(?:[^"\\%\x00]++|\\[^u%\x00]|\\u(?!00[0-7])[0-9A-Fa-f]{4})*+'
+    _MEMBERS = re.compile(rb'(?:[ \t\r\n]*+"(?!(?:[^"\\]|\\.)*?' + _KEYISH_WORD + rb'(?![^' + _KEYISH_END + rb'"\\]))'
+                          + _KEY_BODY + rb'"[ \t\r\n]*+:(?:[^"{}\[\],]++|' + _STR + rb'|' + _GROUP + rb')*+,)+',
+                          re.DOTALL)
+
+    # Steps the scan takes one by one (each a few regex calls and, for a key, json.loads and
+    # query_key): past STEPS_FREE plus one per STEP_BYTES bytes read (and 4 per chunk), the body is refused as
+    # uncheckable. What the fast paths leave to them: keys with `%`, a NUL, an escaped ASCII
+    # character or a word of an override key, values nested more than 8 levels, the pieces of a
+    # member cut by a chunk boundary. Real bodies need a handful per chunk; a body of a million
+    # `"\u0061":1` members or 10,000-level nesting would hold the event loop for seconds.
+    STEPS_FREE = 20_000
+    STEP_BYTES = 32
 
     def __init__(self) -> None:
         self._started = False
         self._dead = False  # not an object at the top, or past its end: no keys to find
+        self._steps = 0
+        self._budget = self.STEPS_FREE
+        self.problem: str | None = None
         self._depth = 0
         self._in_string = False
         self._escape = False  # a backslash ended the last chunk
@@ -953,7 +1109,12 @@ class _Json:
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         pos, end = 0, len(data)
+        self._budget += end // self.STEP_BYTES + 4  # a chunk boundary costs a few steps (a cut member)
         while pos < end and not self._dead:
+            self._steps += 1
+            if self._steps > self._budget:
+                self.problem, self._dead = _TOO_MANY_STEPS, True
+                return
             if not self._started:
                 while pos < end and data[pos] in self._SPACE:
                     pos += 1
@@ -1170,7 +1331,7 @@ class BodyScanner:
     as sent and, when it has a Content-Encoding the gateway can decode, decoded too (frameworks
     that ignore the coding read the first, those that decode it the second); each stream is read
     every way `_Stream` and `plan_body` say. Memory stays bounded: a parser keeps at most one field
-    name or value (NAME_CAP, VALUE_CAP), one part's header block (HEADER_CAP) and one delimiter's
+    name or value (NAME_CAP, VALUE_CAP; the first LONG_HEAD bytes of an over-long form name), one part's header block (HEADER_CAP) and one delimiter's
     worth of bytes, and there are at most a few dozen parsers (READINGS_CAP, CODINGS_CAP)."""
 
     def __init__(self, plan: BodyPlan, decoders: Sequence = (), problem: str | None = None):
