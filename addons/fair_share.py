@@ -24,9 +24,10 @@ import time
 
 from mitmproxy import ctx, exceptions
 
-from gateway.fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, LoopShare
+from gateway.fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, MAX_WAIT, LoopShare
 
 ATTR = "_egress_share_key"
+_step = [0.0]  # when the loop's current callback began (one loop, one callback at a time)
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # the ConnectionHandler
 
 _share = LoopShare()
@@ -87,26 +88,37 @@ def install(state) -> None:
         handler = self._context.get(_serving)
         if handler is None:
             return run(self)
-        started = perf_counter()
+        _step[0] = perf_counter()
         try:
             return run(self)
         finally:
-            handler._egress_spent += perf_counter() - started  # charged at its next read (cheap here)
+            handler._egress_spent += perf_counter() - _step[0]  # charged at its next read (cheap here)
 
     async def shared_drain_writers(self) -> None:
         await drain_writers(self)
-        spent = self._egress_spent
+        # The read just handled ran in this very step of the loop: its time so far is charged now,
+        # before the next read is reserved (else each connection had one read uncharged).
+        spent, self._egress_spent = self._egress_spent, 0.0
+        if _serving.get() is self:  # (always, for a proxy connection's reader)
+            now = perf_counter()
+            spent += now - _step[0]
+            _step[0] = now
         if spent:
-            self._egress_spent = 0.0
             _charge(self, spent)
         key = getattr(self, ATTR, None)
         if key is None:
             return
         # A read waits for its own slot (LoopShare.reserve): its sandbox's debt paid, and the reads
-        # of its other connections before it spaced by what a read costs, however many it holds.
-        if wait := _share.reserve(key):
+        # of its other connections before it spaced by what a read costs, however many it holds; a
+        # wait cut at MAX_WAIT reserves again, so that capped reads do not all resume at once.
+        waited = 0.0
+        while wait := _share.reserve(key):
             await asyncio.sleep(wait)
-            _waited(key, wait)
+            waited += wait
+            if wait < MAX_WAIT:
+                break
+        if waited:
+            _waited(key, waited)
 
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet

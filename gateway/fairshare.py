@@ -13,7 +13,7 @@ connection rate: 8x). A worker has one event loop and no scheduler between sandb
   of the active sandboxes never add up to more than the loop; it holds at most `burst` seconds;
 - `delay(key)` is how long the sandbox's next read waits: zero while its bucket is not in debt,
   while no other sandbox is active, or while the loop is not contended (the work charged over
-  the last `window`, decayed exponentially, fills less than `busy` of it): the share only
+  about the last second, decayed exponentially, fills less than `busy` of it): the share only
   matters when someone else waits for the loop, so a lone sandbox, or a busy one next to an idle
   loop, is never slowed. Else it is the time the debt takes to refill, capped at MAX_DELAY (the
   read asks again after it, until it gets 0).
@@ -31,10 +31,12 @@ from collections.abc import Callable, Hashable
 
 DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
 DEFAULT_BURST = 0.2  # seconds of loop time saved up
-DEFAULT_WINDOW = 1.0  # seconds: a sandbox charged within it is active
+DEFAULT_WINDOW = 10.0  # seconds: a sandbox charged within it is active (an agent pauses for seconds between calls)
+LOAD_WINDOW = 1.0  # seconds: the time constant of the loop's load
 DEFAULT_BUSY = 0.7  # the loop counts as contended once the work charged lately fills this much of it
 MAX_DELAY = 0.5  # seconds one read waits at most before it asks again (`delay`)
-MAX_WAIT = 5.0  # seconds one read waits at most for its slot (`reserve`)
+MAX_WAIT = 5.0  # seconds one read waits at most before it reserves again (`reserve`); under `window`,
+# so that a sandbox waiting for its slots stays active and keeps its debt
 DEFAULT_MAX_KEYS = 65536
 
 
@@ -56,7 +58,7 @@ class LoopShare:
         self.clock = clock
         self.window = float(window)
         self.busy = float(busy)
-        self._load = 0.0  # work charged, decayed with time constant `window`
+        self._load = 0.0  # work charged, decayed with time constant LOAD_WINDOW
         self._load_stamp = clock()
         self.max_keys = max(2, int(max_keys))
         self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
@@ -147,8 +149,8 @@ class LoopShare:
         return entry.tokens
 
     def load(self, now: float | None = None) -> float:
-        """The fraction of the loop the work charged lately fills (about the last `window`)."""
-        return self._decayed(self.clock() if now is None else now) / self.window
+        """The fraction of the loop the work charged lately fills (about the last second)."""
+        return self._decayed(self.clock() if now is None else now) / LOAD_WINDOW
 
     def contended(self, now: float | None = None) -> bool:
         return self.load(now) >= self.busy
@@ -158,7 +160,7 @@ class LoopShare:
     def _decayed(self, now: float) -> float:
         elapsed = now - self._load_stamp
         if elapsed > 0:
-            self._load *= math.exp(-elapsed / self.window)
+            self._load *= math.exp(-elapsed / LOAD_WINDOW)
             self._load_stamp = now
         return self._load
 

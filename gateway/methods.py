@@ -1091,7 +1091,7 @@ class _Json:
     # member cut by a chunk boundary. Real bodies need a handful per chunk; a body of a million
     # `"\u0061":1` members or 10,000-level nesting would hold the event loop for seconds.
     STEPS_FREE = 20_000
-    STEP_BYTES = 32
+    STEP_BYTES = 8  # a translations file of keys like "payment method 123" needs ~6 steps a key
 
     def __init__(self) -> None:
         self._started = False
