@@ -90,6 +90,11 @@ class SmallChunkFlood(Exception):
     """A small chunk found its sandbox's small-frame bucket empty (addons/frame_limits.py)."""
 
 
+class MalformedBody(Exception):
+    """h11 could not read the request's body framing (a chunk-size line that is not one, a bare LF):
+    raised instead of h11's ProtocolError, which mitmproxy turns into a silent close."""
+
+
 class ChunkMerger:
     """Wraps the h11 body reader of a request from the client: what one read brought comes out as
     one Data event however many chunks it was sent in (chunk boundaries mean nothing to HTTP, and
@@ -110,7 +115,10 @@ class ChunkMerger:
             return event
         pieces = []
         while True:
-            event = self.reader(buf)
+            try:
+                event = self.reader(buf)
+            except h11.ProtocolError as exc:
+                raise MalformedBody(str(exc)) from None
             if not isinstance(event, h11.Data):
                 break
             self._meter(event)
@@ -121,7 +129,7 @@ class ChunkMerger:
         return h11.Data(data=b"".join(pieces))
 
     def read_eof(self):
-        return self.reader.read_eof()
+        return self.reader.read_eof()  # a body cut short by the client's close: mitmproxy's handling
 
     def _meter(self, event: h11.Data) -> None:
         if event.chunk_start:

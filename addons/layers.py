@@ -63,7 +63,7 @@ from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
 from . import frame_limits, h2_backpressure, h2_limits, read_ahead
-from .http1 import ChunkMerger, ServerFraming, SmallChunkFlood
+from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood
 from .credentials import BOUND, BUFFER_ACCOUNT
 from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
@@ -410,6 +410,11 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         except SmallChunkFlood as flood:
             yield from self._cut(Decision.deny("small_frame_flood", f"{flood}; the connection was closed"),
                                  "the client sent too many small chunks")
+            return
+        except MalformedBody as bad:
+            # mitmproxy closed such a connection without a word or an audit line.
+            yield from self._cut(Decision.deny("malformed_request", f"the request body's framing is malformed ({bad})"),
+                                 "the client sent a malformed body")
             return
         except NotImplementedError:
             # mitmproxy cannot relay request trailers and would leave the connection hanging.

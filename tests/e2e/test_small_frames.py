@@ -251,6 +251,20 @@ def test_an_endless_chunk_line_or_trailer_section_is_431(world, endless):
     assert not origin.bodies
 
 
+@pytest.mark.parametrize("framing", [b"3\nabc\r\n0\r\n\r\n", b"3;a=b\r\n c=d\r\nabc\r\n0\r\n\r\n", b"zz\r\n"],
+                         ids=["bare-lf", "folded-extension", "not-hex"])
+def test_a_malformed_chunked_body_is_400_with_its_line(world, framing):
+    """h11 refuses these; mitmproxy closed the connection without an answer or an audit line."""
+    gateway, origin = world
+    conn = connect_proxy(gateway)
+    conn.send(b"POST http://frames.test/up HTTP/1.1\r\nHost: frames.test\r\nTransfer-Encoding: chunked\r\n\r\n" + framing)
+    response = conn.read_response()
+    assert (response.status, response.egress_reason) == (400, "malformed_request"), response
+    assert conn.closed()
+    assert [a for a in audit_for(gateway, conn.client, 2) if a.get("reason") == "malformed_request"]
+    assert not origin.bodies
+
+
 def test_an_upstreams_endless_chunk_line_is_cut_off(world, upstreams):
     """The same from an upstream (256 KiB, as for its response head): the upstream connection is
     closed and the client's response cut off, not grown without end."""
