@@ -106,16 +106,11 @@ class LoopShare:
 
     def delay(self, key: Hashable) -> float:
         """Seconds the sandbox's next read should wait (0.0: none)."""
-        if not self.enabled:
-            return 0.0
         now = self.clock()
-        share = self.share(now)
-        entry = self._shares.get(key)
-        if entry is None:
+        debt = self._debt(key, now)
+        if debt is None:
             return 0.0
-        self._refill(entry, now, share)
-        if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
-            return 0.0
+        entry, share = debt
         return min(-entry.tokens / share, MAX_DELAY)
 
     def reserve(self, key: Hashable) -> float:
@@ -123,20 +118,31 @@ class LoopShare:
         gets its own slot, the first once the debt is paid and each next one a read's cost (at its
         share) later, so that its connections resume one by one, not all at once when the debt
         is paid (a sandbox holding 150 connections resumed them as one burst)."""
-        if not self.enabled:
-            return 0.0
         now = self.clock()
-        share = self.share(now)
-        entry = self._shares.get(key)
-        if entry is None:
+        debt = self._debt(key, now)
+        if debt is None:
+            entry = self._shares.get(key)
+            if entry is not None:
+                entry.next_slot = now
             return 0.0
-        self._refill(entry, now, share)
-        if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
-            entry.next_slot = now
-            return 0.0
+        entry, share = debt
         slot = max(now - entry.tokens / share, entry.next_slot)
         entry.next_slot = slot + entry.per_read / share
         return min(slot - now, MAX_WAIT)
+
+    def _debt(self, key: Hashable, now: float) -> tuple[_Share, float] | None:
+        """The sandbox's refilled entry and the share now, when it must wait: in debt, another
+        sandbox active and the loop contended; None when it need not."""
+        if not self.enabled:
+            return None
+        share = self.share(now)
+        entry = self._shares.get(key)
+        if entry is None:
+            return None
+        self._refill(entry, now, share)
+        if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
+            return None
+        return entry, share
 
     def tokens(self, key: Hashable) -> float | None:
         """The sandbox's bucket now (for tests and metrics); None if it has none."""
