@@ -7,7 +7,7 @@ sandbox costs another sandbox on the same gateway worker.
 
 For each attack a fresh gateway (one worker, this checkout, its default budgets unless `--set`
 says otherwise) is started in front of a loopback TLS origin (tests/support/noisy.py). Sandbox B
-(its own source address and `sandboxes` entry) times its simple request: a fresh CONNECT tunnel,
+(its own source address, `sandboxes` entry and process) times its simple request: a fresh CONNECT tunnel,
 TLS, `GET /ok`, close. First `--samples` of them alone (B's baseline, measured in the same run
 against the same process), then as many while sandbox A runs the attack, repeated until B has
 `--samples` samples during it. The gateway's RSS is sampled every 10 ms from idle to the attack's
@@ -49,10 +49,10 @@ def run_attack(name: str, args) -> dict:
             for _ in range(5):  # warm: certificates minted, code paths hot
                 noisy.victim_request(world)
             idle = world.rss_kib()
-            baseline = [noisy.victim_request(world) for _ in range(args.samples)]
+            baseline = noisy.victim_samples(world, args.samples, args.pace)
             sampler = noisy.RssSampler(world)
             sampler.start()
-            victim = noisy.Victim(world)
+            victim = noisy.Victim(world, args.pace)
             hold = threading.Event()
             outcomes = []
             started = time.monotonic()
@@ -96,6 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", choices=sorted(noisy.ATTACKS), help="attacks to run (repeatable)")
     parser.add_argument("--samples", type=int, default=60, help="B's requests in the baseline and during each attack")
+    parser.add_argument("--pace", type=float, default=0.1,
+                        help="seconds between the starts of B's requests (0: back to back, B then takes about half "
+                             "the worker itself and its own share applies to it)")
     parser.add_argument("--max-seconds", type=float, default=40.0, help="the longest an attack is repeated for")
     parser.add_argument("--bomb-mb", type=int, default=300, help="decoded size of the decompression bomb (MiB)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a gateway option")

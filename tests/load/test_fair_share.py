@@ -18,7 +18,7 @@ from tests.support.gateway import free_port
 
 pytestmark = pytest.mark.load
 
-OCTETS = (246, 247, 248)  # origin, sandbox A, sandbox B, in the session block
+OCTETS = (246, 247, 248, 249)  # A's origin, sandbox A, sandbox B, B's origin, in the session block
 
 
 @pytest.fixture(scope="module")

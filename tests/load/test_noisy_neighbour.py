@@ -21,7 +21,7 @@ from tests.support import noisy
 
 pytestmark = pytest.mark.load
 
-OCTETS = (250, 251, 252)  # origin, sandbox A, sandbox B, in the session block
+OCTETS = (250, 251, 252, 253)  # A's origin, sandbox A, sandbox B, B's origin, in the session block
 
 # attack -> (kwargs, the reason code its refusal is audited with, most audit lines A may write)
 CASES = {

@@ -22,6 +22,8 @@ import select
 import socket
 import ssl
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
 
 ORIGIN_NAME = "origin.noisy"
+VICTIM_NAME = "b.noisy"  # B's origin: its own process, so that B never queues behind A's requests there
 BOUND_NAME = "bound.noisy"
 SECRET_ENV = "EGRESS_NOISY_KEY"
 SECRET_VALUE = "sk-noisy-Platform7Key6Yy5"
@@ -53,78 +56,83 @@ def brotli_bomb(size: int) -> bytes:
 
 
 class Origin:
-    """Keep-alive TLS HTTP/1.1 origin for both names: `/ok` is 200 `ok`; `/bomb` is a brotli bomb of
-    `bomb_size` bytes with its (small) Content-Length; anything else is 200 `ok` after reading the
-    body. Counts requests by path."""
+    """Keep-alive TLS HTTP/1.1 origin for both names, in a process of its own (so that neither the
+    attacker's threads nor B's share its interpreter lock: B's latency is the gateway's, not this
+    process's): `/ok` is 200 `ok`; `/bomb` is a brotli bomb of `bomb_size` bytes with its (small)
+    Content-Length; anything else is 200 `ok` after reading the body."""
 
     def __init__(self, address: str, cert: Path, key: Path, bomb_size: int):
-        self.requests: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._bomb = brotli_bomb(bomb_size)
-        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self._tls.load_cert_chain(str(cert), str(key))
-        self._tls.set_alpn_protocols(["http/1.1"])
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((address, 443))
-        self._sock.listen(512)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def count(self, path: str) -> int:
-        with self._lock:
-            return self.requests.get(path, 0)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                raw, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(raw,), daemon=True).start()
-
-    def _handle(self, raw: socket.socket) -> None:
-        try:
-            raw.settimeout(TIMEOUT)
-            conn = self._tls.wrap_socket(raw, server_side=True)
-            buf = b""
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                head, buf = buf.split(b"\r\n\r\n", 1)
-                lines = head.split(b"\r\n")
-                path = lines[0].split(b" ")[1].split(b"?")[0].decode("ascii", "replace")
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                while len(buf) < length:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                buf = buf[length:]
-                with self._lock:
-                    self.requests[path] = self.requests.get(path, 0) + 1
-                if path == "/bomb":
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
-                                 b"Content-Length: %d\r\n\r\n" % len(self._bomb) + self._bomb)
-                else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        except (OSError, ssl.SSLError, ValueError, IndexError):
-            pass
-        finally:
-            raw.close()
+        self._process = _child("origin", address, str(cert), str(key), str(bomb_size))
+        line = self._process.stdout.readline()  # (a large bomb is compressed before the origin listens)
+        if line.strip() != b"ready":
+            self.stop()
+            raise RuntimeError(f"the noisy origin did not start: {line!r}")
 
     def stop(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(): the port is free at once
-        except OSError:
-            pass
-        self._sock.close()
+        self._process.terminate()
+        self._process.wait(TIMEOUT)
+
+
+def _child(*args: str) -> subprocess.Popen:
+    """This module run as a process of its own (see the end of the file)."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.Popen([sys.executable, "-m", "tests.support.noisy", *args], cwd=root,
+                            env=dict(os.environ, PYTHONPATH=str(root)), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+
+
+def _origin_main(address: str, cert: str, key: str, bomb_size: int) -> None:
+    bomb = brotli_bomb(bomb_size)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    tls.set_alpn_protocols(["http/1.1"])
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, 443))
+    listener.listen(512)
+    print("ready", flush=True)
+    while True:
+        raw, _ = listener.accept()
+        threading.Thread(target=_origin_handle, args=(raw, tls, bomb), daemon=True).start()
+
+
+def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes) -> None:
+    try:
+        raw.settimeout(TIMEOUT)
+        # As real origins do: with Nagle on, the response waited behind the unacknowledged TLS
+        # session tickets for the gateway's delayed ACK, 40 ms of every baseline request.
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = tls.wrap_socket(raw, server_side=True)
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.split(b"\r\n")
+            path = lines[0].split(b" ")[1].split(b"?")[0].decode("ascii", "replace")
+            length = 0
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            while len(buf) < length:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            buf = buf[length:]
+            if path == "/bomb":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(bomb) + bomb)
+            else:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    except (OSError, ssl.SSLError, ValueError, IndexError):
+        pass
+    finally:
+        raw.close()
 
 
 @dataclass
@@ -133,10 +141,12 @@ class World:
     origin: Origin
     attacker: str  # sandbox A's source address
     victim: str  # sandbox B's source address
+    victim_origin: Origin
 
     def stop(self) -> None:
         self.gateway.stop()
         self.origin.stop()
+        self.victim_origin.stop()
 
     def rss_kib(self) -> int:
         return _status_kib(self.gateway.process.pid, "VmRSS")
@@ -145,7 +155,7 @@ class World:
         return [e for e in self.gateway.audit() if str(e.get("client", "")).startswith(source + ":")]
 
 
-def policy_text(origin_address: str, attacker: str, victim: str) -> str:
+def policy_text(origin_address: str, attacker: str, victim: str, victim_origin: str) -> str:
     return f"""version: 1
 network:
   allow_ip_ranges: [127.0.0.0/8]
@@ -153,6 +163,7 @@ resolver:
   static_hosts:
     {ORIGIN_NAME}: [{origin_address}]
     {BOUND_NAME}: [{origin_address}]
+    {VICTIM_NAME}: [{victim_origin}]
 secrets:
   noisy_key: {{env: {SECRET_ENV}}}
 sandboxes:
@@ -164,7 +175,7 @@ sandboxes:
     rules: [open]
 rules:
   - id: open
-    hosts: [{ORIGIN_NAME}]
+    hosts: [{ORIGIN_NAME}, {VICTIM_NAME}]
     methods: [GET, POST]
   - id: bound
     hosts: [{BOUND_NAME}]
@@ -175,22 +186,29 @@ rules:
 
 
 def make_world(workdir: Path, block: str, args: list[str] = (), bomb_size: int = 300 << 20,
-               octets: tuple[int, int, int] = (250, 251, 252)) -> World:
-    """Origin at <block>.<octets[0]>, attacker at .<octets[1]>, victim at .<octets[2]>."""
-    origin_address, attacker, victim = (f"{block}.{o}" for o in octets)
+               octets: tuple[int, int, int, int] = (250, 251, 252, 253)) -> World:
+    """A's origin at <block>.<octets[0]>, attacker at .<octets[1]>, victim at .<octets[2]>, B's
+    origin at .<octets[3]>."""
+    origin_address, attacker, victim, victim_origin = (f"{block}.{o}" for o in octets)
     pki = TestPKI(workdir / "pki")
-    cert, key = pki.issue([ORIGIN_NAME, BOUND_NAME], [origin_address], stem="noisy-origin")
+    cert, key = pki.issue([ORIGIN_NAME, BOUND_NAME, VICTIM_NAME], [origin_address, victim_origin], stem="noisy-origin")
     origin = Origin(origin_address, cert, key, bomb_size)
+    try:
+        theirs = Origin(victim_origin, cert, key, 0)
+    except Exception:
+        origin.stop()
+        raise
     policy = workdir / "noisy.yaml"
-    policy.write_text(policy_text(origin_address, attacker, victim))
+    policy.write_text(policy_text(origin_address, attacker, victim, victim_origin))
     os.environ[SECRET_ENV] = SECRET_VALUE  # the gateway's environment (GatewayProcess copies os.environ)
     gateway = GatewayProcess(policy, workdir / "gateway", upstream_ca=pki.ca_cert, extra_args=list(args))
     try:
         gateway.start()
     except Exception:
         origin.stop()
+        theirs.stop()
         raise
-    return World(gateway, origin, attacker, victim)
+    return World(gateway, origin, attacker, victim, theirs)
 
 
 # --- clients --------------------------------------------------------------------------------------
@@ -270,41 +288,103 @@ def read_response(tls: ssl.SSLSocket, limit: int = 1 << 20) -> tuple[int, dict[s
 def victim_request(world: World) -> tuple[float, int]:
     """Sandbox B's simple request, the way an agent's curl makes it: a fresh CONNECT tunnel, TLS,
     one GET, close. Returns (seconds, status)."""
+    return _timed_request(world.gateway.host, world.gateway.port, str(world.gateway.ca_cert), world.victim)
+
+
+def _timed_request(host: str, port: int, ca_cert: str, source: str) -> tuple[float, int]:
     started = time.perf_counter()
-    with tls_tunnel(world, world.victim, ORIGIN_NAME) as tls:
-        tls.sendall(f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\nConnection: close\r\n\r\n".encode())
-        status, _, _ = read_response(tls)
+    sock = socket.socket()
+    sock.settimeout(TIMEOUT)
+    try:
+        sock.bind((source, 0))
+        sock.connect((host, port))
+        sock.sendall(f"CONNECT {VICTIM_NAME}:443 HTTP/1.1\r\nHost: {VICTIM_NAME}:443\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            piece = sock.recv(4096)
+            if not piece:
+                raise ConnectionError(f"CONNECT: closed after {answer!r}")
+            answer += piece
+        if not answer.startswith(b"HTTP/1.1 200"):
+            raise ConnectionError(f"CONNECT: {answer[:200]!r}")
+        context = ssl.create_default_context(cafile=ca_cert)
+        context.set_alpn_protocols(["http/1.1"])
+        with context.wrap_socket(sock, server_hostname=VICTIM_NAME) as tls:
+            tls.sendall(f"GET /ok HTTP/1.1\r\nHost: {VICTIM_NAME}\r\nConnection: close\r\n\r\n".encode())
+            status, _, _ = read_response(tls)
+    finally:
+        sock.close()
     return time.perf_counter() - started, status
 
 
-class Victim(threading.Thread):
+class Victim:
     """Sandbox B, timing its simple request over and over until `stop()`, at most one every `pace`
-    seconds (0: back to back; B has rate limits of its own too)."""
+    seconds (0: back to back; B has rate limits of its own too). B runs in a process of its own, as
+    a sandbox does: in the attacker's process it waited for the interpreter lock behind the
+    attacker's threads, and its latency said more about them than about the gateway."""
 
     def __init__(self, world: World, pace: float = 0.0):
-        super().__init__(daemon=True)
-        self.world = world
-        self.pace = pace
+        gateway = world.gateway
+        self._args = ("victim", gateway.host, str(gateway.port), str(gateway.ca_cert), world.victim, str(pace))
+        self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self.samples: list[tuple[float, int]] = []
         self.errors: list[str] = []
-        self._halt = threading.Event()
         self.first = threading.Event()  # set once a request completed (B is running)
 
-    def run(self) -> None:
-        while not self._halt.is_set():
-            started = time.monotonic()
-            try:
-                self.samples.append(victim_request(self.world))
+    def start(self) -> "Victim":
+        self._process = _child(*self._args)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            kind, _, value = line.decode().rstrip("\n").partition(" ")
+            if kind == "sample":
+                seconds, status = value.split()
+                self.samples.append((float(seconds), int(status)))
                 self.first.set()
-            except (OSError, ssl.SSLError, ValueError) as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
-            if self.pace:
-                self._halt.wait(max(0.0, self.pace - (time.monotonic() - started)))
+            else:
+                self.errors.append(value)
 
     def stop(self) -> "Victim":
-        self._halt.set()
-        self.join(TIMEOUT * 2)
+        """B finishes the request it is making, then exits."""
+        self._process.stdin.close()
+        try:
+            self._process.wait(TIMEOUT * 2)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(TIMEOUT)
         return self
+
+
+def _victim_main(host: str, port: int, ca_cert: str, source: str, pace: float) -> None:
+    halt = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.buffer.read(), halt.set()), daemon=True).start()  # EOF: stop
+    while not halt.is_set():
+        started = time.monotonic()
+        try:
+            seconds, status = _timed_request(host, port, ca_cert, source)
+            print(f"sample {seconds!r} {status}", flush=True)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            print("error " + f"{type(exc).__name__}: {exc}"[:300].replace("\n", " "), flush=True)
+        if pace:
+            halt.wait(max(0.0, pace - (time.monotonic() - started)))
+
+
+def victim_samples(world: World, count: int, pace: float = 0.0) -> list[tuple[float, int]]:
+    """`count` of B's requests with nothing else running (B's baseline), from B's own process and
+    at B's pace, like the ones during an attack."""
+    victim = Victim(world, pace).start()
+    deadline = time.monotonic() + TIMEOUT * 4
+    while len(victim.samples) < count and time.monotonic() < deadline and not victim.errors:
+        time.sleep(0.05)  # polling B's results, not a synchronisation
+    samples = victim.stop().samples
+    if victim.errors:
+        raise ConnectionError(f"B failed alone: {victim.errors[:3]}")
+    return samples[:count]
 
 
 class RssSampler(threading.Thread):
@@ -631,3 +711,11 @@ ATTACKS = {
     "request_flood": request_flood,
     "connection_flood": connection_flood,
 }
+
+
+if __name__ == "__main__":  # a process of the world: `origin ADDRESS CERT KEY BOMB` or `victim HOST PORT CA SOURCE PACE`
+    role, *rest = sys.argv[1:]
+    if role == "origin":
+        _origin_main(rest[0], rest[1], rest[2], int(rest[3]))
+    else:
+        _victim_main(rest[0], int(rest[1]), rest[2], rest[3], float(rest[4]))
