@@ -137,13 +137,9 @@ class LimitedH2Connection(BufferedH2Connection):
         # its own settings) so that h2's own check and the one below agree from the first frame.
         self.local_settings.max_concurrent_streams = max_streams
         self.local_settings.acknowledge()
-        self.reset_in_batch: frozenset[int] = frozenset()
 
     def receive_data(self, data: bytes):
-        self.reset_in_batch = frozenset()
-        events = _merged(super().receive_data(data))
-        self.reset_in_batch = frozenset(e.stream_id for e in events if isinstance(e, h2.events.StreamReset))
-        return events
+        return _merged(super().receive_data(data))
 
     def _receive_frame(self, frame):
         """Counts the frames that carry no request (gateway/h2budget.py `ControlFrameTracker`) and

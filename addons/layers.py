@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -48,7 +49,7 @@ from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.utils import human
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy.proxy.layers.http._http1 import Http1Server, make_body_reader
-from mitmproxy.proxy.layers.http._http2 import Http2Server, StreamState
+from mitmproxy.proxy.layers.http._http2 import CATCH_HYPER_H2_ERRORS, Http2Server, StreamState
 from mitmproxy.proxy.layers.http._http3 import Http3Server
 from mitmproxy.proxy.layers.http import is_h3_alpn
 from mitmproxy.proxy.layers.tcp import TCPLayer
@@ -453,8 +454,13 @@ class GatewayHttp2Server(Http2Server):
       concurrent streams (over: RST_STREAM REFUSED_STREAM, `too_many_streams`), resets in a sliding
       window (over: GOAWAY ENHANCE_YOUR_CALM and close, `reset_flood`), and request-body bytes held
       in memory (a stream whose next DATA frame would pass the budget gets 503 `buffer_budget`);
-      a stream the client reset in the same read as its HEADERS never becomes a request. Refused
-      streams are audited at most once per second and reason, with a `repeated` count."""
+      a stream the client reset before its HEADERS were handled never becomes a request. Refused
+      streams are audited at most once per second and reason, with a `repeated` count;
+    - one read's HTTP/2 events are handled through a backlog, at most STREAMS_PER_STEP new requests
+      per step of the event loop: each request is decided when it is handled (~1 ms), and a read of
+      100 HEADERS frames held every other connection of the worker for ~120 ms."""
+
+    STREAMS_PER_STEP = 8
 
     def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None, sandbox: str | None = None):
         super().__init__(context)
@@ -472,6 +478,8 @@ class GatewayHttp2Server(Http2Server):
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self._flush_wakeup: commands.RequestWakeup | None = None
+        self._backlog: deque = deque()  # h2 events parsed and not handled yet, in order
+        self._backlog_wakeup: commands.RequestWakeup | None = None
 
     def _unread(self) -> int:
         unread = 0
@@ -490,7 +498,13 @@ class GatewayHttp2Server(Http2Server):
                 if self.aggregate.held_back:  # woken a little early: the rest on the next timer
                     self._flush_wakeup = commands.RequestWakeup(self.aggregate.interval)
                     yield self._flush_wakeup
+            elif event.command is self._backlog_wakeup:
+                self._backlog_wakeup = None
+                yield from self._tracked(self._run_backlog())
+                h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
             return
+        if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
+            self._backlog.clear()  # what the client sent before it closed: its streams fail with it
         yield from self._handle(event)
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             h2_backpressure.release(self.context.client)
@@ -508,8 +522,8 @@ class GatewayHttp2Server(Http2Server):
                 "too_many_streams", f"more than {self.limits.max_concurrent_streams} concurrent HTTP/2 streams; "
                 "this one was refused (RST_STREAM REFUSED_STREAM)"))
             return (yield from self._count_reset(now))
-        if isinstance(event, h2.events.RequestReceived) and event.stream_id in self.h2_conn.reset_in_batch:
-            return False  # opened and reset in one read: no request at all (its reset is counted below)
+        if isinstance(event, h2.events.RequestReceived) and self.is_closed(event.stream_id):
+            return False  # reset by the client before it was handled: no request at all (its reset is counted)
         if isinstance(event, h2.events.StreamReset):  # counted as its frame was parsed (ResetFlood)
             self.ledger.release(event.stream_id)
             return (yield from super().handle_h2_event(event))
@@ -671,17 +685,59 @@ class GatewayHttp2Server(Http2Server):
             return
         if isinstance(event, ResponseHeaders) and getattr(event.response, COUNTS_AS_RESET, False):
             self._counted_refusals.add(event.stream_id)  # a gateway 429 (addons/respond.py refuse)
-        for command in super()._handle_event(event):
-            if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
-                if command.event.request.method.upper() == "HEAD":
-                    self._head_requests.add(command.event.stream_id)
-            yield command
+        if isinstance(event, events.DataReceived) and event.connection is self.conn:
+            yield from self._tracked(self._received(event.data))
+        else:
+            yield from self._tracked(super()._handle_event(event))
         if isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
             self._head_requests.discard(event.stream_id)
             if event.stream_id in self._counted_refusals:
                 self._counted_refusals.discard(event.stream_id)
                 # Once its answer is out: a flood of rate refusals ends like a flood of resets (GOAWAY).
                 yield from self._count_reset(time.monotonic())
+
+
+    def _tracked(self, commands_) -> layer.CommandGenerator[None]:
+        """The commands, noting the streams whose request is a HEAD (their answers carry no body)."""
+        for command in commands_:
+            if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+                if command.event.request.method.upper() == "HEAD":
+                    self._head_requests.add(command.event.stream_id)
+            yield command
+
+    def _received(self, data: bytes) -> layer.CommandGenerator[None]:
+        """mitmproxy's handling of the client's bytes, with the events put in the backlog."""
+        try:
+            try:
+                parsed = self.h2_conn.receive_data(data)
+            except CATCH_HYPER_H2_ERRORS as e:  # (as mitmproxy: defence in depth for hyper-h2 bugs)
+                raise h2.exceptions.ProtocolError(f"uncaught hyper-h2 error: {e}") from e
+        except h2.exceptions.ProtocolError as e:
+            parsed = [e]
+        self._backlog.extend(parsed)
+        yield from self._run_backlog()
+
+    def _run_backlog(self) -> layer.CommandGenerator[None]:
+        """Handle the backlog's events in order until STREAMS_PER_STEP requests were opened; the
+        rest on a wakeup, a later step of the loop (a new read meanwhile only adds to the backlog's
+        end). The client's flow-control windows are acknowledged as events are handled, so what
+        the backlog can hold is bounded by them, as by the stream limit and the flood budgets."""
+        opened = 0
+        while self._backlog:
+            h2_event = self._backlog.popleft()
+            if (yield from self.handle_h2_event(h2_event)):
+                self._backlog.clear()
+                return
+            if isinstance(h2_event, h2.events.RequestReceived):
+                opened += 1
+                if opened >= self.STREAMS_PER_STEP and self._backlog:
+                    if self._backlog_wakeup is None:
+                        self._backlog_wakeup = commands.RequestWakeup(0)
+                        yield self._backlog_wakeup
+                    break
+        data = self.h2_conn.data_to_send()
+        if data:
+            yield commands.SendData(self.conn, data)
 
 
 class GatewayHttpStream(HttpStream):
