@@ -21,6 +21,7 @@ from addons.credentials import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
 from addons.fair_share import FairShare  # noqa: E402
 from addons.frame_limits import FrameLimits  # noqa: E402
+from addons.gc_freeze import CollectorFreeze  # noqa: E402
 from addons.h2_limits import Http2Limits  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.limits import ConnectionLimiter  # noqa: E402
@@ -67,6 +68,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         UpstreamGuard(state),
         Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
         DnsGuard(state),
+        CollectorFreeze(),  # once running: full collections skip what start-up made
         Observability(state),  # last: configures the audit log EgressCore opened, sees every decision
     ]
 
