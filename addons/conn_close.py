@@ -46,6 +46,9 @@ def install() -> None:
                     cancelled = e
                     break
                 try:
+                    turn = getattr(self, "egress_turn", None)  # its sandbox's turn on the loop (addons/fair_share.py)
+                    if turn is not None:
+                        await turn()
                     await self.server_event(events.DataReceived(connection, data))
                     await self.drain_writers()
                 except asyncio.CancelledError as e:  # mitmproxy lets this one escape the close

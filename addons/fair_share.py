@@ -27,7 +27,22 @@ from mitmproxy import ctx, exceptions
 from gateway.fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, MAX_WAIT, LoopShare
 
 ATTR = "_egress_share_key"
-_step = [0.0]  # when the loop's current callback began (one loop, one callback at a time)
+_step = [0.0]  # when the loop's current callback began, or was last charged (one callback at a time)
+_began = [0.0]  # when the loop's current callback began
+# A connection's reader goes on to its next read in the same step of the loop while its stream has
+# bytes buffered (StreamReader.read does not yield then): 256 KiB the transport read at once, four
+# of mitmproxy's reads, each parsed and decided. Past this much of a step it yields first, so that
+# what other connections wait for is a slice, not everything one client sent.
+STEP_SLICE = 0.002
+# A sandbox in debt (over its share lately, contended or not) lets one within its share go first:
+# while a callback of such a sandbox ran within PRIORITY_WINDOW, the indebted sandbox's next turn
+# yields the loop (up to MAX_YIELD per turn). Its share alone left it one callback between every
+# two of the other's (a simple request is ~45 callbacks, each waited behind one of a flood's ~2.5
+# ms requests), and nothing at all while the loop's load, averaged over a second, was under `busy`:
+# a flood ran unslowed for a few hundred ms at a time, and a request meanwhile took 10x its time.
+PRIORITY_WINDOW = 0.002
+MAX_YIELD = 0.1
+_light = [-1.0]  # when a callback of a sandbox within its share last ended
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # the ConnectionHandler
 
 _share = LoopShare()
@@ -73,12 +88,12 @@ def install(state) -> None:
     serves, and make that sandbox's reads wait while it is over its share."""
     global _state
     _state = state
-    from mitmproxy.proxy import server
+    from mitmproxy.proxy import events, server
 
     handler_class = server.ConnectionHandler
     if getattr(handler_class.handle_client, "_egress_share", False):
         return
-    handle_client, drain_writers, run = handler_class.handle_client, handler_class.drain_writers, asyncio.Handle._run
+    handle_client, run = handler_class.handle_client, asyncio.Handle._run
 
     async def marked_handle_client(self) -> None:
         _serving.set(self)  # this task's context, and every task it starts (connections, hooks)
@@ -88,43 +103,79 @@ def install(state) -> None:
         handler = self._context.get(_serving)
         if handler is None:
             return run(self)
-        _step[0] = perf_counter()
+        _step[0] = _began[0] = perf_counter()
         try:
             return run(self)
         finally:
-            handler._egress_spent += perf_counter() - _step[0]  # charged at its next read (cheap here)
+            now = perf_counter()
+            handler._egress_spent += now - _step[0]  # charged at its next read (cheap here)
+            if handler._egress_light:
+                _light[0] = now
 
-    async def shared_drain_writers(self) -> None:
-        await drain_writers(self)
-        # The read just handled ran in this very step of the loop: its time so far is charged now,
-        # before the next read is reserved (else each connection had one read uncharged).
+    async def turn(self) -> None:
+        """The handler's sandbox's turn on the loop, before the handler goes on: after each read
+        of one of its connections, and after each hook before its completion is handled (the
+        requests a client pipelined, or opened as HTTP/2 streams, are handled from there, with no
+        read in between)."""
+        # The work just done ran in this very step of the loop: its time so far is charged now,
+        # before the next turn is reserved (else each connection had one read uncharged).
         spent, self._egress_spent = self._egress_spent, 0.0
-        if _serving.get() is self:  # (always, for a proxy connection's reader)
+        if _serving.get() is self:  # (always, for a proxy connection's reader and its hooks)
             now = perf_counter()
             spent += now - _step[0]
             _step[0] = now
         if spent:
             _charge(self, spent)
-        key = getattr(self, ATTR, None)
+        key = _key(self)
         if key is None:
+            if perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
+                await asyncio.sleep(0)
             return
-        # A read waits for its own slot (LoopShare.reserve): its sandbox's debt paid, and the reads
-        # of its other connections before it spaced by what a read costs, however many it holds; a
-        # wait cut at MAX_WAIT reserves again, so that capped reads do not all resume at once.
+        # A turn waits for its own slot (LoopShare.reserve): its sandbox's debt paid, and the turns
+        # of its other connections before it spaced by what a turn costs, however many it holds; a
+        # wait cut at MAX_WAIT reserves again, so that capped turns do not all resume at once.
         waited = 0.0
         while wait := _share.reserve(key):
             await asyncio.sleep(wait)
             waited += wait
             if wait < MAX_WAIT:
                 break
+        over = _share.in_debt(key)
+        self._egress_light = not over
+        if over and perf_counter() - _light[0] < PRIORITY_WINDOW:
+            started = perf_counter()
+            while perf_counter() - _light[0] < PRIORITY_WINDOW and perf_counter() - started < MAX_YIELD:
+                await asyncio.sleep(0)
+            waited += perf_counter() - started
         if waited:
             _waited(key, waited)
+        elif perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
+            await asyncio.sleep(0)  # (charged: the next step is timed like any other)
+
+    async def shared_hook_task(self, hook) -> None:
+        """mitmproxy's hook_task (12.3), with the sandbox's turn before the hook's completion."""
+        await self.handle_hook(hook)
+        if hook.blocking:
+            await turn(self)
+            await self.server_event(events.HookCompleted(hook))
+
+    async def shared_wakeup(self, request) -> None:
+        """mitmproxy's wakeup (12.3), with the sandbox's turn before the timer's event."""
+        await asyncio.sleep(request.delay)
+        task = asyncio.current_task()
+        assert task is not None
+        self.wakeup_timer.discard(task)
+        await turn(self)
+        await self.server_event(events.Wakeup(request))
 
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet
+    handler_class._egress_light = True  # its sandbox was within its share at its last read
     marked_handle_client._egress_share = True
     handler_class.handle_client = marked_handle_client
-    handler_class.drain_writers = shared_drain_writers
+    handler_class.egress_turn = turn  # awaited between each read and its event (addons/conn_close.py)
+    handler_class.hook_task = shared_hook_task
+    handler_class.wakeup = shared_wakeup
     asyncio.Handle._run = timed_run
 
 

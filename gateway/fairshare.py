@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
-DEFAULT_BURST = 0.2  # seconds of loop time saved up
+DEFAULT_BURST = 0.05  # seconds of loop time saved up: how long a sandbox may hold a loop another one waits for
 DEFAULT_WINDOW = 10.0  # seconds: a sandbox charged within it is active (an agent pauses for seconds between calls)
 LOAD_WINDOW = 1.0  # seconds: the time constant of the loop's load
 DEFAULT_BUSY = 0.7  # the loop counts as contended once the work charged lately fills this much of it
@@ -129,6 +129,18 @@ class LoopShare:
         slot = max(now - entry.tokens / share, entry.next_slot)
         entry.next_slot = slot + entry.per_read / share
         return min(slot - now, MAX_WAIT)
+
+    def in_debt(self, key: Hashable) -> bool:
+        """Whether the sandbox has used more than its share lately (its bucket is below zero),
+        contended or not."""
+        if not self.enabled:
+            return False
+        now = self.clock()
+        entry = self._shares.get(key)
+        if entry is None:
+            return False
+        self._refill(entry, now, self.share(now))
+        return entry.tokens < 0
 
     def _debt(self, key: Hashable, now: float) -> tuple[_Share, float] | None:
         """The sandbox's refilled entry and the share now, when it must wait: in debt, another
