@@ -170,7 +170,7 @@ def install(state) -> None:
 
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet
-    handler_class._egress_light = True  # its sandbox was within its share at its last read
+    handler_class._egress_light = False  # its sandbox was within its share at its last turn (unknown: not)
     marked_handle_client._egress_share = True
     handler_class.handle_client = marked_handle_client
     handler_class.egress_turn = turn  # awaited between each read and its event (addons/conn_close.py)
