@@ -216,6 +216,32 @@ def test_a_rapid_reset_flood_ends_in_goaway_and_reaches_no_upstream(gateway, ups
     assert lines
 
 
+def test_one_read_of_many_streams_is_handled_in_order_across_loop_steps(gateway, upstreams):
+    """One write opens MAX_STREAMS streams (more than GatewayHttp2Server.STREAMS_PER_STEP, so the
+    rest wait in the backlog for a later step of the loop) and resets the last one: every other
+    stream is answered and reaches the origin, in order, and the reset one is never decided nor
+    sent upstream."""
+    from addons.layers import GatewayHttp2Server
+
+    assert MAX_STREAMS > GatewayHttp2Server.STREAMS_PER_STEP
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        ids = []
+        for n in range(MAX_STREAMS):
+            ids.append(client.h2.get_next_available_stream_id())
+            client.h2.send_headers(ids[-1], _headers("allowed.test", f"/step{n}"), end_stream=True)
+        client.h2.reset_stream(ids[-1], h2.errors.ErrorCodes.CANCEL)
+        client._flush()
+        ended = lambda seen: {e.stream_id for e in seen if isinstance(e, h2.events.StreamEnded)}  # noqa: E731
+        seen = _events(client, lambda seen: ended(seen) >= set(ids[:-1]))
+        statuses = {e.stream_id: dict(e.headers)[":status"] for e in seen if isinstance(e, h2.events.ResponseReceived)}
+    assert statuses == {sid: "200" for sid in ids[:-1]}, statuses
+    paths = [r.path for r in upstreams.tls["allowed.test"].requests if r.path.startswith("/step")]
+    assert sorted(paths) == [f"/step{n}" for n in range(MAX_STREAMS - 1)], paths
+    decided = [a for a in gateway.audit() if a.get("client") == conn.client and a.get("path") == f"/step{MAX_STREAMS - 1}"]
+    assert not decided, decided
+
+
 def test_the_goaway_of_a_flood_reaches_a_client_that_is_still_writing(gateway):
     """A flooder that keeps writing after its GOAWAY is sent still gets to read the GOAWAY: the
     gateway half-closes and lingers instead of closing with the flood unread (the kernel would

@@ -111,3 +111,17 @@ def test_reads_in_debt_get_slots_spaced_by_a_reads_cost():
     assert abs(waits[0] - 0.005 / 0.5) < 1e-9
     assert all(abs((b - a) - 0.01 / 0.5) < 1e-9 for a, b in zip(waits, waits[1:])), waits
     assert s.reserve("b") == 0.0  # not in debt: no slot to wait for
+
+
+def test_in_debt_is_the_bucket_below_zero_whether_or_not_the_loop_is_contended():
+    """The priority rule (addons/fair_share.py: an indebted sandbox yields to one within its
+    share) asks `in_debt`; `delay` also needs contention and another active sandbox."""
+    s, clock = share(max_share=0.5, burst=0.05)
+    s.busy = 1.0  # never contended
+    assert not s.in_debt("a")  # unknown
+    s.charge("a", 0.04)
+    assert not s.in_debt("a")
+    s.charge("a", 0.02)  # 0.01 s in debt
+    assert s.in_debt("a") and s.delay("a") == 0.0  # alone and uncontended: never waits
+    clock.now += 0.01 / 0.5 + 0.001  # refilled at its share (1/N with N=1, capped at 0.5)
+    assert not s.in_debt("a")
