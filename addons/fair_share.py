@@ -1,5 +1,5 @@
 """Each sandbox's share of a worker's event loop (gateway/fairshare.py `LoopShare`), enforced by
-making its reads wait.
+making its connections wait for their turns.
 
 What a sandbox is charged: the time of every callback the event loop runs for one of its
 connections (asyncio.Handle._run, timed; a connection's handler marks its task's context, and the
@@ -7,10 +7,13 @@ tasks it starts, for its connections and its hooks, inherit the mark). That is a
 where it runs: TLS, HTTP/1 and HTTP/2 parsing, WebSocket framing, the layers, every addon's
 decision, audit and metrics work, and nothing while a hook awaits (a DNS answer costs the loop
 nothing, and the work of others that runs meanwhile is theirs). The cost: two clock reads per
-callback. The time is summed on the handler and charged at its next read. What it is made to do: after each
-read of one of its connections
-(ConnectionHandler.drain_writers, awaited after every read of every connection, mitmproxy 12.3),
-wait for its slot (`LoopShare.reserve`) while it is over its share on a contended loop.
+callback. The time is summed on the handler and charged at its next turn.
+
+A turn (`turn`) comes before each read of one of its connections is handled (addons/conn_close.py's
+read loop), before each blocking hook (the requests a client pipelined, or opened as HTTP/2
+streams, go on from hook to hook with no read in between) and before each timer's event. It waits
+for its slot (`LoopShare.reserve`) while the sandbox is over its share on a contended loop, and,
+over its share whether contended or not, yields while a sandbox within its share is being served.
 Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandbox alone on a
 worker, or next to an idle loop, is never slowed.
 """
@@ -34,15 +37,16 @@ _began = [0.0]  # when the loop's current callback began
 # of mitmproxy's reads, each parsed and decided. Past this much of a step it yields first, so that
 # what other connections wait for is a slice, not everything one client sent.
 STEP_SLICE = 0.002
-# A sandbox in debt (over its share lately, contended or not) lets one within its share go first:
-# while a callback of such a sandbox ran within PRIORITY_WINDOW, the indebted sandbox's next turn
-# yields the loop (up to MAX_YIELD per turn). Its share alone left it one callback between every
-# two of the other's (a simple request is ~45 callbacks, each waited behind one of a flood's ~2.5
-# ms requests), and nothing at all while the loop's load, averaged over a second, was under `busy`:
-# a flood ran unslowed for a few hundred ms at a time, and a request meanwhile took 10x its time.
+# The loop counts as contended for a sandbox in debt also while another sandbox within its share
+# is being served (a callback of it ended within PRIORITY_WINDOW), whatever the load averaged over
+# the last second says: under that average nothing slowed a flood, which then ran unslowed for a
+# few hundred ms at a time, one of its ~2.5 ms requests between every two of a neighbour's ~45
+# callbacks (the neighbour's request: 25 ms, then two of 220 ms, every 0.75 s). The indebted turn
+# then waits for its slot on a timer, like any other: a first version that held it spinning for as
+# long as the lighter one stayed busy let a sandbox sending one byte a millisecond cut a legitimate
+# upload to a quarter (a fresh-eyes review), and 400 spinning connections filled every loop step.
 PRIORITY_WINDOW = 0.002
-MAX_YIELD = 0.1
-_light = [-1.0]  # when a callback of a sandbox within its share last ended
+_light: list = [-1.0, None]  # when a callback of a sandbox within its share last ended, and that sandbox
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # the ConnectionHandler
 
 _share = LoopShare()
@@ -58,6 +62,12 @@ def _key(handler) -> str | None:
             key = _state.sandbox_key(conn)
             setattr(handler, ATTR, key)
     return key
+
+
+def _lighter_served(key: str) -> bool:
+    """Whether another sandbox, within its share, was being served in the last PRIORITY_WINDOW
+    (the last such callback: a sandbox never yields to its own connections)."""
+    return _light[1] != key and time.perf_counter() - _light[0] < PRIORITY_WINDOW
 
 
 def _charge(handler, seconds: float) -> None:
@@ -110,9 +120,9 @@ def install(state) -> None:
             now = perf_counter()
             handler._egress_spent += now - _step[0]  # charged at its next read (cheap here)
             if handler._egress_light:
-                _light[0] = now
+                _light[0], _light[1] = now, getattr(handler, ATTR, None)
 
-    async def turn(self) -> None:
+    async def turn(self, may_slice: bool = True) -> None:
         """The handler's sandbox's turn on the loop, before the handler goes on: after each read
         of one of its connections, and after each hook before its completion is handled (the
         requests a client pipelined, or opened as HTTP/2 streams, are handled from there, with no
@@ -128,44 +138,44 @@ def install(state) -> None:
             _charge(self, spent)
         key = _key(self)
         if key is None:
-            if perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
+            if may_slice and perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
                 await asyncio.sleep(0)
             return
         # A turn waits for its own slot (LoopShare.reserve): its sandbox's debt paid, and the turns
         # of its other connections before it spaced by what a turn costs, however many it holds; a
         # wait cut at MAX_WAIT reserves again, so that capped turns do not all resume at once.
         waited = 0.0
-        while wait := _share.reserve(key):
+        while wait := _share.reserve(key, pressed=_lighter_served(key)):
             await asyncio.sleep(wait)
             waited += wait
             if wait < MAX_WAIT:
                 break
-        over = _share.in_debt(key)
-        self._egress_light = not over
-        if over and perf_counter() - _light[0] < PRIORITY_WINDOW:
-            started = perf_counter()
-            while perf_counter() - _light[0] < PRIORITY_WINDOW and perf_counter() - started < MAX_YIELD:
-                await asyncio.sleep(0)
-            waited += perf_counter() - started
+        self._egress_light = not _share.in_debt(key)
         if waited:
             _waited(key, waited)
-        elif perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
+        elif may_slice and perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
             await asyncio.sleep(0)  # (charged: the next step is timed like any other)
 
     async def shared_hook_task(self, hook) -> None:
-        """mitmproxy's hook_task (12.3), with the sandbox's turn before the hook's completion."""
+        """mitmproxy's hook_task (12.3), with the sandbox's turn before the hook runs: the hook and
+        its completion stay one piece of work (what a hook charges, e.g. a decoded body, is handed
+        on as the completion sends it)."""
+        if hook.blocking:
+            # Only a sandbox that must wait waits here: a hook that does not is run at once, as
+            # mitmproxy's eager tasks run it (a yield before every hook reordered the handing on of
+            # a decoded body's charge: tests/credentials/test_buffer_budget.py under load).
+            await turn(self, may_slice=False)
         await self.handle_hook(hook)
         if hook.blocking:
-            await turn(self)
             await self.server_event(events.HookCompleted(hook))
 
     async def shared_wakeup(self, request) -> None:
         """mitmproxy's wakeup (12.3), with the sandbox's turn before the timer's event."""
         await asyncio.sleep(request.delay)
+        await turn(self)  # (still in wakeup_timer meanwhile: a close cancels it, no Wakeup after the close)
         task = asyncio.current_task()
         assert task is not None
         self.wakeup_timer.discard(task)
-        await turn(self)
         await self.server_event(events.Wakeup(request))
 
     perf_counter = time.perf_counter

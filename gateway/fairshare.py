@@ -113,13 +113,15 @@ class LoopShare:
         entry, share = debt
         return min(-entry.tokens / share, MAX_DELAY)
 
-    def reserve(self, key: Hashable) -> float:
+    def reserve(self, key: Hashable, pressed: bool = False) -> float:
         """Like `delay`, for a read that will then go ahead: while the sandbox is in debt each read
         gets its own slot, the first once the debt is paid and each next one a read's cost (at its
         share) later, so that its connections resume one by one, not all at once when the debt
-        is paid (a sandbox holding 150 connections resumed them as one burst)."""
+        is paid (a sandbox holding 150 connections resumed them as one burst). `pressed`: another
+        sandbox is waiting for the loop right now (the caller saw it served), which counts as
+        contended whatever the load averaged over the last second says."""
         now = self.clock()
-        debt = self._debt(key, now)
+        debt = self._debt(key, now, pressed)
         if debt is None:
             entry = self._shares.get(key)
             if entry is not None:
@@ -142,7 +144,7 @@ class LoopShare:
         self._refill(entry, now, self.share(now))
         return entry.tokens < 0
 
-    def _debt(self, key: Hashable, now: float) -> tuple[_Share, float] | None:
+    def _debt(self, key: Hashable, now: float, pressed: bool = False) -> tuple[_Share, float] | None:
         """The sandbox's refilled entry and the share now, when it must wait: in debt, another
         sandbox active and the loop contended; None when it need not."""
         if not self.enabled:
@@ -152,7 +154,7 @@ class LoopShare:
         if entry is None:
             return None
         self._refill(entry, now, share)
-        if entry.tokens >= 0 or not self._others_active(key, now) or not self.contended(now):
+        if entry.tokens >= 0 or not self._others_active(key, now) or not (pressed or self.contended(now)):
             return None
         return entry, share
 

@@ -21,6 +21,6 @@ def test_running_freezes_what_exists_and_later_objects_are_still_collected():
         a.other, b.other = b, a  # made after the freeze: collected as before
         del a, b
         assert gc.collect() >= 2
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() <= frozen  # (frozen objects are still freed by their counts)
     finally:
         gc.unfreeze()
