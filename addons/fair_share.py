@@ -70,6 +70,47 @@ def _lighter_served(key: str) -> bool:
     return _light[1] != key and time.perf_counter() - _light[0] < PRIORITY_WINDOW
 
 
+def _client_transport(handler):
+    io = handler.transports.get(handler.client)
+    writer = getattr(io, "writer", None) if io is not None else None
+    return getattr(writer, "transport", None)  # (None: a mitmproxy_rs stream, transparent mode)
+
+
+def _mark_reader(handler) -> None:
+    """asyncio made the client socket's read callback when it accepted the connection, in the
+    server's context: every read of the socket (one per TCP segment a client trickles) then ran
+    uncharged, and 400 connections sending two bytes at a time took the whole loop that way. Made
+    again here, in the handler's marked context, it is timed and charged like the rest."""
+    transport = _client_transport(handler)
+    try:
+        if transport is not None and transport.is_reading():
+            transport.pause_reading()
+            transport.resume_reading()
+    except Exception:  # a transport being torn down: its reads are over anyway
+        pass
+
+
+def _pause(handler):
+    """Stop reading the client socket while its sandbox waits for its turn (the kernel's buffers
+    fill and TCP slows the sandbox down); the transport, to resume, or None."""
+    transport = _client_transport(handler)
+    try:
+        if transport is not None and transport.is_reading():
+            transport.pause_reading()
+            return transport
+    except Exception:
+        pass
+    return None
+
+
+def _resume(transport) -> None:
+    try:
+        if not transport.is_closing():
+            transport.resume_reading()
+    except Exception:
+        pass
+
+
 def _charge(handler, seconds: float) -> None:
     try:
         key = _key(handler)
@@ -107,6 +148,7 @@ def install(state) -> None:
 
     async def marked_handle_client(self) -> None:
         _serving.set(self)  # this task's context, and every task it starts (connections, hooks)
+        _mark_reader(self)
         await handle_client(self)
 
     def timed_run(self) -> None:
@@ -145,11 +187,17 @@ def install(state) -> None:
         # of its other connections before it spaced by what a turn costs, however many it holds; a
         # wait cut at MAX_WAIT reserves again, so that capped turns do not all resume at once.
         waited = 0.0
-        while wait := _share.reserve(key, pressed=_lighter_served(key)):
-            await asyncio.sleep(wait)
-            waited += wait
-            if wait < MAX_WAIT:
-                break
+        paused = None
+        try:
+            while wait := _share.reserve(key, pressed=_lighter_served(key)):
+                paused = paused or _pause(self)
+                await asyncio.sleep(wait)
+                waited += wait
+                if wait < MAX_WAIT:
+                    break
+        finally:
+            if paused is not None:
+                _resume(paused)
         self._egress_light = not _share.in_debt(key)
         if waited:
             _waited(key, waited)

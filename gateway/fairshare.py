@@ -33,6 +33,7 @@ DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
 DEFAULT_BURST = 0.05  # seconds of loop time saved up: how long a sandbox may hold a loop another one waits for
 DEFAULT_WINDOW = 10.0  # seconds: a sandbox charged within it is active (an agent pauses for seconds between calls)
 LOAD_WINDOW = 1.0  # seconds: the time constant of the loop's load
+FAST_WINDOW = 0.1  # seconds: the time constant of the load that decides whether a `pressed` loop is busy
 DEFAULT_BUSY = 0.7  # the loop counts as contended once the work charged lately fills this much of it
 MAX_DELAY = 0.5  # seconds one read waits at most before it asks again (`delay`)
 MAX_WAIT = 5.0  # seconds one read waits at most before it reserves again (`reserve`); under `window`,
@@ -60,6 +61,8 @@ class LoopShare:
         self.busy = float(busy)
         self._load = 0.0  # work charged, decayed with time constant LOAD_WINDOW
         self._load_stamp = clock()
+        self._fast = 0.0  # the same, with time constant FAST_WINDOW
+        self._fast_stamp = self._load_stamp
         self.max_keys = max(2, int(max_keys))
         self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
         self.configure(max_share, burst)
@@ -101,6 +104,7 @@ class LoopShare:
         entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
         entry.active = now
         self._load = self._decayed(now) + seconds
+        self._fast = self._fast_decayed(now) + seconds
         while len(self._shares) > self.max_keys:
             self._shares.popitem(last=False)
 
@@ -154,7 +158,8 @@ class LoopShare:
         if entry is None:
             return None
         self._refill(entry, now, share)
-        if entry.tokens >= 0 or not self._others_active(key, now) or not (pressed or self.contended(now)):
+        if entry.tokens >= 0 or not self._others_active(key, now) or not (
+                self.contended(now) or (pressed and self._fast_decayed(now) / FAST_WINDOW >= self.busy)):
             return None
         return entry, share
 
@@ -183,6 +188,13 @@ class LoopShare:
             self._load *= math.exp(-elapsed / LOAD_WINDOW)
             self._load_stamp = now
         return self._load
+
+    def _fast_decayed(self, now: float) -> float:
+        elapsed = now - self._fast_stamp
+        if elapsed > 0:
+            self._fast *= math.exp(-elapsed / FAST_WINDOW)
+            self._fast_stamp = now
+        return self._fast
 
     def _refill(self, entry: _Share, now: float, share: float) -> None:
         elapsed = max(0.0, now - entry.stamp)
