@@ -125,3 +125,20 @@ def test_in_debt_is_the_bucket_below_zero_whether_or_not_the_loop_is_contended()
     assert s.in_debt("a") and s.delay("a") == 0.0  # alone and uncontended: never waits
     clock.now += 0.01 / 0.5 + 0.001  # refilled at its share (1/N with N=1, capped at 0.5)
     assert not s.in_debt("a")
+
+
+def test_a_pressed_loop_is_contended_only_while_the_last_tenth_of_a_second_was_busy():
+    """`reserve(pressed=True)`: another sandbox is being served now. That makes the loop contended
+    for an indebted sandbox only while the fast load (~0.1 s) is over `busy`: a neighbour served
+    next to a loop with room to spare slows nobody."""
+    s, clock = share(max_share=0.5, burst=0.0)
+    s.charge("b", 0.001)  # b is active
+    s.charge("a", 0.02)  # a in debt; 20 ms of work lately
+    assert s.reserve("a") == 0.0  # the one-second average (~2%) is under busy
+    assert s.reserve("a", pressed=True) == 0.0  # and so is the last 0.1 s (~20%)
+    for _ in range(10):  # 10 ms of work every 10 ms: the fast load goes to ~1
+        clock.now += 0.01
+        s.charge("a", 0.01)
+    assert s.load() < s.busy  # the one-second average is still under
+    assert s.reserve("a") == 0.0
+    assert s.reserve("a", pressed=True) > 0.0  # pressed and busy lately: a waits for its slot
