@@ -33,6 +33,7 @@ DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
 DEFAULT_BURST = 0.05  # seconds of loop time saved up: how long a sandbox may hold a loop another one waits for
 DEFAULT_WINDOW = 10.0  # seconds: a sandbox charged within it is active (an agent pauses for seconds between calls)
 LOAD_WINDOW = 1.0  # seconds: the time constant of the loop's load
+OTHERS_MIN = 0.05  # of the loop: the others' work over about the last second that makes a busy loop contended
 FAST_WINDOW = 0.1  # seconds: the time constant of the load that decides whether a `pressed` loop is busy
 DEFAULT_BUSY = 0.7  # the loop counts as contended once the work charged lately fills this much of it
 MAX_DELAY = 0.5  # seconds one read waits at most before it asks again (`delay`)
@@ -42,7 +43,7 @@ DEFAULT_MAX_KEYS = 65536
 
 
 class _Share:
-    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot")
+    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot", "load", "load_stamp")
 
     def __init__(self, tokens: float, now: float):
         self.tokens = tokens
@@ -50,6 +51,8 @@ class _Share:
         self.active = now
         self.per_read = 0.0  # what one charge (one read's work) costs, on average lately
         self.next_slot = now  # the first time a read of this sandbox may be given, while in debt
+        self.load = 0.0  # its own work charged, decayed with time constant LOAD_WINDOW
+        self.load_stamp = now
 
 
 class LoopShare:
@@ -103,6 +106,7 @@ class LoopShare:
         entry.tokens -= seconds
         entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
         entry.active = now
+        entry.load = self._own_load(entry, now) + seconds
         self._load = self._decayed(now) + seconds
         self._fast = self._fast_decayed(now) + seconds
         while len(self._shares) > self.max_keys:
@@ -158,10 +162,25 @@ class LoopShare:
         if entry is None:
             return None
         self._refill(entry, now, share)
-        if entry.tokens >= 0 or not self._others_active(key, now) or not (
-                self.contended(now) or (pressed and self._fast_decayed(now) / FAST_WINDOW >= self.busy)):
+        if entry.tokens >= 0 or not self._others_active(key, now):
+            return None
+        # Contended: the loop is busy and others want it. Over the last second, the others' own
+        # work must be a part of it (the sandbox's own load alone made a busy uploader wait for
+        # its slots next to a neighbour making one request every few seconds, the loop half idle:
+        # a fresh-eyes review); or another sandbox, within its share, is being served right now.
+        busy = self._decayed(now) / LOAD_WINDOW >= self.busy
+        others = self.busy == 0 or (self._load - self._own_load(entry, now)) / LOAD_WINDOW >= OTHERS_MIN  # 0: always
+        if not ((busy and others) or (pressed and self._fast_decayed(now) / FAST_WINDOW >= self.busy)):
             return None
         return entry, share
+
+    @staticmethod
+    def _own_load(entry: _Share, now: float) -> float:
+        elapsed = now - entry.load_stamp
+        if elapsed > 0:
+            entry.load *= math.exp(-elapsed / LOAD_WINDOW)
+            entry.load_stamp = now
+        return entry.load
 
     def tokens(self, key: Hashable) -> float | None:
         """The sandbox's bucket now (for tests and metrics); None if it has none."""

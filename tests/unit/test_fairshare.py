@@ -31,7 +31,7 @@ def test_a_lone_sandbox_is_never_delayed_however_much_it_uses():
 
 def test_over_its_share_on_a_contended_loop_with_another_active_it_waits_for_its_debt():
     s, clock = share(max_share=0.5, burst=0.2)
-    s.charge("b", 0.001)
+    s.charge("b", 0.1)  # another sandbox with a part of the loop
     s.charge("a", 0.4)  # 0.2 saved, 0.2 in debt
     assert s.share() == 0.5
     assert not s.contended()  # 40% of the loop: nobody waits, nobody is slowed
@@ -63,7 +63,7 @@ def test_the_share_is_one_over_the_active_sandboxes_and_expires_with_the_window(
 
 def test_the_delay_is_capped_and_asked_again():
     s, clock = share(max_share=0.1, burst=0.0)
-    s.charge("b", 0.001)
+    s.charge("b", 0.1)  # another sandbox with a part of the loop
     s.charge("a", 10.0)
     assert s.contended() and s.delay("a") == MAX_DELAY
 
@@ -142,3 +142,20 @@ def test_a_pressed_loop_is_contended_only_while_the_last_tenth_of_a_second_was_b
     assert s.load() < s.busy  # the one-second average is still under
     assert s.reserve("a") == 0.0
     assert s.reserve("a", pressed=True) > 0.0  # pressed and busy lately: a waits for its slot
+
+
+def test_a_busy_sandbox_next_to_a_nearly_idle_one_is_not_slowed():
+    """The loop is busy with the sandbox's own work; the other made one small request lately. That
+    is no contention: nobody else wants the loop (a fresh-eyes review: a busy uploader lost a third
+    to a half of its throughput next to a neighbour making one request every few seconds)."""
+    s, clock = share(max_share=0.5, burst=0.0)
+    s.charge("idle", 0.002)  # one small request
+    for _ in range(300):  # a fills 90% of the loop for three seconds
+        clock.now += 0.01
+        s.charge("a", 0.009)
+    assert s.load() >= s.busy and s.tokens("a") < 0
+    assert s.reserve("a") == 0.0
+    for _ in range(10):  # now the other takes a real part of it
+        clock.now += 0.01
+        s.charge("idle", 0.008)
+    assert s.reserve("a") > 0.0
