@@ -40,6 +40,12 @@ MAX_DELAY = 0.5  # seconds one read waits at most before it asks again (`delay`)
 MAX_WAIT = 5.0  # seconds one read waits at most before it reserves again (`reserve`); under `window`,
 # so that a sandbox waiting for its slots stays active and keeps its debt
 DEFAULT_MAX_KEYS = 65536
+# The most debt a sandbox carries: what it used past its share while nobody waited is forgiven,
+# not paid all at once the next time someone does (a busy uploader, 0.3 s in debt after a second
+# alone, then waited for that whole debt each time a neighbour made one small request: a third to
+# a half of its throughput, a fresh-eyes review). Under sustained contention each turn's cost
+# still puts it back in debt, so it still gets its share.
+DEFAULT_MAX_DEBT = 0.02
 
 
 class _Share:
@@ -58,8 +64,9 @@ class _Share:
 class LoopShare:
     def __init__(self, max_share: float = DEFAULT_MAX_SHARE, burst: float = DEFAULT_BURST,
                  window: float = DEFAULT_WINDOW, max_keys: int = DEFAULT_MAX_KEYS, busy: float = DEFAULT_BUSY,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_debt: float = DEFAULT_MAX_DEBT):
         self.clock = clock
+        self.max_debt = float(max_debt)
         self.window = float(window)
         self.busy = float(busy)
         self._load = 0.0  # work charged, decayed with time constant LOAD_WINDOW
@@ -103,7 +110,7 @@ class LoopShare:
         else:
             self._refill(entry, now, share)
             self._shares.move_to_end(key)
-        entry.tokens -= seconds
+        entry.tokens = max(entry.tokens - seconds, -self.max_debt)
         entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
         entry.active = now
         entry.load = self._own_load(entry, now) + seconds

@@ -30,7 +30,7 @@ def test_a_lone_sandbox_is_never_delayed_however_much_it_uses():
 
 
 def test_over_its_share_on_a_contended_loop_with_another_active_it_waits_for_its_debt():
-    s, clock = share(max_share=0.5, burst=0.2)
+    s, clock = share(max_share=0.5, burst=0.2, max_debt=100)  # (the debt uncapped: its arithmetic)
     s.charge("b", 0.1)  # another sandbox with a part of the loop
     s.charge("a", 0.4)  # 0.2 saved, 0.2 in debt
     assert s.share() == 0.5
@@ -62,7 +62,7 @@ def test_the_share_is_one_over_the_active_sandboxes_and_expires_with_the_window(
 
 
 def test_the_delay_is_capped_and_asked_again():
-    s, clock = share(max_share=0.1, burst=0.0)
+    s, clock = share(max_share=0.1, burst=0.0, max_debt=100)
     s.charge("b", 0.1)  # another sandbox with a part of the loop
     s.charge("a", 10.0)
     assert s.contended() and s.delay("a") == MAX_DELAY
@@ -155,7 +155,16 @@ def test_a_busy_sandbox_next_to_a_nearly_idle_one_is_not_slowed():
         s.charge("a", 0.009)
     assert s.load() >= s.busy and s.tokens("a") < 0
     assert s.reserve("a") == 0.0
-    for _ in range(10):  # now the other takes a real part of it
+    for _ in range(10):  # now the other takes a real part of it, and a goes on
         clock.now += 0.01
-        s.charge("idle", 0.008)
+        s.charge("idle", 0.004)
+        s.charge("a", 0.006)
     assert s.reserve("a") > 0.0
+
+
+def test_the_debt_is_capped_so_that_what_was_used_while_nobody_waited_is_forgiven():
+    s, clock = share(max_share=0.5, burst=0.0, busy=0.0)
+    s.charge("b", 0.1)
+    s.charge("a", 5.0)  # five seconds of work alone
+    assert s.tokens("a") == -s.max_debt
+    assert 0 < s.reserve("a") <= s.max_debt / 0.5 + 1e-9
