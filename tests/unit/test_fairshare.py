@@ -157,7 +157,7 @@ def test_a_busy_sandbox_next_to_a_nearly_idle_one_is_not_slowed():
     assert s.reserve("a") == 0.0
     for _ in range(10):  # now the other takes a real part of it, and a goes on
         clock.now += 0.01
-        s.charge("idle", 0.004)
+        s.charge("idle", 0.008)
         s.charge("a", 0.006)
     assert s.reserve("a") > 0.0
 
