@@ -224,20 +224,27 @@ def _status_kib(pid: int, key: str) -> int:
 
 def connect(world: World, source: str, authority: str, timeout: float = TIMEOUT) -> socket.socket:
     """A CONNECT tunnel from `source`; raises unless the gateway answers 200."""
+    return _tunnel(world.gateway.host, world.gateway.port, source, authority, timeout)
+
+
+def _tunnel(host: str, port: int, source: str, authority: str, timeout: float = TIMEOUT) -> socket.socket:
     sock = socket.socket()
     sock.settimeout(timeout)
-    sock.bind((source, 0))
-    sock.connect((world.gateway.host, world.gateway.port))
-    sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-    answer = b""
-    while b"\r\n\r\n" not in answer:
-        piece = sock.recv(4096)
-        if not piece:
-            raise ConnectionError(f"CONNECT {authority}: closed after {answer!r}")
-        answer += piece
-    if not answer.startswith(b"HTTP/1.1 200"):
+    try:
+        sock.bind((source, 0))
+        sock.connect((host, port))
+        sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            piece = sock.recv(4096)
+            if not piece:
+                raise ConnectionError(f"CONNECT {authority}: closed after {answer!r}")
+            answer += piece
+        if not answer.startswith(b"HTTP/1.1 200"):
+            raise ConnectionError(f"CONNECT {authority}: {answer[:200]!r}")
+    except BaseException:
         sock.close()
-        raise ConnectionError(f"CONNECT {authority}: {answer[:200]!r}")
+        raise
     return sock
 
 
@@ -293,20 +300,8 @@ def victim_request(world: World) -> tuple[float, int]:
 
 def _timed_request(host: str, port: int, ca_cert: str, source: str) -> tuple[float, int]:
     started = time.perf_counter()
-    sock = socket.socket()
-    sock.settimeout(TIMEOUT)
+    sock = _tunnel(host, port, source, f"{VICTIM_NAME}:443")
     try:
-        sock.bind((source, 0))
-        sock.connect((host, port))
-        sock.sendall(f"CONNECT {VICTIM_NAME}:443 HTTP/1.1\r\nHost: {VICTIM_NAME}:443\r\n\r\n".encode())
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            piece = sock.recv(4096)
-            if not piece:
-                raise ConnectionError(f"CONNECT: closed after {answer!r}")
-            answer += piece
-        if not answer.startswith(b"HTTP/1.1 200"):
-            raise ConnectionError(f"CONNECT: {answer[:200]!r}")
         context = ssl.create_default_context(cafile=ca_cert)
         context.set_alpn_protocols(["http/1.1"])
         with context.wrap_socket(sock, server_hostname=VICTIM_NAME) as tls:
@@ -323,7 +318,7 @@ class Victim:
     a sandbox does: in the attacker's process it waited for the interpreter lock behind the
     attacker's threads, and its latency said more about them than about the gateway."""
 
-    def __init__(self, world: World, pace: float = 0.0):
+    def __init__(self, world: World, pace: float = 0.0, want: int | None = None):
         gateway = world.gateway
         self._args = ("victim", gateway.host, str(gateway.port), str(gateway.ca_cert), world.victim, str(pace))
         self._process: subprocess.Popen | None = None
@@ -331,6 +326,8 @@ class Victim:
         self.samples: list[tuple[float, int]] = []
         self.errors: list[str] = []
         self.first = threading.Event()  # set once a request completed (B is running)
+        self._want = want
+        self.enough = threading.Event()  # set once `want` samples (or an error) came
 
     def start(self) -> "Victim":
         self._process = _child(*self._args)
@@ -347,6 +344,9 @@ class Victim:
                 self.first.set()
             else:
                 self.errors.append(value)
+            if self.errors or (self._want is not None and len(self.samples) >= self._want):
+                self.enough.set()
+        self.enough.set()  # B's process ended
 
     def stop(self) -> "Victim":
         """B finishes the request it is making, then exits."""
@@ -377,10 +377,8 @@ def _victim_main(host: str, port: int, ca_cert: str, source: str, pace: float) -
 def victim_samples(world: World, count: int, pace: float = 0.0) -> list[tuple[float, int]]:
     """`count` of B's requests with nothing else running (B's baseline), from B's own process and
     at B's pace, like the ones during an attack."""
-    victim = Victim(world, pace).start()
-    deadline = time.monotonic() + TIMEOUT * 4
-    while len(victim.samples) < count and time.monotonic() < deadline and not victim.errors:
-        time.sleep(0.05)  # polling B's results, not a synchronisation
+    victim = Victim(world, pace, want=count).start()
+    victim.enough.wait(TIMEOUT * 4)
     samples = victim.stop().samples
     if victim.errors:
         raise ConnectionError(f"B failed alone: {victim.errors[:3]}")
