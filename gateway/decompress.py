@@ -33,7 +33,8 @@ class OverBudget(ValueError):
 # a frame that needs more is refused as too large.
 ZSTD_WINDOW_LOG_MAX = 23
 
-PIECE = 1024 * 1024  # what a decode produces per step, each charged before it is kept (~6 ms of brotli: 256 KiB made tests/credentials/test_buffer_budget.py flaky under load, not yet understood)
+PIECE = 256 * 1024  # what a decode asks for per step, each piece charged before it is kept (brotli hands out
+# up to twice this, and fills its whole window, up to 16 MiB, on the step that needs it: addons/decode_pool.py)
 INPUT_STEP = 4096  # compressed bytes given to a decoder at a time (see BoundedDecoder.pieces)
 
 
