@@ -14,7 +14,6 @@ requests that carried a credential, and in response headers of all requests.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from urllib.parse import quote
 
@@ -30,6 +29,7 @@ from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
 
+from . import decode_pool
 from .audit_fields import connection_fields
 from .failclosed import QuietAuditFailures, fail_closed
 from .state import GatewayState
@@ -137,15 +137,15 @@ def _body_size_limit() -> int | None:
 
 async def _decode_buffered(flow: http.HTTPFlow, encoding: str, limit: int) -> bytes:
     """A buffered compressed body decoded in pieces (gateway/decompress.py), each charged to the
-    stream's buffer budget before it is kept, with the event loop free between them: a body that
-    decodes to tens of MiB does not stall every other client of the worker while it does."""
+    stream's buffer budget before it is kept, each decoded on a pool thread (addons/decode_pool.py)
+    with the sandbox's turn between them: a body that decodes to tens of MiB, or a brotli window
+    that takes 50 ms to fill, does not stall every other client of the worker while it does."""
     account = flow.metadata.get(BUFFER_ACCOUNT)
     out = bytearray()
-    for piece in decode_pieces(encoding, flow.response.raw_content or b"", limit):
+    async for piece in decode_pool.pieces(decode_pieces(encoding, flow.response.raw_content or b"", limit)):
         if account is not None and not account.reserve(len(piece)):
             raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
         out += piece
-        await asyncio.sleep(0)
     return bytes(out)
 
 

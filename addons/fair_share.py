@@ -120,6 +120,30 @@ def _charge(handler, seconds: float) -> None:
         logging.getLogger("egress").exception("egress gateway: loop-share accounting failed")
 
 
+def current_key():
+    """The sandbox of the connection the running task serves (None: not a proxy connection's task,
+    or its sandbox not known yet)."""
+    handler = _serving.get()
+    return _key(handler) if handler is not None else None
+
+
+def charge_current(seconds: float) -> None:
+    """Charge work done for the running task's connection off the loop (addons/decode_pool.py: a
+    decode on a pool thread) to its sandbox, as if the loop had done it."""
+    handler = _serving.get()
+    if handler is not None and seconds > 0:
+        _charge(handler, seconds)
+
+
+async def current_turn() -> None:
+    """The running task's sandbox's turn (a plain yield outside a proxy connection's task)."""
+    handler = _serving.get()
+    if handler is not None and hasattr(handler, "egress_turn"):
+        await handler.egress_turn()
+    else:
+        await asyncio.sleep(0)
+
+
 def active() -> int:
     """Sandboxes active on this worker's loop now (the metrics' heartbeat reads it, on the loop)."""
     return _share.active()

@@ -1,0 +1,104 @@
+"""addons/decode_pool.py: a buffered decode's steps run on pool threads, one step per sandbox at a
+time, their CPU time charged to the sandbox's loop share. The steps here are made to wait for an
+event only the event loop can set: run on the loop itself, they would never see it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import brotli
+import pytest
+
+from addons import decode_pool, fair_share
+from gateway.decompress import DecodedTooLarge, decode_pieces
+
+WAIT = 10.0
+
+
+def _waiting_pieces(gate: threading.Event, started: threading.Event | None = None, count: int = 1):
+    """`count` pieces, the first made only once `gate` is set (False if it never is)."""
+    if started is not None:
+        started.set()
+    yield b"x" if gate.wait(WAIT) else b"stuck"
+    for _ in range(count - 1):
+        yield b"y"
+
+
+async def _collect(pieces) -> list[bytes]:
+    return [piece async for piece in decode_pool.pieces(pieces)]
+
+
+def test_a_step_runs_off_the_event_loop():
+    async def main():
+        gate = threading.Event()
+        started = threading.Event()
+        task = asyncio.ensure_future(_collect(_waiting_pieces(gate, started, count=3)))
+        while not started.is_set():  # the step began on a pool thread; the loop is still free
+            await asyncio.sleep(0)
+        gate.set()
+        return await task
+
+    assert asyncio.run(main()) == [b"x", b"y", b"y"]
+
+
+def test_a_sandbox_has_one_step_in_the_pool_at_a_time_and_others_are_not_queued_behind_it():
+    class Handler:
+        def __init__(self, key):
+            setattr(self, fair_share.ATTR, key)
+
+    async def decode(handler, pieces):
+        fair_share._serving.set(handler)  # this task serves one sandbox's connection
+        return await _collect(pieces)
+
+    async def main():
+        first_gate, first_started = threading.Event(), threading.Event()
+        second_gate, second_started = threading.Event(), threading.Event()
+        other_gate, other_started = threading.Event(), threading.Event()
+        a = Handler("sandbox:pool-a")
+        first = asyncio.ensure_future(decode(a, _waiting_pieces(first_gate, first_started)))
+        second = asyncio.ensure_future(decode(a, _waiting_pieces(second_gate, second_started)))
+        other = asyncio.ensure_future(decode(Handler("sandbox:pool-b"), _waiting_pieces(other_gate, other_started)))
+        while not (first_started.is_set() and other_started.is_set()):
+            await asyncio.sleep(0)  # the other sandbox's step runs next to A's first one
+        assert not second_started.is_set()  # A's second decode waits for A's first step
+        other_gate.set()
+        assert await other == [b"x"]
+        first_gate.set()
+        second_gate.set()  # (the steps of A's two decodes take turns: the second's may come before the first's last)
+        assert await first == [b"x"] and await second == [b"x"]
+
+    asyncio.run(main())
+    assert not decode_pool._locks  # nothing kept per sandbox once its decodes are done
+
+
+def test_the_step_s_cpu_time_is_charged_to_the_sandbox():
+    key = "sandbox:pool-cpu"
+
+    class Handler:
+        pass
+
+    handler = Handler()
+    setattr(handler, fair_share.ATTR, key)
+
+    def burning():
+        started = time.thread_time()
+        while time.thread_time() - started < 0.2:  # more than the burst: the sandbox goes into debt
+            pass
+        yield b"done"
+
+    async def main():
+        fair_share._serving.set(handler)
+        assert not fair_share._share.in_debt(key)
+        assert await _collect(burning()) == [b"done"]
+
+    asyncio.run(main())
+    assert fair_share._share.in_debt(key)
+
+
+def test_a_decode_error_on_the_pool_is_raised_to_the_caller():
+    bomb = brotli.compress(bytes(64 << 20), quality=5, lgwin=24)
+
+    with pytest.raises(DecodedTooLarge):
+        asyncio.run(_collect(decode_pieces("br", bomb, 64 << 20)))
