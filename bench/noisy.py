@@ -34,10 +34,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import process_tree, set_affinity  # noqa: E402  (bench/run.py)
 from tests.support import noisy  # noqa: E402
 
 BLOCK = "127.250.0"  # outside the blocks test sessions take (127.20-219.0.0/24)
 os.environ["EGRESS_WORKERS"] = "1"  # one worker: A and B share its event loop, and its RSS is the process's
+
+
+def _under_attack(world, name: str, attack, samples: int, args, outcomes: list) -> noisy.Victim:
+    """B timing its requests while A repeats the attack, until B has `samples` of them."""
+    victim = noisy.Victim(world, args.pace)
+    started = time.monotonic()
+    victim.start()
+    victim.first.wait(noisy.TIMEOUT)
+    if name == "h2_held_streams":  # one connection held open while B measures
+        hold = threading.Event()
+        holder = threading.Thread(target=lambda: outcomes.append(attack(world, hold=hold)), daemon=True)
+        holder.start()
+        while len(victim.samples) < samples and time.monotonic() - started < args.max_seconds:
+            time.sleep(0.05)  # the benchmark's own pacing, not a synchronisation
+        hold.set()
+        holder.join(noisy.TIMEOUT)
+    else:
+        while len(victim.samples) < samples and time.monotonic() - started < args.max_seconds:
+            outcomes.append(attack(world))
+    return victim.stop()
 
 
 def run_attack(name: str, args) -> dict:
@@ -46,35 +68,26 @@ def run_attack(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         world = noisy.make_world(Path(tmp), BLOCK, extra, bomb_size=args.bomb_mb << 20)
         try:
+            if args.pin:
+                set_affinity(process_tree(world.gateway.process.pid), {0})
             for _ in range(5):  # warm: certificates minted, code paths hot
                 noisy.victim_request(world)
             idle = world.rss_kib()
-            baseline = noisy.victim_samples(world, args.samples, args.pace)
             sampler = noisy.RssSampler(world)
             sampler.start()
-            victim = noisy.Victim(world, args.pace)
-            hold = threading.Event()
-            outcomes = []
-            started = time.monotonic()
-            victim.start()
-            victim.first.wait(noisy.TIMEOUT)
-            if name == "h2_held_streams":  # one connection held open while B measures
-                holder = threading.Thread(target=lambda: outcomes.append(attack(world, hold=hold)), daemon=True)
-                holder.start()
-                while len(victim.samples) < args.samples and time.monotonic() - started < args.max_seconds:
-                    time.sleep(0.05)  # the benchmark's own pacing, not a synchronisation
-                hold.set()
-                holder.join(noisy.TIMEOUT)
-            else:
-                while len(victim.samples) < args.samples and time.monotonic() - started < args.max_seconds:
-                    outcomes.append(attack(world))
-            victim.stop()
+            baseline, during, errors, outcomes = [], [], [], []
+            per_round = -(-args.samples // args.rounds)
+            for _ in range(args.rounds):  # alone, then under attack, in turns: the machine's drift hits both
+                baseline += noisy.victim_samples(world, per_round, args.pace)
+                victim = _under_attack(world, name, attack, per_round, args, outcomes)
+                during += victim.samples
+                errors += victim.errors
             peak = sampler.stop()
             alive = world.gateway.process.poll() is None
             attacker_lines = len(world.audit_lines(world.attacker))
         finally:
             world.stop()
-    base, during = noisy.summary(baseline), noisy.summary(victim.samples)
+    base, during = noisy.summary(baseline), noisy.summary(during)
     seen: dict = {"repeats": len(outcomes), "statuses": {}, "resets": 0, "goaway": set(), "closed": 0, "notes": set()}
     for outcome in outcomes:
         for status, n in outcome.statuses.items():
@@ -85,8 +98,8 @@ def run_attack(name: str, args) -> dict:
         seen["closed"] += outcome.closed
         seen["notes"].update(outcome.notes)
     seen["goaway"], seen["notes"] = sorted(seen["goaway"]), sorted(seen["notes"])[:5]
-    return {"attack": name, "baseline": base, "during": during, "victim_errors": victim.errors[:5],
-            "victim_failed": len(victim.errors) + during["requests"] - during["ok"],
+    return {"attack": name, "baseline": base, "during": during, "victim_errors": errors[:5],
+            "victim_failed": len(errors) + during["requests"] - during["ok"],
             "p50_ratio": during["p50_ms"] / base["p50_ms"], "p99_ratio": during["p99_ms"] / base["p99_ms"],
             "idle_rss_mib": idle / 1024, "peak_rss_mib": peak / 1024, "rss_ratio": peak / idle,
             "alive": alive, "attacker_audit_lines": attacker_lines, "attacker_saw": seen}
@@ -99,16 +112,28 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.1,
                         help="seconds between the starts of B's requests (0: back to back, B then takes about half "
                              "the worker itself and its own share applies to it)")
-    parser.add_argument("--max-seconds", type=float, default=40.0, help="the longest an attack is repeated for")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="turns of baseline then attack, each with samples/rounds of B's requests (the "
+                             "machine's own drift over a run then weighs on both sides alike)")
+    parser.add_argument("--max-seconds", type=float, default=40.0, help="the longest an attack is repeated for, per round")
     parser.add_argument("--bomb-mb", type=int, default=300, help="decoded size of the decompression bomb (MiB)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a gateway option")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="let every process run on any CPU (default on 2+ CPUs: the gateway alone on CPU 0, "
+                             "the attacker, B and the origins on the others, as in production, where the sandboxes "
+                             "do not run on the gateway's CPU)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    args.pin = args.pin and len(os.sched_getaffinity(0)) >= 2
+    if args.pin:  # this process, and every process it starts, off CPU 0; the gateway is moved onto it
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {0})
     results = []
     for name in args.only or list(noisy.ATTACKS):
         print(f"... {name}", file=sys.stderr, flush=True)
         results.append(run_attack(name, args))
-    print(f"B: fresh tunnel + TLS + GET per request, {args.samples} alone then {args.samples}+ during each attack\n")
+    where = "gateway alone on CPU 0, the rest on the other CPUs" if args.pin else "no CPU pinning"
+    print(f"B: fresh tunnel + TLS + GET per request, {args.samples} alone then {args.samples}+ during each attack; "
+          f"{where}\n")
     print("| attack (sandbox A) | B p50 ms (base → during) | B p99 ms (base → during) | p99 ratio | B failed | "
           "RSS MiB (idle → peak) | RSS ratio | A audit lines | A saw |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
