@@ -48,8 +48,26 @@ DEFAULT_MAX_KEYS = 65536
 DEFAULT_MAX_DEBT = 0.02
 
 
+class _Decaying:
+    """A sum of charges that decays exponentially with time constant `tau` (a load average)."""
+    __slots__ = ("value", "stamp", "tau")
+
+    def __init__(self, tau: float, now: float):
+        self.value, self.stamp, self.tau = 0.0, now, tau
+
+    def at(self, now: float) -> float:
+        elapsed = now - self.stamp
+        if elapsed > 0:
+            self.value *= math.exp(-elapsed / self.tau)
+            self.stamp = now
+        return self.value
+
+    def add(self, now: float, seconds: float) -> None:
+        self.value = self.at(now) + seconds
+
+
 class _Share:
-    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot", "load", "load_stamp")
+    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot", "load")
 
     def __init__(self, tokens: float, now: float):
         self.tokens = tokens
@@ -57,8 +75,7 @@ class _Share:
         self.active = now
         self.per_read = 0.0  # what one charge (one read's work) costs, on average lately
         self.next_slot = now  # the first time a read of this sandbox may be given, while in debt
-        self.load = 0.0  # its own work charged, decayed with time constant LOAD_WINDOW
-        self.load_stamp = now
+        self.load = _Decaying(LOAD_WINDOW, now)  # its own work charged lately
 
 
 class LoopShare:
@@ -69,10 +86,8 @@ class LoopShare:
         self.max_debt = float(max_debt)
         self.window = float(window)
         self.busy = float(busy)
-        self._load = 0.0  # work charged, decayed with time constant LOAD_WINDOW
-        self._load_stamp = clock()
-        self._fast = 0.0  # the same, with time constant FAST_WINDOW
-        self._fast_stamp = self._load_stamp
+        self._load = _Decaying(LOAD_WINDOW, clock())  # all work charged lately
+        self._fast = _Decaying(FAST_WINDOW, self._load.stamp)  # the same, over a shorter time
         self.max_keys = max(2, int(max_keys))
         self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
         self.configure(max_share, burst)
@@ -113,9 +128,9 @@ class LoopShare:
         entry.tokens = max(entry.tokens - seconds, -self.max_debt)
         entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
         entry.active = now
-        entry.load = self._own_load(entry, now) + seconds
-        self._load = self._decayed(now) + seconds
-        self._fast = self._fast_decayed(now) + seconds
+        entry.load.add(now, seconds)
+        self._load.add(now, seconds)
+        self._fast.add(now, seconds)
         while len(self._shares) > self.max_keys:
             self._shares.popitem(last=False)
 
@@ -175,19 +190,11 @@ class LoopShare:
         # work must be a part of it (the sandbox's own load alone made a busy uploader wait for
         # its slots next to a neighbour making one request every few seconds, the loop half idle:
         # a fresh-eyes review); or another sandbox, within its share, is being served right now.
-        busy = self._decayed(now) / LOAD_WINDOW >= self.busy
-        others = self.busy == 0 or (self._load - self._own_load(entry, now)) / LOAD_WINDOW >= OTHERS_MIN  # 0: always
-        if not ((busy and others) or (pressed and self._fast_decayed(now) / FAST_WINDOW >= self.busy)):
+        busy = self._load.at(now) / LOAD_WINDOW >= self.busy
+        others = self.busy == 0 or (self._load.at(now) - entry.load.at(now)) / LOAD_WINDOW >= OTHERS_MIN  # 0: always
+        if not ((busy and others) or (pressed and self._fast.at(now) / FAST_WINDOW >= self.busy)):
             return None
         return entry, share
-
-    @staticmethod
-    def _own_load(entry: _Share, now: float) -> float:
-        elapsed = now - entry.load_stamp
-        if elapsed > 0:
-            entry.load *= math.exp(-elapsed / LOAD_WINDOW)
-            entry.load_stamp = now
-        return entry.load
 
     def tokens(self, key: Hashable) -> float | None:
         """The sandbox's bucket now (for tests and metrics); None if it has none."""
@@ -201,26 +208,12 @@ class LoopShare:
 
     def load(self, now: float | None = None) -> float:
         """The fraction of the loop the work charged lately fills (about the last second)."""
-        return self._decayed(self.clock() if now is None else now) / LOAD_WINDOW
+        return self._load.at(self.clock() if now is None else now) / LOAD_WINDOW
 
     def contended(self, now: float | None = None) -> bool:
         return self.load(now) >= self.busy
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _decayed(self, now: float) -> float:
-        elapsed = now - self._load_stamp
-        if elapsed > 0:
-            self._load *= math.exp(-elapsed / LOAD_WINDOW)
-            self._load_stamp = now
-        return self._load
-
-    def _fast_decayed(self, now: float) -> float:
-        elapsed = now - self._fast_stamp
-        if elapsed > 0:
-            self._fast *= math.exp(-elapsed / FAST_WINDOW)
-            self._fast_stamp = now
-        return self._fast
 
     def _refill(self, entry: _Share, now: float, share: float) -> None:
         elapsed = max(0.0, now - entry.stamp)
