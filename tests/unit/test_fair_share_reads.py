@@ -1,0 +1,88 @@
+"""addons/fair_share.py on a real asyncio socket: the client socket's read callback, made by asyncio
+at accept in the server's context, is made again in the connection's marked context (so every read
+is timed and charged to its sandbox), and the socket is not read while its sandbox waits."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from addons import fair_share
+
+
+class _Writer:
+    def __init__(self, transport):
+        self.transport = transport
+
+
+class _IO:
+    def __init__(self, transport):
+        self.writer = _Writer(transport)
+
+
+class _Handler:
+    """What fair_share reads of mitmproxy's ConnectionHandler: its client and its transports."""
+
+    def __init__(self, transport):
+        self.client = object()
+        self.transports = {self.client: _IO(transport)}
+
+
+def _reader_handle(loop, transport):
+    return loop._selector.get_key(transport.get_extra_info("socket").fileno()).data[0]
+
+
+async def _accepted():
+    """A real server transport (accepted in the server's context) and the client socket."""
+    accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    class Protocol(asyncio.Protocol):
+        def connection_made(self, transport):
+            accepted.set_result(transport)
+
+    server = await asyncio.get_running_loop().create_server(Protocol, "127.0.0.1", 0)
+    client = socket.create_connection(server.sockets[0].getsockname())
+    return server, client, await accepted
+
+
+def test_the_client_read_callback_is_made_again_in_the_connection_s_context():
+    async def main():
+        loop = asyncio.get_running_loop()
+        server, client, transport = await _accepted()
+        try:
+            handler = _Handler(transport)
+            assert _reader_handle(loop, transport)._context.get(fair_share._serving) is None
+
+            async def marked():
+                fair_share._serving.set(handler)
+                fair_share._mark_reader(handler)
+
+            await asyncio.ensure_future(marked())
+            assert _reader_handle(loop, transport)._context.get(fair_share._serving) is handler
+            assert transport.is_reading()
+        finally:
+            client.close()
+            transport.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_waiting_sandbox_s_socket_is_not_read_until_it_resumes():
+    async def main():
+        server, client, transport = await _accepted()
+        try:
+            handler = _Handler(transport)
+            paused = fair_share._pause(handler)
+            assert paused is transport and not transport.is_reading()
+            assert fair_share._pause(handler) is None  # already paused: nothing to resume twice
+            fair_share._resume(paused)
+            assert transport.is_reading()
+            transport.close()
+            fair_share._resume(transport)  # a closing transport stays closed
+            assert transport.is_closing()
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
