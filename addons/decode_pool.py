@@ -11,6 +11,14 @@ Bounded and fair: a few threads per worker; each sandbox has at most one step in
 time (its other decodes wait their turn here, so a sandbox with many bombs does not queue ahead of
 a neighbour's one decode); each step's CPU time is charged to the sandbox's loop share
 (addons/fair_share.py), and its next step waits for its turn, like a read would.
+
+Two users: a bound response decoded whole (addons/credentials.py, `pieces`), and a compressed
+request body's method-override scan (addons/method_body.py): its stream (addons/layers.py) starts
+the `egress_body_check` hook, mitmproxy holds the stream's later events until the hook completes,
+and `DecodePool` drives the scan (`drive`): its decoder calls on the pool, the scanning of what they
+return on the loop, a turn between two. Only the C decoders go to threads: they release the
+interpreter lock; the scan is Python, and on a thread it held the lock while the loop waited for it
+at each of its system calls (tried: another sandbox's p99 no better than with it all on the loop).
 """
 
 from __future__ import annotations
@@ -18,15 +26,18 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mitmproxy.proxy import commands
 
 from . import fair_share
 
 THREADS = 2
 _pool: ThreadPoolExecutor | None = None
 _locks: dict[object, list] = {}  # sandbox key -> [asyncio.Lock, holders and waiters]
-_DONE = object()
+_DONE = object()  # a decode's end
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -50,44 +61,92 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-def _step(pieces: Iterator[bytes]):
-    """One piece, computed on a pool thread: (piece or _DONE, exception or None, CPU seconds)."""
+def _timed(work: Callable[[], object]):
+    """`work()` on a pool thread: (its result, exception or None, CPU seconds)."""
     started = time.thread_time()
     try:
-        piece = next(pieces, _DONE)
-        return piece, None, time.thread_time() - started
+        return work(), None, time.thread_time() - started
     except BaseException as exc:  # handed back to the loop, raised there
         return None, exc, time.thread_time() - started
 
 
-async def _one_step(key, pieces: Iterator[bytes]):
+async def _one_step(key, work: Callable[[], object]):
     entry = _locks.setdefault(key, [asyncio.Lock(), 0])
     entry[1] += 1
     try:
         async with entry[0]:
-            return await asyncio.get_running_loop().run_in_executor(_executor(), _step, pieces)
+            return await asyncio.get_running_loop().run_in_executor(_executor(), _timed, work)
     finally:
         entry[1] -= 1
         if not entry[1]:
             del _locks[key]
 
 
+async def run(work: Callable[[], object]):
+    """`work()` on the pool, its CPU time charged to the running task's sandbox; its result, or
+    the exception it raised."""
+    result, error, spent = await _one_step(fair_share.current_key(), work)
+    fair_share.charge_current(spent)
+    if error is not None:
+        try:
+            raise error
+        finally:  # (else error -> its traceback -> this frame -> error: a cycle that kept the
+            error = None  # decode's buffer alive until the next full collection)
+    return result
+
+
 async def pieces(pieces: Iterator[bytes]):
     """The pieces of a decode (gateway/decompress.py, a generator that decodes as it is asked),
     each computed on the pool; between two, the sandbox's turn on the loop."""
-    key = fair_share.current_key()
-    while True:
-        piece, error, spent = await _one_step(key, pieces)
-        fair_share.charge_current(spent)
-        if error is not None:
-            try:
-                raise error
-            finally:  # (else error -> its traceback -> this frame -> error: a cycle that kept the
-                error = None  # decode's buffer alive until the next full collection)
-        if piece is _DONE:
-            return
+    while (piece := await run(lambda: next(pieces, _DONE))) is not _DONE:
         yield piece
         await fair_share.current_turn()
+
+
+async def drive(steps: Generator):
+    """Run a sans-I/O steps generator (gateway/methods.py `BodyScanner.feed_steps`): each call it
+    yields on the pool, its result (or exception) sent back, the sandbox's turn after each; its
+    result. (gateway/methods.py `run_steps` is the same, inline.)"""
+    value, error = None, None
+    while True:
+        try:
+            work = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value, error = None, None
+        try:
+            value = await run(work)
+        except Exception as exc:
+            error = exc
+        await fair_share.current_turn()
+
+
+class BodyCheckStep:
+    """One step of a request body's method-override check (addons/method_body.py): `data`, or the
+    body's end (None); `outcome` is what its scan found, set by the hook (None: it did not run)."""
+
+    __slots__ = ("check", "data", "outcome")
+
+    def __init__(self, check, data: bytes | None):
+        self.check, self.data, self.outcome = check, data, None
+
+
+@dataclass
+class EgressBodyCheckHook(commands.StartHook):
+    """Started by a stream (addons/layers.py) for each step of a compressed body's check; the stream
+    waits for it."""
+
+    step: BodyCheckStep
+
+
+class DecodePool:
+    """Drives the body check steps (decoder calls on the pool); stops the pool with the gateway."""
+
+    async def egress_body_check(self, step: BodyCheckStep) -> None:
+        step.outcome = await drive(step.check.scan(step.data))
+
+    def done(self) -> None:
+        shutdown()
 
 
 def shutdown() -> None:

@@ -28,6 +28,7 @@ from addons.limits import ConnectionLimiter  # noqa: E402
 from addons.metrics import Observability  # noqa: E402
 from addons.output_guard import OutputGuard  # noqa: E402
 from addons.rate_limits import ConnectionRate, DownloadMeter, Limiter, RequestLimits  # noqa: E402
+from addons.decode_pool import DecodePool  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
 from addons.revocation import Revoker  # noqa: E402
@@ -61,6 +62,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
         ReleaseTlsBuffers(),  # idle TLS connections give their buffers back
         RequestGuard(state),
+        DecodePool(),  # a compressed request body's check: its decoder calls on the decode pool
         redactor,
         RequestLimits(limiter),  # decides in RequestGuard (one audit line); then guards the body before BodyStreaming
         BodyStreaming(),  # after the guard and the redactor: streams what they allowed and did not plan

@@ -66,6 +66,7 @@ from gateway.hostnames import HostError, parse_authority
 from . import frame_limits, h2_backpressure, h2_limits, read_ahead
 from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood
 from .credentials import BOUND, BUFFER_ACCOUNT
+from .decode_pool import BodyCheckStep, EgressBodyCheckHook
 from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
 
@@ -93,6 +94,7 @@ END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (n
 HOLD_BODY = "egress_hold_body"  # flow.metadata key (addons/request_guard.py, which imports this module)
 DEFAULT_BODY_IDLE_TIMEOUT = 120.0
 QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
+_NOT_SCANNED = ("error", RuntimeError("the body check's step did not run"))  # no addon answered its hook: refused
 
 
 class BodyIdleCheck(events.Event):
@@ -953,15 +955,26 @@ class GatewayHttpStream(HttpStream):
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
         if check is not None and isinstance(event, (RequestData, RequestTrailers, RequestEndOfMessage)):
             if isinstance(event, RequestData):
-                refusal = check.feed(event.data)
+                refusal = yield from self._checked(check, event.data)
             elif isinstance(event, RequestTrailers):
                 refusal = check.trailers()  # trailers alone make an HTTP/1 body (chunked)
             else:
-                refusal = check.finish()
+                refusal = yield from self._checked(check, None)
             if refusal is not None:
                 yield from self._refuse_body(refusal, upstream=False)
                 return
         yield from super().state_consume_request_body(event)
+
+    def _checked(self, check, data: bytes | None) -> layer.CommandGenerator[Decision | None]:
+        """One step of the body's check, `data` or the body's end (None). A body decoded to be
+        scanned has its decoder calls run off the event loop (addons/decode_pool.py: one call may
+        cost tens of ms, a brotli window 50): the stream starts a blocking hook, and mitmproxy holds
+        its later events (charged, see handle_event) until it completes."""
+        if not getattr(check, "decodes", False):
+            return check.feed(data) if data is not None else check.finish()
+        step = BodyCheckStep(check, data)
+        yield EgressBodyCheckHook(step)
+        return check.settle(step.outcome or _NOT_SCANNED)
 
     def _request_over_budget(self, event: RequestData) -> layer.CommandGenerator[None]:
         """A buffered request body over the budget: streamed on from here (its check goes on chunk
@@ -988,7 +1001,7 @@ class GatewayHttpStream(HttpStream):
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
         if check is not None and isinstance(event, RequestData):
             fresh, self._checked_ahead = event.data[self._checked_ahead:], 0
-            if fresh and (refusal := check.feed(fresh)) is not None:
+            if fresh and (refusal := (yield from self._checked(check, fresh))) is not None:
                 yield from self._refuse_body(refusal, upstream=True)
                 return
             data, self._held = self._held + event.data, b""
@@ -998,7 +1011,7 @@ class GatewayHttpStream(HttpStream):
                 return
             event = RequestData(event.stream_id, data)
         elif check is not None and isinstance(event, RequestEndOfMessage):
-            if (refusal := check.finish()) is not None:
+            if (refusal := (yield from self._checked(check, None))) is not None:
                 yield from self._refuse_body(refusal, upstream=True)
                 return
             if self._held:

@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.decision import Decision
-from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override
+from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override, run_steps
 
 BODY_CHECK = "egress_body_check"  # flow.metadata key
 
@@ -68,10 +68,10 @@ class BodyOverrideCheck:
         self.done = False
 
     def feed(self, data: bytes) -> Decision | None:
-        return self._step(lambda: self.scanner.feed(data))
+        return self.settle(run_steps(self.scan(data)))
 
     def finish(self) -> Decision | None:
-        return self._step(self.scanner.finish)
+        return self.settle(run_steps(self.scan(None)))
 
     def trailers(self) -> Decision | None:
         """Trailer fields carry no `_method` a framework reads."""
@@ -82,13 +82,37 @@ class BodyOverrideCheck:
         """Whether the end of the body could still bring a refusal (see BodyScanner.pending)."""
         return not self.done and self.scanner.pending
 
-    def _step(self, scan: Callable[[], list[Override]]) -> Decision | None:
+    @property
+    def decodes(self) -> bool:
+        """Whether the body is decoded to be scanned: its decoder calls then run off the event
+        loop (addons/decode_pool.py `drive`)."""
+        return bool(self.scanner.decoders)
+
+    def scan(self, data: bytes | None):
+        """The scanner's part of a step, `data` or the body's end (None), in steps
+        (BodyScanner.feed_steps: each decoder call yielded for the caller to run); returns what it
+        found, or the error it raised. It judges and records nothing: `settle` does, on the loop."""
         if self.done:
+            return ("done", None)
+        try:
+            steps = self.scanner.feed_steps(data) if data is not None else self.scanner.finish_steps()
+            return ("found", (yield from steps))
+        except BodyTooLarge as exc:
+            return ("too_large", exc)
+        except Exception as exc:
+            return ("error", exc)
+
+    def settle(self, outcome: tuple[str, object]) -> Decision | None:
+        """Judge what a `scan` found: the refusal to send, once (None: the body goes on)."""
+        kind, value = outcome
+        if self.done or kind == "done":
             return None
         try:
-            return self._judge(scan)
-        except Exception:  # fail closed: a body that could not be checked does not go on
-            logging.getLogger("egress").exception("egress gateway: the request body check failed")
+            if kind == "error":
+                raise value
+            return self._judge(kind, value)
+        except Exception as exc:  # fail closed: a body that could not be checked does not go on
+            logging.getLogger("egress").error("egress gateway: the request body check failed", exc_info=exc)
             self.done = True
             refusal = Decision.deny("internal_error", "the gateway failed while checking the request body for "
                                                       "method overrides; its end was not sent", self.rule)
@@ -98,13 +122,12 @@ class BodyOverrideCheck:
                 logging.getLogger("egress").exception("egress gateway: could not record a refusal")
             return refusal
 
-    def _judge(self, scan: Callable[[], list[Override]]) -> Decision | None:
-        try:
-            found = scan()
-        except BodyTooLarge as exc:
+    def _judge(self, kind: str, value) -> Decision | None:
+        if kind == "too_large":
             return self._refuse(Decision.deny(
                 "request_too_large", f"the compressed request body decodes to too much to be checked for method "
-                                     f"overrides ({exc}); its end was not sent", self.rule), [])
+                                     f"overrides ({value}); its end was not sent", self.rule), [])
+        found = value
         if (why := self.scanner.problem) is not None:  # a body the gateway cannot read every way a server may
             return self._refuse(Decision.deny(
                 "method_not_allowed", f"the request body could not be checked for method overrides: {why}; "

@@ -38,9 +38,10 @@ chunk by chunk, read as a superset of every framework's reading (or says why it 
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote_plus, unquote_to_bytes
 
@@ -1351,6 +1352,25 @@ class _Stream:
         return f"it does not decode as its charset {failed[0]}" if failed else None
 
 
+_END = object()  # a decode's end (BodyScanner._decode)
+
+
+def run_steps(steps: Generator):
+    """Drive a `feed_steps`/`finish_steps` generator here and now: each decoder call it yields is
+    run at once, its result (or exception) sent back. Returns the generator's result."""
+    value, error = None, None
+    while True:
+        try:
+            work = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        value, error = None, None
+        try:
+            value = work()
+        except Exception as exc:
+            error = exc
+
+
 class BodyScanner:
     """Finds method overrides in a request body, fed chunk by chunk as it arrives. The body is read
     as sent and, when it has a Content-Encoding the gateway can decode, decoded too (frameworks
@@ -1399,6 +1419,16 @@ class BodyScanner:
         return cls(plan, decoders, problem)
 
     def feed(self, data: bytes) -> list[Override]:
+        return run_steps(self.feed_steps(data))
+
+    def finish(self) -> list[Override]:
+        return run_steps(self.finish_steps())
+
+    def feed_steps(self, data: bytes) -> Generator[Callable[[], object], object, list[Override]]:
+        """`feed` in steps, sans I/O: each decoder call is yielded as a callable for the caller to
+        run where it likes (one brotli call fills the whole window the sender chose, up to 16 MiB,
+        ~50 ms: addons/decode_pool.py runs it on a thread) and send back its result, or throw its
+        exception; what it sent is scanned on the caller's thread. Returns what `feed` returns."""
         found: list[Override] = []
         if self._problem is not None or not data:
             return found
@@ -1406,17 +1436,18 @@ class BodyScanner:
         self._problem = self._armed
         self._raw.feed(data, found)
         if self._decoded is not None:
-            self._decode(lambda: self._through(data), found)
+            yield from self._decode(lambda: self._through(data), found)
         return found
 
-    def finish(self) -> list[Override]:
+    def finish_steps(self) -> Generator[Callable[[], object], object, list[Override]]:
+        """`finish` in steps, like `feed_steps`."""
         found: list[Override] = []
         if self._problem is not None:
             return found
         self._raw.finish(found)
         if self._decoded is not None:
             if self._read:
-                self._decode(self._flushed, found)
+                yield from self._decode(self._flushed, found)
             if self._problem is None:
                 self._decoded.finish(found)
         return found
@@ -1441,15 +1472,15 @@ class BodyScanner:
                 raise ValueError("truncated")
         yield data
 
-    def _decode(self, step: Callable[[], Iterator[bytes]], found: list[Override]) -> None:
+    def _decode(self, step: Callable[[], Iterator[bytes]], found: list[Override]) -> Generator:
         from .decompress import DecodedTooLarge
 
         pieces = step()
         while True:
             try:
-                data = next(pieces)
-            except StopIteration:
-                return
+                data = yield functools.partial(next, pieces, _END)
+                if data is _END:
+                    return
             except DecodedTooLarge as exc:
                 raise BodyTooLarge(str(exc)) from None
             except Exception:
