@@ -102,3 +102,21 @@ def test_a_decode_error_on_the_pool_is_raised_to_the_caller():
 
     with pytest.raises(DecodedTooLarge):
         asyncio.run(_collect(decode_pieces("br", bomb, 64 << 20)))
+
+
+def test_a_buffered_body_redacted_in_slices_equals_its_redaction_whole():
+    """addons/credentials.py redacts a large buffered body a slice at a time, with a turn between:
+    a secret across a slice boundary (and one at either end) is still redacted, as whole."""
+    from addons import credentials
+    from gateway.redact import Redactor
+
+    secret = "sk-live-0123456789abcdef"
+    redactor = Redactor({"key": secret})
+    edge = credentials.REDACT_SLICE
+    body = bytearray(b"line\n" * (3 * edge // 5))
+    for at in (0, edge - 7, 2 * edge - 1, len(body) - len(secret)):
+        body[at:at + len(secret)] = secret.encode()
+    body = bytes(body)
+    sliced = asyncio.run(credentials._redact_buffered(body, redactor))
+    assert sliced == redactor.redact(body)
+    assert secret.encode() not in sliced[0] and len(sliced[1]) == 4
