@@ -14,7 +14,9 @@ requests that carried a credential, and in response headers of all requests.
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 from urllib.parse import quote
 
 from mitmproxy import ctx, http
@@ -25,6 +27,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
 from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, stream_decoder
+from gateway.steps import run_steps
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
 from gateway.streaming import Plan, codings, response_plan
@@ -182,13 +185,29 @@ class _BodyRedactor:
     never undecoded or unredacted bytes. The failure is audited with its reason."""
 
     def __init__(self, flow: http.HTTPFlow, redactor: StreamRedactor, decoder=None, on_failure=None):
-        self.flow = flow
+        # The flow holds this as its stream callable: a strong reference back was a cycle that kept
+        # a cut-off stream's decoder (a 16 MiB brotli window) until a full collection.
+        self._flow = weakref.ref(flow)
         self.decoder = decoder
         self.redactor = redactor
         self.on_failure = on_failure
         self.failed = False
+        self._ready: list[bytes] | None = None
+
+    @property
+    def decodes(self) -> bool:
+        """Whether its chunks are decoded: the stream (addons/layers.py) then has `steps` driven
+        off the loop (addons/decode_pool.py) and hands their output on through `ready`."""
+        return self.decoder is not None and not self.failed
+
+    def ready(self, pieces: list[bytes] | None) -> None:
+        """What `steps` made for the next call (None: nobody drove it, so the body is cut off)."""
+        self._ready = pieces if pieces is not None else [self._fail(RuntimeError("decode step not run"))]
 
     def __call__(self, chunk: bytes):
+        if self._ready is not None:
+            ready, self._ready = self._ready, None
+            return ready
         if self.failed:
             return b""
         if self.decoder is None:
@@ -196,31 +215,42 @@ class _BodyRedactor:
                 return self.redactor(chunk)
             except Exception as exc:
                 return self._fail(exc)
-        return self._decoded(chunk)
+        return run_steps(self.steps(chunk))
 
-    def _decoded(self, chunk: bytes):
-        """The redacted output of one compressed chunk, a piece at a time (mitmproxy sends each as
-        it comes): what a chunk decodes to is never held whole (up to RATIO_GRACE for a bomb)."""
+    def steps(self, chunk: bytes):
+        """The redacted output of one compressed chunk (b"": the body's end), sans I/O: each decoder
+        call yielded for the caller to run (a pool thread: one brotli call may fill a 16 MiB
+        window), the redaction of what it made done here. What a chunk decodes to is never held
+        whole (up to RATIO_GRACE for a bomb) beyond the output of this one chunk."""
+        out: list[bytes] = []
+        if self.failed:
+            return out
         try:
             if chunk:
-                for piece in self.decoder.pieces(chunk):
+                pieces = self.decoder.pieces(chunk)
+                while (piece := (yield functools.partial(next, pieces, None))) is not None:
                     if piece:
-                        yield self.redactor(piece)
+                        out.append(self.redactor(piece))
             else:
-                tail = self.decoder.flush()
-                yield self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b"")
+                tail = yield self.decoder.flush
+                out.append(self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b""))
+                self.decoder = None  # the body is over: its window goes now
         except Exception as exc:
-            yield self._fail(exc)
+            out.append(self._fail(exc))
+        return out
 
     def _fail(self, exc: Exception) -> bytes:
         self.failed = True
+        self.decoder = None
         too_large = isinstance(exc, DecodedTooLarge)
         logging.getLogger("egress").warning(
             "egress gateway: the response to a credential-bound request was cut off (%s)",
             "decoded body over its budget" if too_large else type(exc).__name__)
-        if self.on_failure is not None:
-            self.on_failure(self.flow, "response_too_large" if too_large else "undecodable_response")
-        self.flow.kill()
+        flow = self._flow()
+        if flow is not None:
+            if self.on_failure is not None:
+                self.on_failure(flow, "response_too_large" if too_large else "undecodable_response")
+            flow.kill()
         return b""
 
 

@@ -13,10 +13,11 @@ a neighbour's one decode); each step's CPU time is charged to the sandbox's loop
 (addons/fair_share.py), and its next step waits for its turn, like a read would.
 
 Two users: a bound response decoded whole (addons/credentials.py, `pieces`), and a compressed
-request body's method-override scan (addons/method_body.py): its stream (addons/layers.py) starts
-the `egress_body_check` hook, mitmproxy holds the stream's later events until the hook completes,
-and `DecodePool` drives the scan (`drive`): its decoder calls on the pool, the scanning of what they
-return on the loop, a turn between two. Only the C decoders go to threads: they release the
+request body's method-override scan (addons/method_body.py) and a bound response's streamed
+redaction (addons/credentials.py): their stream (addons/layers.py) starts the `egress_decode_steps`
+hook, mitmproxy holds the stream's later events until the hook completes, and `DecodePool` drives
+the steps (`drive`): decoder calls on the pool, the scanning or redaction of what they return on
+the loop, a turn between two. Only the C decoders go to threads: they release the
 interpreter lock; the scan is Python, and on a thread it held the lock while the loop waited for it
 at each of its system calls (tried: another sandbox's p99 no better than with it all on the loop).
 """
@@ -71,22 +72,39 @@ def _timed(work: Callable[[], object]):
 
 
 async def _one_step(key, work: Callable[[], object]):
+    """`work` on the pool once the sandbox's previous step is done; (result, exception). A step
+    whose caller is cancelled still runs to its end on its thread: its sandbox's next step waits
+    for that, and its CPU time is charged all the same (both from the step's own completion)."""
     entry = _locks.setdefault(key, [asyncio.Lock(), 0])
     entry[1] += 1
     try:
-        async with entry[0]:
-            return await asyncio.get_running_loop().run_in_executor(_executor(), _timed, work)
-    finally:
-        entry[1] -= 1
-        if not entry[1]:
-            del _locks[key]
+        await entry[0].acquire()
+    except BaseException:
+        _leave(key, entry)
+        raise
+    future = asyncio.get_running_loop().run_in_executor(_executor(), _timed, work)
+
+    def finished(done: asyncio.Future) -> None:
+        entry[0].release()
+        _leave(key, entry)
+        if not done.cancelled() and key is not None:
+            fair_share.charge_key(key, done.result()[2])
+
+    future.add_done_callback(finished)
+    result, error, _ = await asyncio.shield(future)
+    return result, error
+
+
+def _leave(key, entry: list) -> None:
+    entry[1] -= 1
+    if not entry[1] and _locks.get(key) is entry:
+        del _locks[key]
 
 
 async def run(work: Callable[[], object]):
     """`work()` on the pool, its CPU time charged to the running task's sandbox; its result, or
     the exception it raised."""
-    result, error, spent = await _one_step(fair_share.current_key(), work)
-    fair_share.charge_current(spent)
+    result, error = await _one_step(fair_share.current_key(), work)
     if error is not None:
         try:
             raise error
@@ -106,7 +124,7 @@ async def pieces(pieces: Iterator[bytes]):
 async def drive(steps: Generator):
     """Run a sans-I/O steps generator (gateway/methods.py `BodyScanner.feed_steps`): each call it
     yields on the pool, its result (or exception) sent back, the sandbox's turn after each; its
-    result. (gateway/methods.py `run_steps` is the same, inline.)"""
+    result. (gateway/steps.py `run_steps` is the same, inline.)"""
     value, error = None, None
     while True:
         try:
@@ -121,29 +139,31 @@ async def drive(steps: Generator):
         await fair_share.current_turn()
 
 
-class BodyCheckStep:
-    """One step of a request body's method-override check (addons/method_body.py): `data`, or the
-    body's end (None); `outcome` is what its scan found, set by the hook (None: it did not run)."""
+class DecodeSteps:
+    """A sans-I/O steps generator for the hook to drive (a body check's scan, addons/method_body.py;
+    a streamed bound response's decode, addons/credentials.py), and its result once driven (None:
+    no addon drove it; the stream then fails closed)."""
 
-    __slots__ = ("check", "data", "outcome")
+    __slots__ = ("steps", "result")
 
-    def __init__(self, check, data: bytes | None):
-        self.check, self.data, self.outcome = check, data, None
+    def __init__(self, steps: Generator):
+        self.steps, self.result = steps, None
 
 
 @dataclass
-class EgressBodyCheckHook(commands.StartHook):
-    """Started by a stream (addons/layers.py) for each step of a compressed body's check; the stream
-    waits for it."""
+class EgressDecodeStepsHook(commands.StartHook):
+    """Started by a stream (addons/layers.py) for a step of a body it must decode (a request body's
+    check, a bound response's streamed redaction); the stream waits for it, and mitmproxy holds the
+    stream's later events meanwhile."""
 
-    step: BodyCheckStep
+    step: DecodeSteps
 
 
 class DecodePool:
-    """Drives the body check steps (decoder calls on the pool); stops the pool with the gateway."""
+    """Drives the streams' decode steps (decoder calls on the pool); stops the pool with the gateway."""
 
-    async def egress_body_check(self, step: BodyCheckStep) -> None:
-        step.outcome = await drive(step.check.scan(step.data))
+    async def egress_decode_steps(self, step: DecodeSteps) -> None:
+        step.result = await drive(step.steps)
 
     def done(self) -> None:
         shutdown()

@@ -127,12 +127,14 @@ def current_key():
     return _key(handler) if handler is not None else None
 
 
-def charge_current(seconds: float) -> None:
-    """Charge work done for the running task's connection off the loop (addons/decode_pool.py: a
-    decode on a pool thread) to its sandbox, as if the loop had done it."""
-    handler = _serving.get()
-    if handler is not None and seconds > 0:
-        _charge(handler, seconds)
+def charge_key(key, seconds: float) -> None:
+    """Charge work done for a sandbox off the loop (addons/decode_pool.py: a decode on a pool
+    thread) to it, as if the loop had done it."""
+    try:
+        if seconds > 0:
+            _share.charge(key, seconds)
+    except Exception:  # accounting must never break the connection it accounts for
+        logging.getLogger("egress").exception("egress gateway: loop-share accounting failed")
 
 
 async def current_turn() -> None:

@@ -66,7 +66,7 @@ from gateway.hostnames import HostError, parse_authority
 from . import frame_limits, h2_backpressure, h2_limits, read_ahead
 from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood
 from .credentials import BOUND, BUFFER_ACCOUNT
-from .decode_pool import BodyCheckStep, EgressBodyCheckHook
+from .decode_pool import DecodeSteps, EgressDecodeStepsHook
 from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
 
@@ -972,9 +972,9 @@ class GatewayHttpStream(HttpStream):
         its later events (charged, see handle_event) until it completes."""
         if not getattr(check, "decodes", False):
             return check.feed(data) if data is not None else check.finish()
-        step = BodyCheckStep(check, data)
-        yield EgressBodyCheckHook(step)
-        return check.settle(step.outcome or _NOT_SCANNED)
+        step = DecodeSteps(check.scan(data))
+        yield EgressDecodeStepsHook(step)
+        return check.settle(step.result or _NOT_SCANNED)
 
     def _request_over_budget(self, event: RequestData) -> layer.CommandGenerator[None]:
         """A buffered request body over the budget: streamed on from here (its check goes on chunk
@@ -1095,6 +1095,14 @@ class GatewayHttpStream(HttpStream):
             self._streamed_response += len(event.data)
             if (yield from self._over_limit(self._streamed_response, request=False)):
                 return
+        stream = self.flow.response.stream if self.flow is not None and self.flow.response is not None else None
+        if getattr(stream, "decodes", False) and isinstance(event, (ResponseData, ResponseEndOfMessage)):
+            # A bound response decoded on the fly (addons/credentials.py): its decoder calls run
+            # off the loop, like a request body's check (see _checked), and the stream callable
+            # then hands on what they made.
+            step = DecodeSteps(stream.steps(event.data if isinstance(event, ResponseData) else b""))
+            yield EgressDecodeStepsHook(step)
+            stream.ready(step.result)
         yield from super().state_stream_response_body(event)
 
     def _over_limit(self, size: int, request: bool) -> layer.CommandGenerator[bool]:

@@ -35,7 +35,8 @@ import logging
 from collections.abc import Callable
 
 from gateway.decision import Decision
-from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override, run_steps
+from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override
+from gateway.steps import run_steps
 
 BODY_CHECK = "egress_body_check"  # flow.metadata key
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote_plus, unquote_to_bytes
 
 from .foreign import query_key
+from .steps import run_steps
 from .policy import FORBIDDEN_METHODS
 
 OVERRIDE_HEADERS = ("X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override")
@@ -1353,22 +1354,6 @@ class _Stream:
 
 
 _END = object()  # a decode's end (BodyScanner._decode)
-
-
-def run_steps(steps: Generator):
-    """Drive a `feed_steps`/`finish_steps` generator here and now: each decoder call it yields is
-    run at once, its result (or exception) sent back. Returns the generator's result."""
-    value, error = None, None
-    while True:
-        try:
-            work = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            value = work()
-        except Exception as exc:
-            error = exc
 
 
 class BodyScanner:

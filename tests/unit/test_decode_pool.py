@@ -120,3 +120,48 @@ def test_a_buffered_body_redacted_in_slices_equals_its_redaction_whole():
     sliced = asyncio.run(credentials._redact_buffered(body, redactor))
     assert sliced == redactor.redact(body)
     assert secret.encode() not in sliced[0] and len(sliced[1]) == 4
+
+
+def test_a_cancelled_step_still_holds_its_sandbox_s_turn_and_is_charged():
+    """A fresh-eyes review: cancelling the task that awaited a step let go of the sandbox's lock at
+    once (its next decode then ran beside the first) and its CPU time was never charged."""
+    key = "sandbox:pool-cancel"
+
+    class Handler:
+        pass
+
+    handler = Handler()
+    setattr(handler, fair_share.ATTR, key)
+    gate, first_started, second_started = threading.Event(), threading.Event(), threading.Event()
+
+    def burning_then_waiting():
+        first_started.set()
+        started = time.thread_time()
+        while time.thread_time() - started < 0.2:
+            pass
+        gate.wait(WAIT)
+        yield b"first"
+
+    async def decode(pieces):
+        fair_share._serving.set(handler)
+        return await _collect(pieces)
+
+    async def main():
+        first = asyncio.ensure_future(decode(burning_then_waiting()))
+        while not first_started.is_set():
+            await asyncio.sleep(0)
+        first.cancel()
+        second_gate = threading.Event()
+        second = asyncio.ensure_future(decode(_waiting_pieces(second_gate, second_started)))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not second_started.is_set()  # the cancelled step is still running: the next one waits
+        gate.set()
+        second_gate.set()
+        assert await second == [b"x"]
+        return first
+
+    first = asyncio.run(main())
+    assert first.cancelled()
+    assert fair_share._share.in_debt(key)  # the cancelled step's 0.2 s were charged
+    assert not decode_pool._locks

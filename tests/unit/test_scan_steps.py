@@ -119,9 +119,9 @@ def test_the_check_s_hook_refuses_an_override_found_on_the_pool():
     assert check.decodes
     refusal = None
     for data in (gzip.compress(b"_method=DELETE"), None):  # the value ends with the body: the end's step finds it
-        step = decode_pool.BodyCheckStep(check, data)
-        asyncio.run(decode_pool.DecodePool().egress_body_check(step))
-        refusal = refusal or check.settle(step.outcome)
+        step = decode_pool.DecodeSteps(check.scan(data))
+        asyncio.run(decode_pool.DecodePool().egress_decode_steps(step))
+        refusal = refusal or check.settle(step.result)
     assert refusal is not None and refusal.reason == "method_not_allowed" and recorded == ["method_not_allowed"]
 
 
@@ -131,3 +131,68 @@ def test_a_step_no_addon_ran_refuses_the_body():
     refusal = check.settle(_NOT_SCANNED)
     assert refusal is not None and not refusal.allowed and refusal.reason == "internal_error"
     assert recorded == ["internal_error"]
+
+
+def _body_redactor(coding: str, secret: str, failures: list):
+    from mitmproxy.test import tflow
+
+    from addons.credentials import _BodyRedactor
+    from gateway.decompress import stream_decoder
+    from gateway.redact import Redactor, StreamRedactor
+
+    flow = tflow.tflow(resp=True)
+    stream = _BodyRedactor(flow, StreamRedactor(Redactor({"key": secret})), stream_decoder(coding),
+                           on_failure=lambda f, reason: failures.append(reason))
+    return flow, stream
+
+
+def _drive_response(stream, chunks: list[bytes]) -> bytes:
+    async def main():
+        out = []
+        for chunk in chunks + [b""]:
+            step = decode_pool.DecodeSteps(stream.steps(chunk))
+            await decode_pool.DecodePool().egress_decode_steps(step)
+            stream.ready(step.result)
+            out += stream(chunk)  # what the stream callable hands on: what the steps made
+        return b"".join(out)
+    return asyncio.run(main())
+
+
+def test_a_streamed_bound_response_decoded_on_the_pool_is_redacted_as_inline():
+    secret = "sk-live-0123456789abcdef"
+    body = (b"x" * 70_000 + secret.encode() + b"y" * 70_000) * 3
+    compressed = gzip.compress(body)
+    chunks = [compressed[i:i + 8192] for i in range(0, len(compressed), 8192)]
+    failures = []
+    _, pooled = _body_redactor("gzip", secret, failures)
+    _, inline = _body_redactor("gzip", secret, failures)
+    got = _drive_response(pooled, chunks)
+    want = b""
+    for chunk in chunks + [b""]:
+        want += b"".join(inline(chunk))
+    assert got == want and secret.encode() not in got and len(got) == len(body) and not failures
+
+
+def test_a_streamed_bomb_decoded_on_the_pool_is_cut_off_and_its_decoder_dropped():
+    failures = []
+    flow, stream = _body_redactor("br", "sk-live-0123456789abcdef", failures)
+    bomb = brotli.compress(bytes(64 << 20), quality=5, lgwin=24)
+    _drive_response(stream, [bomb])
+    assert failures == ["response_too_large"] and flow.error is not None and stream.decoder is None
+
+
+def test_the_stream_callable_holds_its_flow_weakly():
+    """The flow holds the callable (its response's stream): a strong reference back made a cycle
+    that kept a cut-off stream's decoder until a full collection."""
+    import gc
+
+    flow, stream = _body_redactor("gzip", "sk-live-0123456789abcdef", [])
+    flow.response.stream = stream
+    assert not any(referent is flow for referent in gc.get_referents(*gc.get_referents(stream)))
+
+
+def test_a_response_step_no_addon_ran_cuts_the_body_off():
+    failures = []
+    flow, stream = _body_redactor("gzip", "sk-live-0123456789abcdef", failures)
+    stream.ready(None)
+    assert stream(gzip.compress(b"hello")) == [b""] and failures == ["undecodable_response"] and flow.error is not None
