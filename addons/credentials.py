@@ -26,7 +26,8 @@ from gateway.credentials import placeholder
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
 from gateway.policy import Rule, Scope
-from gateway.decompress import DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, stream_decoder
+from gateway.decompress import (DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, stream_decoder,
+                                window_size)
 from gateway.steps import run_steps
 from gateway.redact import Redactor, StreamRedactor
 from gateway.secrets import SecretUnavailable
@@ -150,14 +151,22 @@ async def _decode_buffered(flow: http.HTTPFlow, encoding: str, limit: int, redac
     does not stall every other client of the worker while it does. The redacted body, and the
     names of the secrets it held."""
     account = flow.metadata.get(BUFFER_ACCOUNT)
-    out, hits = bytearray(), []
-    stream = StreamRedactor(redactor, on_hit=hits.extend)
-    async for piece in decode_pool.pieces(decode_pieces(encoding, flow.response.raw_content or b"", limit)):
-        if account is not None and not account.reserve(len(piece)):
-            raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
-        out += stream(piece)
-    out += stream(b"")
-    return bytes(out), hits
+    data = flow.response.raw_content or b""
+    window = window_size(encoding, data)  # what the decoder keeps meanwhile: charged too
+    if account is not None and not account.reserve(window):
+        raise OverBudget(f"the decoder's window ({window} bytes) is over the buffer budget")
+    try:
+        out, hits = bytearray(), []
+        stream = StreamRedactor(redactor, on_hit=hits.extend)
+        async for piece in decode_pool.pieces(decode_pieces(encoding, data, limit)):
+            if account is not None and not account.reserve(len(piece)):
+                raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
+            out += stream(piece)
+        out += stream(b"")
+        return bytes(out), hits
+    finally:
+        if account is not None:
+            account.release(window)
 
 
 async def _redact_buffered(data: bytes, redactor: Redactor) -> tuple[bytes, list[str]]:
@@ -184,11 +193,14 @@ class _BodyRedactor:
     its headers are out, so no 502 is possible any more, and the client sees a broken response,
     never undecoded or unredacted bytes. The failure is audited with its reason."""
 
-    def __init__(self, flow: http.HTTPFlow, redactor: StreamRedactor, decoder=None, on_failure=None):
+    def __init__(self, flow: http.HTTPFlow, redactor: StreamRedactor, decoder=None, on_failure=None,
+                 encoding: str = ""):
         # The flow holds this as its stream callable: a strong reference back was a cycle that kept
         # a cut-off stream's decoder (a 16 MiB brotli window) until a full collection.
         self._flow = weakref.ref(flow)
         self.decoder = decoder
+        self.encoding = encoding
+        self._window: int | None = None  # the decoder's window, charged to the stream's buffer account
         self.redactor = redactor
         self.on_failure = on_failure
         self.failed = False
@@ -226,6 +238,8 @@ class _BodyRedactor:
         if self.failed:
             return out
         try:
+            if self._window is None:
+                self._charge_window(chunk)
             if chunk:
                 pieces = self.decoder.pieces(chunk)
                 while (piece := (yield functools.partial(next, pieces, None))) is not None:
@@ -234,22 +248,43 @@ class _BodyRedactor:
             else:
                 tail = yield self.decoder.flush
                 out.append(self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b""))
-                self.decoder = None  # the body is over: its window goes now
+                self._drop_decoder()  # the body is over: its window goes now
         except Exception as exc:
             out.append(self._fail(exc))
         return out
 
+    def _charge_window(self, first: bytes) -> None:
+        """The decoder keeps a window the sender chose (up to 16 MiB of brotli) for the whole
+        stream: charged to the stream's buffer account from its first bytes, before it decodes."""
+        self._window = window_size(self.encoding, first)
+        flow = self._flow()
+        account = flow.metadata.get(BUFFER_ACCOUNT) if flow is not None else None
+        if account is not None and not account.reserve(self._window):
+            self._window = 0
+            raise OverBudget(f"the decoder's window ({window_size(self.encoding, first)} bytes) is over the buffer budget")
+
+    def _drop_decoder(self) -> None:
+        self.decoder = None
+        flow = self._flow()
+        account = flow.metadata.get(BUFFER_ACCOUNT) if flow is not None else None
+        if account is not None and self._window:
+            account.release(self._window)
+        self._window = 0
+
     def _fail(self, exc: Exception) -> bytes:
         self.failed = True
-        self.decoder = None
+        self._drop_decoder()
         too_large = isinstance(exc, DecodedTooLarge)
+        reason = ("buffer_budget" if isinstance(exc, OverBudget) else
+                  "response_too_large" if too_large else "undecodable_response")
         logging.getLogger("egress").warning(
             "egress gateway: the response to a credential-bound request was cut off (%s)",
-            "decoded body over its budget" if too_large else type(exc).__name__)
+            {"buffer_budget": "the decoder's window is over the buffer budget",
+             "response_too_large": "decoded body over its budget"}.get(reason, type(exc).__name__))
         flow = self._flow()
         if flow is not None:
             if self.on_failure is not None:
-                self.on_failure(flow, "response_too_large" if too_large else "undecodable_response")
+                self.on_failure(flow, reason)
             flow.kill()
         return b""
 
@@ -314,7 +349,7 @@ class ResponseRedactor:
             response.headers.pop("content-length", None)
             if not (flow.request.is_http2 or flow.request.is_http3):
                 response.headers["transfer-encoding"] = "chunked"
-            response.stream = _BodyRedactor(flow, body_redactor, decoder, on_failure=self._cut_off)
+            response.stream = _BodyRedactor(flow, body_redactor, decoder, on_failure=self._cut_off, encoding=why)
         else:
             self._refuse_body(flow, Decision.deny(
                 "undecodable_response",

@@ -788,6 +788,9 @@ class GatewayHttpStream(HttpStream):
     def _release(self, done: bool = True) -> None:
         """Give back what this stream's buffers held; `done`: the stream is over (its account
         closed, so the ledger forgets it), else a buffer was handed on and more may come."""
+        if done and self._windows:
+            self._windows.close()
+            self._windows = None
         if self._account is not None:
             if done:
                 self._account.close()
@@ -802,6 +805,7 @@ class GatewayHttpStream(HttpStream):
 
     # -- events ------------------------------------------------------------------------------------
 
+    _windows = None  # the account a request body's decoder windows are charged to (False: no budgets)
     _queued: dict[int, int] | None = None  # id -> bytes of body events queued while paused, charged
     _uncharged = 0  # bytes queued over the budget, within QUEUE_ALLOWANCE
     _overflowed = False  # a queued body piece was over budget: dropped, and the stream ends on resume
@@ -972,6 +976,17 @@ class GatewayHttpStream(HttpStream):
         its later events (charged, see handle_event) until it completes."""
         if not getattr(check, "decodes", False):
             return check.feed(data) if data is not None else check.finish()
+        if self._windows is None and data:
+            # Its decoders keep a window the sandbox chose (up to 16 MiB of brotli) for as long as
+            # the body lasts: charged from its first bytes, on an account of its own (the body's
+            # buffer is released as it is handed on; the windows only when the stream is over).
+            make = self.body_limits.account
+            self._windows = (make(self.context) if make is not None else None) or False
+            if self._windows and not self._windows.reserve(check.windows(data)):
+                return check.refuse(Decision.deny(
+                    "buffer_budget", "the decoders of this compressed request body would keep more than the "
+                                     "connection's or the sandbox's buffer budget allows; its end was not sent",
+                    check.rule))
         step = DecodeSteps(check.scan(data))
         yield EgressDecodeStepsHook(step)
         return check.settle(step.result or _NOT_SCANNED)
@@ -1100,6 +1115,7 @@ class GatewayHttpStream(HttpStream):
             # A bound response decoded on the fly (addons/credentials.py): its decoder calls run
             # off the loop, like a request body's check (see _checked), and the stream callable
             # then hands on what they made.
+            self._charge(0)  # the stream's buffer account, which the decoder's window is charged to
             step = DecodeSteps(stream.steps(event.data if isinstance(event, ResponseData) else b""))
             yield EgressDecodeStepsHook(step)
             stream.ready(step.result)

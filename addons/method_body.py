@@ -35,6 +35,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.decision import Decision
+from gateway.decompress import window_size
 from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override
 from gateway.steps import run_steps
 
@@ -88,6 +89,12 @@ class BodyOverrideCheck:
         """Whether the body is decoded to be scanned: its decoder calls then run off the event
         loop (addons/decode_pool.py `drive`)."""
         return bool(self.scanner.decoders)
+
+    def windows(self, first: bytes) -> int:
+        """The memory its decoders keep for the whole body (gateway/decompress.py `window_size`):
+        the outermost coding's from the body's first bytes, each inner one's the most it may be."""
+        decoders = self.scanner.decoders
+        return sum(window_size(getattr(d, "coding", ""), first if i == 0 else b"") for i, d in enumerate(decoders))
 
     def scan(self, data: bytes | None):
         """The scanner's part of a step, `data` or the body's end (None), in steps
@@ -145,6 +152,13 @@ class BodyOverrideCheck:
         if decision is None:
             return None
         return self._refuse(enforced_if_bound(decision, self.bound), self.found)
+
+    def refuse(self, decision: Decision) -> Decision | None:
+        """Refuse the body for a reason of the stream's own (its decoders over the buffer budget),
+        recorded like the check's own refusals; None if the check already ended."""
+        if self.done:
+            return None
+        return self._refuse(decision, [])
 
     def _refuse(self, decision: Decision, found: list[Override]) -> Decision | None:
         self.done = True

@@ -194,11 +194,64 @@ DECODERS: dict[str, Callable[[], object]] = {
 }
 
 
+ZLIB_STATE = 64 * 1024  # a zlib stream's window (32 KiB) and its state
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def window_size(content_encoding: str, data: bytes) -> int:
+    """The memory a decoder of this coding keeps for its whole stream, read from the stream's
+    first bytes (the sender chooses it: up to 16 MiB for brotli, 8 MiB for zstd here), for a caller
+    to charge to a budget before it decodes. The largest allowed when the header is not there."""
+    encoding = content_encoding.strip().lower()
+    if encoding == "br":
+        return _brotli_window(data)
+    if encoding == "zstd":
+        return _zstd_window(data)
+    return ZLIB_STATE
+
+
+def _brotli_window(data: bytes) -> int:
+    """RFC 7932 9.1: WBITS from the stream header's first bits; the window is 2**WBITS - 16."""
+    if not data:
+        return (1 << 24) - 16
+    first = data[0]
+    if not first & 1:
+        bits = 16
+    elif (n := (first >> 1) & 7):
+        bits = 17 + n
+    elif (m := (first >> 4) & 7) == 1:  # large-window brotli: not a content coding; the decoder refuses it
+        bits = 24
+    else:
+        bits = 8 + m if m else 17
+    return (1 << bits) - 16
+
+
+def _zstd_window(data: bytes) -> int:
+    """RFC 8878 3.1.1.1: the frame header's window (Window_Descriptor, or the content size of a
+    single-segment frame), at most the largest the decoder accepts (ZSTD_WINDOW_LOG_MAX)."""
+    most = 1 << ZSTD_WINDOW_LOG_MAX
+    if len(data) < 6 or data[:4] != _ZSTD_MAGIC:
+        return most
+    header = data[4]
+    if not header & 0x20:  # a Window_Descriptor follows
+        exponent, mantissa = data[5] >> 3, data[5] & 7
+        base = 1 << (10 + exponent)
+        return min(base + (base >> 3) * mantissa, most)
+    dictionary = (0, 1, 2, 4)[header & 3]
+    size_bytes = (1, 2, 4, 8)[header >> 6]
+    field = data[5 + dictionary:5 + dictionary + size_bytes]
+    if len(field) < size_bytes:
+        return most
+    size = int.from_bytes(field, "little") + (256 if size_bytes == 2 else 0)
+    return min(max(size, 1), most)
+
+
 class BoundedDecoder:
     """decompress(chunk) and flush() that never produce more than the budget (see the module)."""
 
     def __init__(self, inner, limit: int | None, ratio: int = MAX_RATIO, grace: int = RATIO_GRACE):
         self.inner = inner
+        self.coding = ""  # its Content-Encoding (streaming_decoder), for window_size
         self.limit = limit
         self.ratio = ratio
         self.grace = grace
@@ -255,7 +308,11 @@ def streaming_decoder(content_encoding: str, limit: int | None = None, ratio: in
     """A bounded decoder with decompress(chunk) and flush(), or None if the encoding is not supported."""
     encoding = content_encoding.strip().lower()
     factory = DECODERS.get(encoding)
-    return BoundedDecoder(factory(), limit, ratio, grace) if factory is not None else None
+    if factory is None:
+        return None
+    decoder = BoundedDecoder(factory(), limit, ratio, grace)
+    decoder.coding = encoding
+    return decoder
 
 
 # A request body is decoded only to be scanned for method overrides (gateway/methods.py), and every

@@ -113,3 +113,34 @@ def test_decode_whole_reports_a_big_zstd_window_as_too_large():
 
     with pytest.raises(DecodedTooLarge):
         decode_whole("zstd", _zstd_with_window(26))
+
+
+@pytest.mark.parametrize("lgwin", [10, 16, 17, 18, 20, 22, 24])
+def test_a_brotli_window_is_read_from_the_stream_header(lgwin):
+    """The sender chooses the window the decoder keeps for the whole stream (up to 16 MiB): read
+    from the header's first bits (RFC 7932 9.1), it is charged to the buffer budget first."""
+    import brotli
+
+    from gateway.decompress import window_size
+
+    assert window_size("br", brotli.compress(b"x" * 100_000, lgwin=lgwin)) == (1 << lgwin) - 16
+
+
+def test_a_zstd_window_is_read_from_the_frame_header_and_capped():
+    from gateway.decompress import ZSTD_WINDOW_LOG_MAX, window_size
+
+    assert window_size("zstd", _zstd_with_window(20, 3 << 20)) == 1 << 20
+    assert window_size("zstd", _zstd_with_window(26)) == 1 << ZSTD_WINDOW_LOG_MAX  # refused anyway: at most the cap
+    try:
+        from backports import zstd
+    except ImportError:  # Python 3.14+
+        from compression import zstd  # type: ignore[no-redef]
+    assert window_size("zstd", zstd.compress(b"z" * 1000)) == 1000  # a single-segment frame: its content size
+
+
+def test_an_unknown_or_missing_header_is_charged_the_most():
+    from gateway.decompress import ZLIB_STATE, ZSTD_WINDOW_LOG_MAX, window_size
+
+    assert window_size("br", b"") == (1 << 24) - 16
+    assert window_size("zstd", b"\x00" * 8) == 1 << ZSTD_WINDOW_LOG_MAX
+    assert window_size("gzip", b"") == ZLIB_STATE
