@@ -44,7 +44,7 @@ os.environ["EGRESS_WORKERS"] = "1"  # one worker: A and B share its event loop, 
 
 def _under_attack(world, name: str, attack, samples: int, args, outcomes: list) -> noisy.Victim:
     """B timing its requests while A repeats the attack, until B has `samples` of them."""
-    victim = noisy.Victim(world, args.pace)
+    victim = noisy.Victim(world, args.pace, keepalive=args.victim == "keepalive")
     started = time.monotonic()
     victim.start()
     victim.first.wait(noisy.TIMEOUT)
@@ -75,10 +75,12 @@ def run_attack(name: str, args) -> dict:
             idle = world.rss_kib()
             sampler = noisy.RssSampler(world)
             sampler.start()
-            baseline, during, errors, outcomes = [], [], [], []
+            baseline, during, errors, outcomes, first = [], [], [], [], None
             per_round = -(-args.samples // args.rounds)
             for _ in range(args.rounds):  # alone, then under attack, in turns: the machine's drift hits both
-                baseline += noisy.victim_samples(world, per_round, args.pace)
+                fresh = noisy.victim_samples(world, per_round, args.pace, keepalive=args.victim == "keepalive")
+                first = first if first is not None else fresh
+                baseline += fresh
                 victim = _under_attack(world, name, attack, per_round, args, outcomes)
                 during += victim.samples
                 errors += victim.errors
@@ -87,7 +89,7 @@ def run_attack(name: str, args) -> dict:
             attacker_lines = len(world.audit_lines(world.attacker))
         finally:
             world.stop()
-    base, during = noisy.summary(baseline), noisy.summary(during)
+    base, during, clean = noisy.summary(baseline), noisy.summary(during), noisy.summary(first)
     seen: dict = {"repeats": len(outcomes), "statuses": {}, "resets": 0, "goaway": set(), "closed": 0, "notes": set()}
     for outcome in outcomes:
         for status, n in outcome.statuses.items():
@@ -101,6 +103,7 @@ def run_attack(name: str, args) -> dict:
     return {"attack": name, "baseline": base, "during": during, "victim_errors": errors[:5],
             "victim_failed": len(errors) + during["requests"] - during["ok"],
             "p50_ratio": during["p50_ms"] / base["p50_ms"], "p99_ratio": during["p99_ms"] / base["p99_ms"],
+            "first_baseline": clean, "p99_ratio_first": during["p99_ms"] / clean["p99_ms"],
             "idle_rss_mib": idle / 1024, "peak_rss_mib": peak / 1024, "rss_ratio": peak / idle,
             "alive": alive, "attacker_audit_lines": attacker_lines, "attacker_saw": seen}
 
@@ -118,6 +121,10 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=40.0, help="the longest an attack is repeated for, per round")
     parser.add_argument("--bomb-mb", type=int, default=300, help="decoded size of the decompression bomb (MiB)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a gateway option")
+    parser.add_argument("--victim", choices=["fresh", "keepalive"], default="fresh",
+                        help="B's request: a fresh tunnel + TLS + GET each time (an agent's curl), or a GET on "
+                             "one kept-alive tunnel (an SDK between two calls); the second shows a stall of the "
+                             "loop at a tenth of the size")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="let every process run on any CPU (default on 2+ CPUs: the gateway alone on CPU 0, "
                              "the attacker, B and the origins on the others, as in production, where the sandboxes "
@@ -132,9 +139,10 @@ def main() -> None:
         print(f"... {name}", file=sys.stderr, flush=True)
         results.append(run_attack(name, args))
     where = "gateway alone on CPU 0, the rest on the other CPUs" if args.pin else "no CPU pinning"
-    print(f"B: fresh tunnel + TLS + GET per request, {args.samples} alone then {args.samples}+ during each attack; "
-          f"{where}\n")
-    print("| attack (sandbox A) | B p50 ms (base → during) | B p99 ms (base → during) | p99 ratio | B failed | "
+    how = "a GET on one kept-alive tunnel" if args.victim == "keepalive" else "fresh tunnel + TLS + GET"
+    print(f"B: {how} per request, {args.samples} alone then {args.samples}+ during each attack, in {args.rounds} "
+          f"rounds; {where}. p99 ratio: against every baseline round (against the first, before any attack)\n")
+    print("| attack (sandbox A) | B p50 ms (base → during) | B p99 ms (base → during) | p99 ratio (vs first) | B failed | "
           "RSS MiB (idle → peak) | RSS ratio | A audit lines | A saw |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
@@ -147,7 +155,7 @@ def main() -> None:
         if saw["closed"]:
             what += f", closed {saw['closed']}/{saw['repeats']}"
         print(f"| {r['attack']} | {r['baseline']['p50_ms']:.1f} → {r['during']['p50_ms']:.1f} | "
-              f"{r['baseline']['p99_ms']:.1f} → {r['during']['p99_ms']:.1f} | {r['p99_ratio']:.2f} | "
+              f"{r['baseline']['p99_ms']:.1f} → {r['during']['p99_ms']:.1f} | {r['p99_ratio']:.2f} ({r['p99_ratio_first']:.2f}) | "
               f"{r['victim_failed']} | {r['idle_rss_mib']:.0f} → {r['peak_rss_mib']:.0f} | {r['rss_ratio']:.2f} | "
               f"{r['attacker_audit_lines']} | {what.strip(', ')}{'' if r['alive'] else ' (GATEWAY DIED)'} |")
     if args.json:

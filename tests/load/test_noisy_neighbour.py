@@ -31,6 +31,8 @@ CASES = {
     "h2_rapid_reset": (dict(streams=6000), "reset_flood", 400),
     "request_flood": (dict(connections=4, requests=600), "rate_limited", 300),
     "connection_flood": (dict(count=300), "connection_rate_limited", 300),
+    "request_body_bomb": (dict(connections=2, requests=6), "request_too_large", 20),
+    "streamed_bomb": (dict(times=2), "response_too_large", 10),
 }
 
 # Lower than the defaults so the floods reach them within a few hundred requests on a slow machine

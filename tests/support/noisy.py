@@ -43,11 +43,13 @@ _BOMB: dict[int, bytes] = {}
 
 
 def brotli_bomb(size: int) -> bytes:
-    """Brotli of `size` zero bytes, made once in 1 MiB steps (the zeros are never held whole)."""
+    """Brotli of `size` zero bytes at the largest window a content coding allows (lgwin 24: each
+    decoder call that fills it costs ~50 ms, what the default lgwin 22's 14 ms understated), made
+    once in 1 MiB steps (the zeros are never held whole)."""
     if size not in _BOMB:
         import brotli
 
-        compressor, zeros, out = brotli.Compressor(quality=5), bytes(1 << 20), []
+        compressor, zeros, out = brotli.Compressor(quality=5, lgwin=24), bytes(1 << 20), []
         for _ in range(size >> 20):
             out.append(compressor.process(zeros))
         out.append(compressor.finish())
@@ -59,7 +61,9 @@ class Origin:
     """Keep-alive TLS HTTP/1.1 origin for both names, in a process of its own (so that neither the
     attacker's threads nor B's share its interpreter lock: B's latency is the gateway's, not this
     process's): `/ok` is 200 `ok`; `/bomb` is a brotli bomb of `bomb_size` bytes with its (small)
-    Content-Length; anything else is 200 `ok` after reading the body."""
+    Content-Length, `/bomb-chunked` the same chunked (a bound response then decodes as it streams);
+    `/lines` is LINES_SIZE of short text lines in brotli, within every budget (~30:1); anything else
+    is 200 `ok` after reading the body."""
 
     def __init__(self, address: str, cert: Path, key: Path, bomb_size: int):
         self._process = _child("origin", address, str(cert), str(key), str(bomb_size))
@@ -81,8 +85,20 @@ def _child(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE)
 
 
+LINES_SIZE = 20 << 20  # decoded size of /lines: under the 32 MiB a connection may buffer
+
+
+def lines_body() -> bytes:
+    """A legitimate-looking compressed response that is costly to redact: many short lines."""
+    import brotli
+
+    text = b"".join(b"row %09d value=ok\n" % i for i in range(LINES_SIZE // 24))  # ~1 MB compressed, ~25:1
+    return brotli.compress(text, quality=5, lgwin=22)
+
+
 def _origin_main(address: str, cert: str, key: str, bomb_size: int) -> None:
     bomb = brotli_bomb(bomb_size)
+    lines = lines_body() if bomb_size else b""
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(cert, key)
     tls.set_alpn_protocols(["http/1.1"])
@@ -93,10 +109,10 @@ def _origin_main(address: str, cert: str, key: str, bomb_size: int) -> None:
     print("ready", flush=True)
     while True:
         raw, _ = listener.accept()
-        threading.Thread(target=_origin_handle, args=(raw, tls, bomb), daemon=True).start()
+        threading.Thread(target=_origin_handle, args=(raw, tls, bomb, lines), daemon=True).start()
 
 
-def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes) -> None:
+def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes, lines_br: bytes = b"") -> None:
     try:
         raw.settimeout(TIMEOUT)
         # As real origins do: with Nagle on, the response waited behind the unacknowledged TLS
@@ -124,9 +140,13 @@ def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes) -> None
                     return
                 buf += chunk
             buf = buf[length:]
-            if path == "/bomb":
+            if path in ("/bomb", "/lines"):
+                body = bomb if path == "/bomb" else lines_br
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
-                             b"Content-Length: %d\r\n\r\n" % len(bomb) + bomb)
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            elif path == "/bomb-chunked":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(bomb) + bomb + b"\r\n0\r\n\r\n")
             else:
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
     except (OSError, ssl.SSLError, ValueError, IndexError):
@@ -318,9 +338,10 @@ class Victim:
     a sandbox does: in the attacker's process it waited for the interpreter lock behind the
     attacker's threads, and its latency said more about them than about the gateway."""
 
-    def __init__(self, world: World, pace: float = 0.0, want: int | None = None):
+    def __init__(self, world: World, pace: float = 0.0, want: int | None = None, keepalive: bool = False):
         gateway = world.gateway
-        self._args = ("victim", gateway.host, str(gateway.port), str(gateway.ca_cert), world.victim, str(pace))
+        self._args = ("victim", gateway.host, str(gateway.port), str(gateway.ca_cert), world.victim, str(pace),
+                      "keepalive" if keepalive else "fresh")
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
         self.samples: list[tuple[float, int]] = []
@@ -360,13 +381,38 @@ class Victim:
         return self
 
 
-def _victim_main(host: str, port: int, ca_cert: str, source: str, pace: float) -> None:
+class _KeptAlive:
+    """B's other way of asking: one tunnel and TLS session kept alive, a GET timed on it each time
+    (what an agent's SDK does between two calls to the same API); a new one if it is lost."""
+
+    def __init__(self, host: str, port: int, ca_cert: str, source: str):
+        self.args, self.tls = (host, port, ca_cert, source), None
+
+    def __call__(self) -> tuple[float, int]:
+        host, port, ca_cert, source = self.args
+        if self.tls is None:
+            context = ssl.create_default_context(cafile=ca_cert)
+            context.set_alpn_protocols(["http/1.1"])
+            self.tls = context.wrap_socket(_tunnel(host, port, source, f"{VICTIM_NAME}:443"), server_hostname=VICTIM_NAME)
+        started = time.perf_counter()
+        try:
+            self.tls.sendall(f"GET /ok HTTP/1.1\r\nHost: {VICTIM_NAME}\r\n\r\n".encode())
+            status, _, _ = read_response(self.tls)
+        except BaseException:
+            self.tls.close()
+            self.tls = None
+            raise
+        return time.perf_counter() - started, status
+
+
+def _victim_main(host: str, port: int, ca_cert: str, source: str, pace: float, mode: str = "fresh") -> None:
     halt = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.buffer.read(), halt.set()), daemon=True).start()  # EOF: stop
+    kept = _KeptAlive(host, port, ca_cert, source) if mode == "keepalive" else None
     while not halt.is_set():
         started = time.monotonic()
         try:
-            seconds, status = _timed_request(host, port, ca_cert, source)
+            seconds, status = kept() if kept is not None else _timed_request(host, port, ca_cert, source)
             print(f"sample {seconds!r} {status}", flush=True)
         except (OSError, ssl.SSLError, ValueError) as exc:
             print("error " + f"{type(exc).__name__}: {exc}"[:300].replace("\n", " "), flush=True)
@@ -374,10 +420,10 @@ def _victim_main(host: str, port: int, ca_cert: str, source: str, pace: float) -
             halt.wait(max(0.0, pace - (time.monotonic() - started)))
 
 
-def victim_samples(world: World, count: int, pace: float = 0.0) -> list[tuple[float, int]]:
+def victim_samples(world: World, count: int, pace: float = 0.0, keepalive: bool = False) -> list[tuple[float, int]]:
     """`count` of B's requests with nothing else running (B's baseline), from B's own process and
     at B's pace, like the ones during an attack."""
-    victim = Victim(world, pace, want=count).start()
+    victim = Victim(world, pace, want=count, keepalive=keepalive).start()
     victim.enough.wait(TIMEOUT * 4)
     samples = victim.stop().samples
     if victim.errors:
@@ -640,6 +686,69 @@ def decompression_bomb(world: World, times: int = 3) -> Outcome:
     return outcome
 
 
+def streamed_bomb(world: World, times: int = 3) -> Outcome:
+    """GET /bomb-chunked on the bound rule `times` times: the same bomb, chunked, so the gateway
+    decodes and redacts it as it streams, and cuts it off past its ratio."""
+    return _bound_gets(world, "/bomb-chunked", times, Outcome("streamed_bomb"))
+
+
+def bound_lines(world: World, times: int = 3) -> Outcome:
+    """GET /lines on the bound rule `times` times: 20 MiB of short lines that stay within every
+    budget, decoded whole and redacted (served, 200)."""
+    return _bound_gets(world, "/lines", times, Outcome("bound_lines"))
+
+
+def _bound_gets(world: World, path: str, times: int, outcome: Outcome) -> Outcome:
+    for _ in range(times):
+        try:
+            with tls_tunnel(world, world.attacker, BOUND_NAME) as tls:
+                tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {BOUND_NAME}\r\nConnection: close\r\n\r\n".encode())
+                status, headers, got = read_response(tls, limit=64 << 20)
+                outcome.count(status)
+                outcome.sent += got
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            outcome.closed = True
+            outcome.notes.append(f"{type(exc).__name__}")
+    return outcome
+
+
+def request_body_bomb(world: World, connections: int = 4, requests: int = 100, seconds: float = 20.0) -> Outcome:
+    """`connections` kept-alive tunnels POST forms of 52 bytes of brotli (lgwin 24, 64 MiB of
+    zeros) on the open rule, `requests` in all: each is decoded for its method-override scan until
+    it passes its budget, 413."""
+    import brotli
+
+    body = brotli.compress(bytes(64 << 20), quality=5, lgwin=24)
+    head = (f"POST /upload HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+            f"Content-Encoding: br\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    outcome = Outcome("request_body_bomb")
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def one() -> None:
+        try:
+            while time.monotonic() < deadline and outcome.sent < requests:
+                with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
+                    while time.monotonic() < deadline and outcome.sent < requests:
+                        tls.sendall(head + body)
+                        status, headers, _ = read_response(tls)
+                        with lock:
+                            outcome.count(status)
+                            outcome.sent += 1
+                        if headers.get("connection", "").lower() == "close":
+                            break
+        except (OSError, ssl.SSLError, ValueError, ConnectionError):
+            with lock:
+                outcome.closed = True
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + TIMEOUT)
+    return outcome
+
+
 def request_flood(world: World, connections: int = 8, requests: int = 4000, seconds: float = 20.0) -> Outcome:
     """`connections` kept-alive tunnels send pipelined GETs (allowed ones) as fast as the gateway
     answers, `requests` in all, and count the answers by status."""
@@ -708,6 +817,9 @@ ATTACKS = {
     "h2_rapid_reset": h2_rapid_reset,
     "request_flood": request_flood,
     "connection_flood": connection_flood,
+    "request_body_bomb": request_body_bomb,
+    "streamed_bomb": streamed_bomb,
+    "bound_lines": bound_lines,
 }
 
 
@@ -716,4 +828,4 @@ if __name__ == "__main__":  # a process of the world: `origin ADDRESS CERT KEY B
     if role == "origin":
         _origin_main(rest[0], rest[1], rest[2], int(rest[3]))
     else:
-        _victim_main(rest[0], int(rest[1]), rest[2], rest[3], float(rest[4]))
+        _victim_main(rest[0], int(rest[1]), rest[2], rest[3], float(rest[4]), *rest[5:6])
