@@ -264,6 +264,8 @@ class _BodyRedactor:
             raise OverBudget(f"the decoder's window ({window_size(self.encoding, first)} bytes) is over the buffer budget")
 
     def _drop_decoder(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()  # (its window goes even if a step still holds the decoder)
         self.decoder = None
         flow = self._flow()
         account = flow.metadata.get(BUFFER_ACCOUNT) if flow is not None else None

@@ -47,7 +47,33 @@ STEP_SLICE = 0.002
 # upload to a quarter (a fresh-eyes review), and 400 spinning connections filled every loop step.
 PRIORITY_WINDOW = 0.002
 _light: list = [-1.0, None]  # when a callback of a sandbox within its share last ended, and that sandbox
-_serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # the ConnectionHandler
+_serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # a _Serving
+
+
+class _Serving:
+    """The ConnectionHandler a context serves, in a holder emptied when its client is gone. Every
+    callback asyncio schedules keeps the context it was made in, a cancelled timer too, until its
+    time comes (mitmproxy's 600 s idle watchdog): holding the handler itself there kept a closed
+    connection's every layer and flow, and the bodies they held, alive (33 MiB per 18 MB bound
+    response, a review's probe; gc could not free it)."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler):
+        self.handler = handler
+
+
+def serve(handler) -> _Serving:
+    """Mark the running context (and every task it starts) as serving `handler`."""
+    holder = _Serving(handler)
+    _serving.set(holder)
+    return holder
+
+
+def serving(context: contextvars.Context | None = None):
+    """The handler the running context (or `context`) serves, or None."""
+    holder = context.get(_serving) if context is not None else _serving.get()
+    return holder.handler if holder is not None else None
 
 _share = LoopShare()
 _state = None  # the gateway's GatewayState (install)
@@ -123,7 +149,7 @@ def _charge(handler, seconds: float) -> None:
 def current_key():
     """The sandbox of the connection the running task serves (None: not a proxy connection's task,
     or its sandbox not known yet)."""
-    handler = _serving.get()
+    handler = serving()
     return _key(handler) if handler is not None else None
 
 
@@ -139,7 +165,7 @@ def charge_key(key, seconds: float) -> None:
 
 async def current_turn() -> None:
     """The running task's sandbox's turn (a plain yield outside a proxy connection's task)."""
-    handler = _serving.get()
+    handler = serving()
     if handler is not None and hasattr(handler, "egress_turn"):
         await handler.egress_turn()
     else:
@@ -173,12 +199,16 @@ def install(state) -> None:
     handle_client, run = handler_class.handle_client, asyncio.Handle._run
 
     async def marked_handle_client(self) -> None:
-        _serving.set(self)  # this task's context, and every task it starts (connections, hooks)
-        _mark_reader(self)
-        await handle_client(self)
+        holder = serve(self)  # this task's context, and every task it starts (connections, hooks)
+        try:
+            _mark_reader(self)
+            await handle_client(self)
+        finally:
+            holder.handler = None
 
     def timed_run(self) -> None:
-        handler = self._context.get(_serving)
+        holder = self._context.get(_serving)
+        handler = holder.handler if holder is not None else None
         if handler is None:
             return run(self)
         _step[0] = _began[0] = perf_counter()
@@ -198,7 +228,7 @@ def install(state) -> None:
         # The work just done ran in this very step of the loop: its time so far is charged now,
         # before the next turn is reserved (else each connection had one read uncharged).
         spent, self._egress_spent = self._egress_spent, 0.0
-        if _serving.get() is self:  # (always, for a proxy connection's reader and its hooks)
+        if serving() is self:  # (always, for a proxy connection's reader and its hooks)
             now = perf_counter()
             spent += now - _step[0]
             _step[0] = now
@@ -206,7 +236,7 @@ def install(state) -> None:
             _charge(self, spent)
         key = _key(self)
         if key is None:
-            if may_slice and perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
+            if may_slice and perf_counter() - _began[0] > STEP_SLICE and serving() is self:
                 await asyncio.sleep(0)
             return
         # A turn waits for its own slot (LoopShare.reserve): its sandbox's debt paid, and the turns
@@ -227,7 +257,7 @@ def install(state) -> None:
         self._egress_light = not _share.in_debt(key)
         if waited:
             _waited(key, waited)
-        elif may_slice and perf_counter() - _began[0] > STEP_SLICE and _serving.get() is self:
+        elif may_slice and perf_counter() - _began[0] > STEP_SLICE and serving() is self:
             await asyncio.sleep(0)  # (charged: the next step is timed like any other)
 
     async def shared_hook_task(self, hook) -> None:

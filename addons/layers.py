@@ -989,7 +989,7 @@ class GatewayHttpStream(HttpStream):
                     check.rule))
         step = DecodeSteps(check.scan(data))
         yield EgressDecodeStepsHook(step)
-        return check.settle(step.result or _NOT_SCANNED)
+        return check.settle(step.result or _NOT_SCANNED, last=data is None)
 
     def _request_over_budget(self, event: RequestData) -> layer.CommandGenerator[None]:
         """A buffered request body over the budget: streamed on from here (its check goes on chunk

@@ -73,7 +73,11 @@ class BodyOverrideCheck:
         return self.settle(run_steps(self.scan(data)))
 
     def finish(self) -> Decision | None:
-        return self.settle(run_steps(self.scan(None)))
+        return self.settle(run_steps(self.scan(None)), last=True)
+
+    def close(self) -> None:
+        """The body is over: its decoders go (the check itself may live on with the flow)."""
+        self.scanner.close()
 
     def trailers(self) -> Decision | None:
         """Trailer fields carry no `_method` a framework reads."""
@@ -110,8 +114,16 @@ class BodyOverrideCheck:
         except Exception as exc:
             return ("error", exc)
 
-    def settle(self, outcome: tuple[str, object]) -> Decision | None:
-        """Judge what a `scan` found: the refusal to send, once (None: the body goes on)."""
+    def settle(self, outcome: tuple[str, object], last: bool = False) -> Decision | None:
+        """Judge what a `scan` found: the refusal to send, once (None: the body goes on). `last`:
+        the step was the body's end, so its decoders go."""
+        try:
+            return self._settle(outcome)
+        finally:
+            if last:
+                self.scanner.close()
+
+    def _settle(self, outcome: tuple[str, object]) -> Decision | None:
         kind, value = outcome
         if self.done or kind == "done":
             return None
@@ -162,6 +174,7 @@ class BodyOverrideCheck:
 
     def _refuse(self, decision: Decision, found: list[Override]) -> Decision | None:
         self.done = True
+        self.scanner.close()
         self.record(decision, found)
         return None if decision.allowed else decision
 

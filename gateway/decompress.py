@@ -246,6 +246,24 @@ def _zstd_window(data: bytes) -> int:
     return min(max(size, 1), most)
 
 
+class _Closed:
+    """What a closed BoundedDecoder decodes with: nothing more."""
+
+    trailing = False
+
+    def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+        raise ValueError("the decoder was closed")
+
+    def has_more(self) -> bool:
+        return False
+
+    def finished(self) -> bool:
+        return False
+
+    def flush(self) -> bytes:
+        return b""
+
+
 class BoundedDecoder:
     """decompress(chunk) and flush() that never produce more than the budget (see the module)."""
 
@@ -296,6 +314,10 @@ class BoundedDecoder:
     def finished(self) -> bool:
         """Did the (last) compressed stream end? False for a body cut short."""
         return self.inner.finished()
+
+    def close(self) -> None:
+        """Drop the inner decoder and its window (up to 16 MiB) now, whoever still holds this."""
+        self.inner = _Closed()
 
     @property
     def trailing(self) -> bool:

@@ -1403,6 +1403,12 @@ class BodyScanner:
                 decoders.append(decoder)
         return cls(plan, decoders, problem)
 
+    def close(self) -> None:
+        """The scan is over (refused, or the body ended): its decoders' windows go now."""
+        for decoder in self.decoders:
+            if hasattr(decoder, "close"):
+                decoder.close()
+
     def feed(self, data: bytes) -> list[Override]:
         return run_steps(self.feed_steps(data))
 

@@ -49,7 +49,7 @@ def test_a_sandbox_has_one_step_in_the_pool_at_a_time_and_others_are_not_queued_
             setattr(self, fair_share.ATTR, key)
 
     async def decode(handler, pieces):
-        fair_share._serving.set(handler)  # this task serves one sandbox's connection
+        fair_share.serve(handler)  # this task serves one sandbox's connection
         return await _collect(pieces)
 
     async def main():
@@ -89,7 +89,7 @@ def test_the_step_s_cpu_time_is_charged_to_the_sandbox():
         yield b"done"
 
     async def main():
-        fair_share._serving.set(handler)
+        fair_share.serve(handler)
         assert not fair_share._share.in_debt(key)
         assert await _collect(burning()) == [b"done"]
 
@@ -143,7 +143,7 @@ def test_a_cancelled_step_still_holds_its_sandbox_s_turn_and_is_charged():
         yield b"first"
 
     async def decode(pieces):
-        fair_share._serving.set(handler)
+        fair_share.serve(handler)
         return await _collect(pieces)
 
     async def main():
