@@ -70,7 +70,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         UpstreamGuard(state),
         Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
         DnsGuard(state),
-        CollectorFreeze(),  # once running: full collections skip what start-up made
+        CollectorFreeze(state),  # once running: full collections skip what start-up made; one after many freed buffers
         Observability(state),  # last: configures the audit log EgressCore opened, sees every decision
     ]
 

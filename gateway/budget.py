@@ -33,6 +33,7 @@ class Ledger:
         self.connections: Counter[str] = Counter()
         self.sandboxes: Counter[str] = Counter()
         self._accounts: dict[str, set[Account]] = {}  # open accounts of a connection, for drop_connection
+        self.released = 0  # bytes given back since start (addons/gc_freeze.py collects every so many)
 
     def account(self, connection: str, sandbox: str) -> "Account":
         account = Account(self, connection, sandbox)
@@ -57,6 +58,7 @@ class Ledger:
         return True
 
     def _release(self, connection: str, sandbox: str, n: int) -> None:
+        self.released += n
         for counter, key in ((self.connections, connection), (self.sandboxes, sandbox)):
             counter[key] -= n
             if counter[key] <= 0:
