@@ -122,26 +122,25 @@ def test_a_response_the_client_does_not_read_stays_charged_until_it_is_sent(sand
     assert received.startswith(b"HTTP/1.1 200"), received[:300]
 
 
+def _post_form(gateway, body: bytes, encoding: str) -> bytes:
+    with tls_to(gateway, "echo.test", timeout=20) as tls:
+        tls.send(b"POST /v1/echo HTTP/1.1\r\nHost: echo.test\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+                 b"Content-Encoding: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                 % (encoding.encode(), len(body)) + body)
+        received = b""
+        while piece := tls.sock.recv(65536):
+            received += piece
+    return received
+
+
 def test_a_compressed_request_body_whose_decoder_window_passes_the_budget_is_refused(small_budget):
     """A request body's decoders keep the window the sandbox chose (52 bytes of brotli can ask for
     16 MiB) for as long as the body lasts; it is charged first, and past the 4 MiB connection
     budget the body is refused before its decoder exists."""
     import brotli
 
-    body = brotli.compress(b"a=1", lgwin=24)
-    with tls_to(small_budget, "echo.test", timeout=20) as tls:
-        tls.send(b"POST /v1/echo HTTP/1.1\r\nHost: echo.test\r\nContent-Type: application/x-www-form-urlencoded\r\n"
-                 b"Content-Encoding: br\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-        received = b""
-        while piece := tls.sock.recv(65536):
-            received += piece
+    received = _post_form(small_budget, brotli.compress(b"a=1", lgwin=24), "br")
     assert received.startswith(b"HTTP/1.1 503") and b"buffer_budget" in received, received[:300]
     assert any(e.get("reason") == "buffer_budget" and e.get("event") == "request_body" for e in small_budget.audit()[-5:])
-    small = brotli.compress(b"a=1", lgwin=18)  # a 256 KiB window fits
-    with tls_to(small_budget, "echo.test", timeout=20) as tls:
-        tls.send(b"POST /v1/echo HTTP/1.1\r\nHost: echo.test\r\nContent-Type: application/x-www-form-urlencoded\r\n"
-                 b"Content-Encoding: br\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(small) + small)
-        received = b""
-        while piece := tls.sock.recv(65536):
-            received += piece
+    received = _post_form(small_budget, brotli.compress(b"a=1", lgwin=18), "br")  # a 256 KiB window fits
     assert b"buffer_budget" not in received[:2000] and received.startswith(b"HTTP/1.1 "), received[:300]

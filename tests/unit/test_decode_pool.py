@@ -30,13 +30,17 @@ async def _collect(pieces) -> list[bytes]:
     return [piece async for piece in decode_pool.pieces(pieces)]
 
 
+async def _until(event: threading.Event) -> None:
+    """Wait for a pool thread's event without holding the loop (it may be what sets it)."""
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, WAIT)
+
+
 def test_a_step_runs_off_the_event_loop():
     async def main():
         gate = threading.Event()
         started = threading.Event()
         task = asyncio.ensure_future(_collect(_waiting_pieces(gate, started, count=3)))
-        while not started.is_set():  # the step began on a pool thread; the loop is still free
-            await asyncio.sleep(0)
+        await _until(started)  # the step began on a pool thread while the loop went on
         gate.set()
         return await task
 
@@ -60,9 +64,11 @@ def test_a_sandbox_has_one_step_in_the_pool_at_a_time_and_others_are_not_queued_
         first = asyncio.ensure_future(decode(a, _waiting_pieces(first_gate, first_started)))
         second = asyncio.ensure_future(decode(a, _waiting_pieces(second_gate, second_started)))
         other = asyncio.ensure_future(decode(Handler("sandbox:pool-b"), _waiting_pieces(other_gate, other_started)))
-        while not (first_started.is_set() and other_started.is_set()):
-            await asyncio.sleep(0)  # the other sandbox's step runs next to A's first one
-        assert not second_started.is_set()  # A's second decode waits for A's first step
+        await _until(first_started)
+        await _until(other_started)  # the other sandbox's step runs next to A's first one
+        while decode_pool._locks["sandbox:pool-a"][1] < 2:  # A's second decode is at its sandbox's lock
+            await asyncio.sleep(0)
+        assert not second_started.is_set()  # and waits there for A's first step
         other_gate.set()
         assert await other == [b"x"]
         first_gate.set()
@@ -148,13 +154,13 @@ def test_a_cancelled_step_still_holds_its_sandbox_s_turn_and_is_charged():
 
     async def main():
         first = asyncio.ensure_future(decode(burning_then_waiting()))
-        while not first_started.is_set():
-            await asyncio.sleep(0)
+        await _until(first_started)
         first.cancel()
         second_gate = threading.Event()
         second = asyncio.ensure_future(decode(_waiting_pieces(second_gate, second_started)))
-        for _ in range(50):
+        while decode_pool._locks[key][1] < 2:  # the next step is at its sandbox's lock
             await asyncio.sleep(0)
+        assert first.cancelled() or first.done()
         assert not second_started.is_set()  # the cancelled step is still running: the next one waits
         gate.set()
         second_gate.set()
