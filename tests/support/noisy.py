@@ -726,22 +726,31 @@ def request_body_bomb(world: World, connections: int = 4, requests: int = 100, s
     deadline = time.monotonic() + seconds
 
     def one() -> None:
+        while time.monotonic() < deadline and outcome.sent < requests:
+            with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
+                while time.monotonic() < deadline and outcome.sent < requests:
+                    tls.sendall(head + body)
+                    status, headers, _ = read_response(tls)
+                    with lock:
+                        outcome.count(status)
+                        outcome.sent += 1
+                    if headers.get("connection", "").lower() == "close":
+                        break
+
+    return _on_threads(connections, one, seconds, outcome, lock)
+
+
+def _on_threads(count: int, one, seconds: float, outcome: Outcome, lock: threading.Lock) -> Outcome:
+    """`one()` on `count` threads at once, each given `seconds` (and TIMEOUT more) to end; a
+    connection the gateway reset or closed marks the outcome `closed`."""
+    def guarded() -> None:
         try:
-            while time.monotonic() < deadline and outcome.sent < requests:
-                with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
-                    while time.monotonic() < deadline and outcome.sent < requests:
-                        tls.sendall(head + body)
-                        status, headers, _ = read_response(tls)
-                        with lock:
-                            outcome.count(status)
-                            outcome.sent += 1
-                        if headers.get("connection", "").lower() == "close":
-                            break
+            one()
         except (OSError, ssl.SSLError, ValueError, ConnectionError):
             with lock:
                 outcome.closed = True
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
+    threads = [threading.Thread(target=guarded, daemon=True) for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -758,31 +767,22 @@ def request_flood(world: World, connections: int = 8, requests: int = 4000, seco
     deadline = time.monotonic() + seconds
 
     def one() -> None:
-        try:
-            with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
-                request = f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\n\r\n".encode()
-                for start in range(0, per, 20):
-                    batch = min(20, per - start)
-                    tls.sendall(request * batch)
-                    for _ in range(batch):
-                        status, headers, _ = read_response(tls)
-                        with lock:
-                            outcome.count(status)
-                            outcome.sent += 1
-                        if headers.get("connection", "").lower() == "close":
-                            return
-                    if time.monotonic() > deadline:
+        with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
+            request = f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\n\r\n".encode()
+            for start in range(0, per, 20):
+                batch = min(20, per - start)
+                tls.sendall(request * batch)
+                for _ in range(batch):
+                    status, headers, _ = read_response(tls)
+                    with lock:
+                        outcome.count(status)
+                        outcome.sent += 1
+                    if headers.get("connection", "").lower() == "close":
                         return
-        except (OSError, ssl.SSLError, ValueError, ConnectionError):
-            with lock:
-                outcome.closed = True
+                if time.monotonic() > deadline:
+                    return
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(connections)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(seconds + TIMEOUT)
-    return outcome
+    return _on_threads(connections, one, seconds, outcome, lock)
 
 
 def connection_flood(world: World, count: int = 2000, seconds: float = 20.0) -> Outcome:
