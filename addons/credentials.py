@@ -152,13 +152,20 @@ async def _decode_buffered(flow: http.HTTPFlow, encoding: str, limit: int, redac
     names of the secrets it held."""
     account = flow.metadata.get(BUFFER_ACCOUNT)
     data = flow.response.raw_content or b""
-    window = window_size(encoding, data)  # what the decoder keeps meanwhile: charged too
-    if account is not None and not account.reserve(window):
-        raise OverBudget(f"the decoder's window ({window} bytes) is over the buffer budget")
+    window = [window_size(encoding, data)]  # what the decoder keeps meanwhile: charged too
+    if account is not None and not account.reserve(window[0]):
+        raise OverBudget(f"the decoder's window ({window[0]} bytes) is over the buffer budget")
+
+    def grow(more: int) -> bool:  # a later zstd frame's bigger window (runs on a pool thread: the ledger is plain counters)
+        if account is not None and not account.reserve(more):
+            return False
+        window[0] += more
+        return True
+
     try:
         out, hits = bytearray(), []
         stream = StreamRedactor(redactor, on_hit=hits.extend)
-        async for piece in decode_pool.pieces(decode_pieces(encoding, data, limit)):
+        async for piece in decode_pool.pieces(decode_pieces(encoding, data, limit, (window[0], grow))):
             if account is not None and not account.reserve(len(piece)):
                 raise OverBudget(f"decoded body over the buffer budget after {len(out)} bytes")
             out += stream(piece)
@@ -166,7 +173,7 @@ async def _decode_buffered(flow: http.HTTPFlow, encoding: str, limit: int, redac
         return bytes(out), hits
     finally:
         if account is not None:
-            account.release(window)
+            account.release(window[0])
 
 
 async def _redact_buffered(data: bytes, redactor: Redactor) -> tuple[bytes, list[str]]:
@@ -248,7 +255,7 @@ class _BodyRedactor:
             else:
                 tail = yield self.decoder.flush
                 out.append(self.redactor(tail) + self.redactor(b"") if tail else self.redactor(b""))
-                self._drop_decoder()  # the body is over: its window goes now
+                self.drop_decoder()  # the body is over: its window goes now
         except Exception as exc:
             out.append(self._fail(exc))
         return out
@@ -262,8 +269,20 @@ class _BodyRedactor:
         if account is not None and not account.reserve(self._window):
             self._window = 0
             raise OverBudget(f"the decoder's window ({window_size(self.encoding, first)} bytes) is over the buffer budget")
+        self.decoder.guard_window(self._window, self._grow_window)
 
-    def _drop_decoder(self) -> None:
+    def _grow_window(self, more: int) -> bool:
+        """A later zstd frame's bigger window, charged before its decoder is made."""
+        flow = self._flow()
+        account = flow.metadata.get(BUFFER_ACCOUNT) if flow is not None else None
+        if account is not None and not account.reserve(more):
+            return False
+        self._window += more
+        return True
+
+    def drop_decoder(self) -> None:
+        """The body is over, cut off or refused (also called by the stream when it ends,
+        addons/layers.py): the decoder and its window go, and its charge with them."""
         if self.decoder is not None:
             self.decoder.close()  # (its window goes even if a step still holds the decoder)
         self.decoder = None
@@ -275,7 +294,7 @@ class _BodyRedactor:
 
     def _fail(self, exc: Exception) -> bytes:
         self.failed = True
-        self._drop_decoder()
+        self.drop_decoder()
         too_large = isinstance(exc, DecodedTooLarge)
         reason = ("buffer_budget" if isinstance(exc, OverBudget) else
                   "response_too_large" if too_large else "undecodable_response")

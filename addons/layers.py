@@ -788,6 +788,8 @@ class GatewayHttpStream(HttpStream):
     def _release(self, done: bool = True) -> None:
         """Give back what this stream's buffers held; `done`: the stream is over (its account
         closed, so the ledger forgets it), else a buffer was handed on and more may come."""
+        if done:
+            self._drop_decoders()
         if done and self._windows:
             self._windows.close()
             self._windows = None
@@ -797,6 +799,19 @@ class GatewayHttpStream(HttpStream):
                 self._account = None
             else:
                 self._account.release()
+
+    def _drop_decoders(self) -> None:
+        """The stream is over, however it ended (a client gone mid-body too): the decoders of its
+        bodies go now, with the charge for their windows, not when the flow is collected."""
+        flow = self.flow
+        if flow is None:
+            return
+        stream = flow.response.stream if flow.response is not None else None
+        if hasattr(stream, "drop_decoder"):
+            stream.drop_decoder()
+        check = flow.metadata.get(BODY_CHECK)
+        if hasattr(check, "close"):
+            check.close()
 
     def _over_budget(self) -> Decision:
         room = self._account.room() if self._account is not None else None
@@ -982,7 +997,8 @@ class GatewayHttpStream(HttpStream):
             # buffer is released as it is handed on; the windows only when the stream is over).
             make = self.body_limits.account
             self._windows = (make(self.context) if make is not None else None) or False
-            if self._windows and not self._windows.reserve(check.windows(data)):
+            windows = self._windows
+            if windows and not windows.reserve(check.windows(data, lambda more: windows.reserve(more))):
                 return check.refuse(Decision.deny(
                     "buffer_budget", "the decoders of this compressed request body would keep more than the "
                                      "connection's or the sandbox's buffer budget allows; its end was not sent",

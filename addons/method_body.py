@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable
 
 from gateway.decision import Decision
-from gateway.decompress import window_size
+from gateway.decompress import OverBudget, window_size
 from gateway.methods import MAX_ELEMENTS, BodyScanner, BodyTooLarge, Override
 from gateway.steps import run_steps
 
@@ -94,11 +94,15 @@ class BodyOverrideCheck:
         loop (addons/decode_pool.py `drive`)."""
         return bool(self.scanner.decoders)
 
-    def windows(self, first: bytes) -> int:
+    def windows(self, first: bytes, grow: Callable[[int], bool]) -> int:
         """The memory its decoders keep for the whole body (gateway/decompress.py `window_size`):
-        the outermost coding's from the body's first bytes, each inner one's the most it may be."""
+        the outermost coding's from the body's first bytes, each inner one's the most it may be. A
+        later zstd frame of the outermost coding that needs more asks `grow` first."""
         decoders = self.scanner.decoders
-        return sum(window_size(getattr(d, "coding", ""), first if i == 0 else b"") for i, d in enumerate(decoders))
+        sizes = [window_size(getattr(d, "coding", ""), first if i == 0 else b"") for i, d in enumerate(decoders)]
+        if decoders and hasattr(decoders[0], "guard_window"):
+            decoders[0].guard_window(sizes[0], grow)
+        return sum(sizes)
 
     def scan(self, data: bytes | None):
         """The scanner's part of a step, `data` or the body's end (None), in steps
@@ -111,6 +115,8 @@ class BodyOverrideCheck:
             return ("found", (yield from steps))
         except BodyTooLarge as exc:
             return ("too_large", exc)
+        except OverBudget as exc:
+            return ("over_budget", exc)
         except Exception as exc:
             return ("error", exc)
 
@@ -143,6 +149,10 @@ class BodyOverrideCheck:
             return refusal
 
     def _judge(self, kind: str, value) -> Decision | None:
+        if kind == "over_budget":
+            return self._refuse(Decision.deny(
+                "buffer_budget", f"the compressed request body's decoders would keep more than the buffer budget "
+                                 f"allows ({value}); its end was not sent", self.rule), [])
         if kind == "too_large":
             return self._refuse(Decision.deny(
                 "request_too_large", f"the compressed request body decodes to too much to be checked for method "

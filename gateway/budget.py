@@ -17,6 +17,7 @@ when the stream ends; `drop_connection` closes every account of a connection tha
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 DEFAULT_PER_CONNECTION = 32 * 1024 * 1024  # also caps a bound response decoded whole (gateway/decompress.py: 64 MiB)
@@ -34,6 +35,9 @@ class Ledger:
         self.sandboxes: Counter[str] = Counter()
         self._accounts: dict[str, set[Account]] = {}  # open accounts of a connection, for drop_connection
         self.released = 0  # bytes given back since start (addons/gc_freeze.py collects every so many)
+        # A decoder on a pool thread may charge a later zstd frame's window (addons/decode_pool.py)
+        # while the loop charges other buffers of the same sandbox: the counters change under a lock.
+        self._lock = threading.Lock()
 
     def account(self, connection: str, sandbox: str) -> "Account":
         account = Account(self, connection, sandbox)
@@ -50,19 +54,26 @@ class Ledger:
     def _reserve(self, connection: str, sandbox: str, n: int) -> bool:
         if n == 0:
             return True
-        if (self.per_connection is not None and self.connections[connection] + n > self.per_connection) or (
-                self.per_sandbox is not None and self.sandboxes[sandbox] + n > self.per_sandbox):
-            return False
-        self.connections[connection] += n
-        self.sandboxes[sandbox] += n
-        return True
+        with self._lock:
+            if (self.per_connection is not None and self.connections[connection] + n > self.per_connection) or (
+                    self.per_sandbox is not None and self.sandboxes[sandbox] + n > self.per_sandbox):
+                return False
+            self.connections[connection] += n
+            self.sandboxes[sandbox] += n
+            return True
 
     def _release(self, connection: str, sandbox: str, n: int) -> None:
-        self.released += n
-        for counter, key in ((self.connections, connection), (self.sandboxes, sandbox)):
-            counter[key] -= n
-            if counter[key] <= 0:
-                del counter[key]  # an idle key costs nothing
+        with self._lock:
+            self.released += n
+            for counter, key in ((self.connections, connection), (self.sandboxes, sandbox)):
+                counter[key] -= n
+                if counter[key] <= 0:
+                    del counter[key]  # an idle key costs nothing
+
+    def _hold(self, connection: str, sandbox: str, n: int) -> None:
+        with self._lock:
+            self.connections[connection] += n
+            self.sandboxes[sandbox] += n
 
     def _closed(self, account: "Account") -> None:
         accounts = self._accounts.get(account.connection)
@@ -111,8 +122,7 @@ class Account:
         read): counted even past the limits, so that new buffers find no room while they last."""
         if n > 0 and not self.closed:
             self.held += n
-            self.ledger.connections[self.connection] += n
-            self.ledger.sandboxes[self.sandbox] += n
+            self.ledger._hold(self.connection, self.sandbox, n)
 
     def release(self, n: int | None = None) -> None:
         n = self.held if n is None else max(min(n, self.held), 0)

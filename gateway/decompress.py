@@ -45,6 +45,8 @@ class _Concatenated:
     start a new one are dropped and flagged (`trailing`); `finished()` says whether the last
     stream ended (False for a body cut short)."""
 
+    on_window: Callable[[int], bool] | None = None  # asked before a stream's decoder is made (see BoundedDecoder.guard_window)
+
     def __init__(self):
         self._d = None
         self._input = b""  # bytes not yet given to a stream decoder
@@ -170,6 +172,10 @@ class _Zstd(_Concatenated):
         self._zstd = zstd
 
     def _new(self, data: bytes):
+        # Each frame has a decoder, and a window, of its own: what the caller charged for the first
+        # frame's may not be this one's (a 2-byte frame, then one with 8 MiB; a fresh-eyes review).
+        if self.on_window is not None and not self.on_window(_zstd_window(data)):
+            raise OverBudget(f"a zstd frame's window ({_zstd_window(data)} bytes) is over the buffer budget")
         return self._zstd.ZstdDecompressor(options={self._zstd.DecompressionParameter.window_log_max: ZSTD_WINDOW_LOG_MAX})
 
     def _feed(self, d, data: bytes, max_length: int) -> tuple[bytes, bytes]:
@@ -319,6 +325,24 @@ class BoundedDecoder:
         """Drop the inner decoder and its window (up to 16 MiB) now, whoever still holds this."""
         self.inner = _Closed()
 
+    def guard_window(self, charged: int, grow: Callable[[int], bool]) -> None:
+        """`charged` bytes were charged for the window from the stream's first bytes; a later
+        stream of the body (a zstd frame) that needs more asks `grow(more)` first, and without it
+        the decode stops with OverBudget."""
+        if not hasattr(self.inner, "on_window"):
+            return
+        state = [charged]
+
+        def needed(window: int) -> bool:
+            if window <= state[0]:
+                return True
+            if not grow(window - state[0]):
+                return False
+            state[0] = window
+            return True
+
+        self.inner.on_window = needed
+
     @property
     def trailing(self) -> bool:
         """Were there bytes after the end of the compressed data that start no new stream?"""
@@ -365,17 +389,21 @@ def request_decoder(content_encoding: str, limit: int | None = REQUEST_LIMIT) ->
     return streaming_decoder(content_encoding, limit, REQUEST_RATIO, REQUEST_GRACE)
 
 
-def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT):
+def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFERED_LIMIT,
+                  window: tuple[int, Callable[[int], bool]] | None = None):
     """A buffered body's decoded bytes in pieces of at most about PIECE bytes, each decoded only when
     the previous one was taken (a caller charges each to its budget, or lets other clients run in
-    between); ValueError (DecodedTooLarge) if it does not fit within `limit` or does not decode."""
+    between); ValueError (DecodedTooLarge) if it does not fit within `limit` or does not decode.
+    `window`: what was charged for the decoder's window, and how to charge more (guard_window)."""
     decoder = streaming_decoder(content_encoding, limit)
     if decoder is None:
         raise ValueError(f"unsupported Content-Encoding {content_encoding[:40]!r}")
+    if window is not None:
+        decoder.guard_window(*window)
     try:
         yield from decoder.pieces(data)
         yield decoder.flush()
-    except DecodedTooLarge:
+    except (DecodedTooLarge, OverBudget):
         raise
     except Exception as exc:
         raise ValueError(f"cannot decode: {type(exc).__name__}") from None

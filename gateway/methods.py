@@ -1464,7 +1464,7 @@ class BodyScanner:
         yield data
 
     def _decode(self, step: Callable[[], Iterator[bytes]], found: list[Override]) -> Generator:
-        from .decompress import DecodedTooLarge
+        from .decompress import DecodedTooLarge, OverBudget
 
         pieces = step()
         while True:
@@ -1474,6 +1474,8 @@ class BodyScanner:
                     return
             except DecodedTooLarge as exc:
                 raise BodyTooLarge(str(exc)) from None
+            except OverBudget:
+                raise  # a later zstd frame's window the buffer budget has no room for
             except Exception:
                 self._problem = "its Content-Encoding does not decode (or ends early)"
                 return

@@ -144,3 +144,16 @@ def test_a_compressed_request_body_whose_decoder_window_passes_the_budget_is_ref
     assert any(e.get("reason") == "buffer_budget" and e.get("event") == "request_body" for e in small_budget.audit()[-5:])
     received = _post_form(small_budget, brotli.compress(b"a=1", lgwin=18), "br")  # a 256 KiB window fits
     assert b"buffer_budget" not in received[:2000] and received.startswith(b"HTTP/1.1 "), received[:300]
+
+
+def test_a_compressed_request_body_s_later_zstd_frame_is_charged_too(small_budget):
+    """A 2-byte zstd frame first (charged 2 bytes), then one that asks for an 8 MiB window: the
+    second is charged before its decoder exists, and past the 4 MiB budget the body is refused."""
+    try:
+        from backports import zstd
+    except ImportError:  # Python 3.14+
+        from compression import zstd  # type: ignore[no-redef]
+    big = zstd.ZstdCompressor(options={zstd.CompressionParameter.window_log: 23})
+    body = zstd.compress(b"a=1") + big.compress(b"b=2&" * 1000) + big.flush()
+    received = _post_form(small_budget, body, "zstd")
+    assert received.startswith(b"HTTP/1.1 503") and b"buffer_budget" in received, received[:300]

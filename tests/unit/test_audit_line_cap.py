@@ -134,12 +134,17 @@ def test_a_body_naming_too_many_distinct_overrides_is_refused():
     class Scanner:
         problem = None
         pending = False
+        decoders = ()
 
         def __init__(self, batches):
             self.batches = batches
 
-        def feed(self, data):
+        def feed_steps(self, data):  # (BodyScanner's steps: nothing to decode here)
             return self.batches.pop(0)
+            yield
+
+        def close(self):
+            pass
 
     batches = [[methods.Override("form", "_method", f"M{i}") for i in range(j * 40, j * 40 + 40)] for j in range(3)]
     recorded = []

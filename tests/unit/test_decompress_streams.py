@@ -144,3 +144,38 @@ def test_an_unknown_or_missing_header_is_charged_the_most():
     assert window_size("br", b"") == (1 << 24) - 16
     assert window_size("zstd", b"\x00" * 8) == 1 << ZSTD_WINDOW_LOG_MAX
     assert window_size("gzip", b"") == ZLIB_STATE
+
+
+def _two_frames() -> bytes:
+    """A 2-byte single-segment zstd frame (a 2-byte window), then one with an 8 MiB window."""
+    return zstd.compress(b"hi") + _zstd_with_window(23, 3 << 20)
+
+
+def test_a_later_zstd_frame_s_bigger_window_is_charged_before_its_decoder_exists():
+    """A fresh-eyes review: the window was charged from the first frame only, and the second
+    frame's decoder then kept 8 MiB uncharged (28 held streams: 465 MiB of RSS)."""
+    from gateway.decompress import OverBudget, decode_pieces, window_size
+
+    data = _two_frames()
+    charged = window_size("zstd", data)
+    assert charged == 2
+    asked = []
+    with pytest.raises(OverBudget):
+        list(decode_pieces("zstd", data, 64 << 20, (charged, lambda more: asked.append(more) or False)))
+    assert asked == [(1 << 23) - 2]
+    asked.clear()
+    body = b"".join(decode_pieces("zstd", data, 64 << 20, (charged, lambda more: asked.append(more) or True)))
+    assert body == b"hi" + bytes(3 << 20) and asked == [(1 << 23) - 2]  # asked once: the next frames fit
+
+
+def test_a_request_body_s_later_zstd_frame_over_the_budget_is_refused():
+    from gateway.decompress import request_decoder
+    from gateway.methods import BodyScanner
+
+    scanner = BodyScanner.for_headers([("Content-Type", "application/x-www-form-urlencoded"),
+                                       ("Content-Encoding", "zstd")], request_decoder)
+    scanner.decoders[0].guard_window(2, lambda more: False)
+    from gateway.decompress import OverBudget
+
+    with pytest.raises(OverBudget):
+        scanner.feed(_two_frames())

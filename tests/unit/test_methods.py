@@ -351,9 +351,14 @@ def test_a_failing_body_check_fails_closed():
     class Broken:
         pending = True
         problem = None
+        decoders = ()
 
-        def feed(self, data):
+        def feed_steps(self, data):  # (BodyScanner's steps)
             raise RuntimeError("bug")
+            yield
+
+        def close(self):
+            pass
 
     recorded = []
     check = BodyOverrideCheck(Broken(), lambda found: None, lambda d, found: recorded.append(d.reason), bound=False)
