@@ -82,7 +82,12 @@ async def _one_step(key, work: Callable[[], object]):
     except BaseException:
         _leave(key, entry)
         raise
-    future = asyncio.get_running_loop().run_in_executor(_executor(), _timed, work)
+    try:
+        future = asyncio.get_running_loop().run_in_executor(_executor(), _timed, work)
+    except BaseException:  # (a pool shut down): the sandbox's next step must not wait for ever
+        entry[0].release()
+        _leave(key, entry)
+        raise
 
     def finished(done: asyncio.Future) -> None:
         entry[0].release()

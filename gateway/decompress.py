@@ -148,8 +148,12 @@ class _Brotli:
             return b""
         if not data and not self._more:
             return b""
-        out = self._d.process(data, output_buffer_limit=max(max_length, 1))
-        self._more = not self._d.can_accept_more_data()
+        limit = max(max_length, 1)
+        out = self._d.process(data, output_buffer_limit=limit)
+        # brotli 1.2 says it can accept more data while output it decoded is still waiting: a
+        # call that filled its limit may have more (a body whose last input decoded past one piece
+        # lost its end: truncated, and a request body's scan refused as "ends early").
+        self._more = len(out) >= limit or not self._d.can_accept_more_data()
         return out
 
     def has_more(self) -> bool:
@@ -403,6 +407,8 @@ def decode_pieces(content_encoding: str, data: bytes, limit: int = DEFAULT_BUFFE
     try:
         yield from decoder.pieces(data)
         yield decoder.flush()
+        if not decoder.finished():
+            raise ValueError("the compressed body ends early")  # (a cut body is not served as if whole)
     except (DecodedTooLarge, OverBudget):
         raise
     except Exception as exc:
