@@ -116,11 +116,13 @@ def extra_static_hosts(mapping: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def audit_for(gateway: GatewayProcess, client: str, count: int = 1, wait: float = 2.0) -> list[dict]:
-    """The audit lines of one client connection ("ip:port"), waiting up to `wait` s for `count` of them."""
+def audit_for(gateway: GatewayProcess, client: str, count: int = 1, wait: float = 2.0, since: int = 0) -> list[dict]:
+    """The audit lines of one client connection ("ip:port"), waiting up to `wait` s for `count` of them;
+    `since`: only lines after the first `since` (an earlier connection of a long-lived gateway may
+    have had the same source port)."""
     deadline = time.monotonic() + wait
     while True:
-        lines = [line for line in gateway.audit() if line.get("client") == client]
+        lines = [line for line in gateway.audit()[since:] if line.get("client") == client]
         if len(lines) >= count or time.monotonic() > deadline:
             return lines
         time.sleep(0.02)
