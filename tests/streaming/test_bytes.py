@@ -154,3 +154,41 @@ def test_secret_split_by_chunk_framing_read_until_close(gateway, routes, origins
     events = [model_event(1), secret_event(), model_event(3), model_event(4)]
     expected = [e.replace(KEY.encode(), REDACTED) for e in events]
     paced_bound_h1(gateway, routes, events, redaction_plan(events, "split"), framing="close", expected=expected)
+
+
+def _compressed_plan(events: list[bytes], encoding: str):
+    """Each event compressed and flushed on its own (as a streaming server does), then a wait for
+    the client to confirm it; the compressed stream's end after the last one."""
+    import zlib
+
+    import brotli
+
+    if encoding == "gzip":
+        compressor = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+        piece, end = (lambda e: compressor.compress(e) + compressor.flush(zlib.Z_SYNC_FLUSH)), compressor.flush
+    else:
+        compressor = brotli.Compressor()
+        piece, end = (lambda e: compressor.process(e) + compressor.flush()), compressor.finish
+    plan = [0]
+    for n, event in enumerate(events, 1):
+        plan += [piece(event), n]
+    return plan + [end()]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br"])
+def test_bound_compressed_sse_is_decoded_and_arrives_event_by_event(gateway, routes, origins, encoding):
+    """A compressed stream on a bound rule is decoded as it comes, each chunk's decoder call on the
+    decode pool while the stream waits (addons/decode_pool.py): the client still gets each event
+    before the origin sends the next, with no empty chunk and the body whole."""
+    events = model_events(5)
+    route, lock = paced_stream(routes, _compressed_plan(events, encoding), headers=[("Content-Encoding", encoding)])
+    fetch = bound_h1(gateway, route.path)
+    try:
+        fetch.read_head()
+        assert fetch.status == 200, fetch.headers
+        lock.ack(0)
+        body = follow(fetch.events(), events, lock)
+        check_chunked_framing(fetch, body)
+    finally:
+        fetch.close()
+    check_origin_saw(route.exchange, "bound")

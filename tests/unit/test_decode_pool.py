@@ -57,6 +57,7 @@ def test_a_sandbox_has_one_step_in_the_pool_at_a_time_and_others_are_not_queued_
         return await _collect(pieces)
 
     async def main():
+        asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)  # a task runs to its first wait at once
         first_gate, first_started = threading.Event(), threading.Event()
         second_gate, second_started = threading.Event(), threading.Event()
         other_gate, other_started = threading.Event(), threading.Event()
@@ -66,8 +67,7 @@ def test_a_sandbox_has_one_step_in_the_pool_at_a_time_and_others_are_not_queued_
         other = asyncio.ensure_future(decode(Handler("sandbox:pool-b"), _waiting_pieces(other_gate, other_started)))
         await _until(first_started)
         await _until(other_started)  # the other sandbox's step runs next to A's first one
-        while decode_pool._locks["sandbox:pool-a"][1] < 2:  # A's second decode is at its sandbox's lock
-            await asyncio.sleep(0)
+        assert decode_pool._locks["sandbox:pool-a"][1] == 2  # A's second decode is at its sandbox's lock
         assert not second_started.is_set()  # and waits there for A's first step
         other_gate.set()
         assert await other == [b"x"]
@@ -153,14 +153,13 @@ def test_a_cancelled_step_still_holds_its_sandbox_s_turn_and_is_charged():
         return await _collect(pieces)
 
     async def main():
+        asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)  # a task runs to its first wait at once
         first = asyncio.ensure_future(decode(burning_then_waiting()))
         await _until(first_started)
         first.cancel()
         second_gate = threading.Event()
         second = asyncio.ensure_future(decode(_waiting_pieces(second_gate, second_started)))
-        while decode_pool._locks[key][1] < 2:  # the next step is at its sandbox's lock
-            await asyncio.sleep(0)
-        assert first.cancelled() or first.done()
+        assert decode_pool._locks[key][1] == 2  # the next step is at its sandbox's lock
         assert not second_started.is_set()  # the cancelled step is still running: the next one waits
         gate.set()
         second_gate.set()
