@@ -831,8 +831,9 @@ class _Reading:
 class _Stream:
     """One byte stream of the body (as sent, or decoded from its Content-Encoding), read every
     plausible way: as bytes, in each declared charset that is not ASCII-transparent, and as
-    UTF-16 and UTF-32 of both byte orders when a wide charset is declared or the body starts with
-    a UTF-16/32 BOM or a NUL in its first four bytes (how RFC 4627 and Python's json detect them)."""
+    UTF-16 and UTF-32 of both byte orders when a wide charset is declared (by every parser), or as
+    JSON when the body starts with a UTF-16/32 BOM or a NUL in its first four bytes (how RFC 4627
+    and Python's json detect them; no form or multipart parser guesses a charset so)."""
 
     HEAD = 4
 
@@ -845,9 +846,11 @@ class _Stream:
         head = bytes(self._head or b"")[: self.HEAD]
         self._head = None
         codecs_: list[str | None] = [None, *self.plan.charsets]
-        if self.plan.wide or b"\0" in head or head.startswith(_BOMS[1:]):
-            codecs_ += _WIDE
         self.readings = [_Reading(c, _parsers(self.plan)) for c in codecs_]
+        if self.plan.wide:
+            self.readings += [_Reading(c, _parsers(self.plan)) for c in _WIDE]
+        elif self.plan.json and (b"\0" in head or head.startswith(_BOMS[1:])):
+            self.readings += [_Reading(c, [_Json()]) for c in _WIDE]
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         if self._head is not None:

@@ -189,6 +189,33 @@ def test_forms_in_charsets_that_are_not_ascii(charset, body):
     assert all(o.method in ("DELETE", None) for o in found) and any(o.method == "DELETE" for o in found)
 
 
+def _form_of(seed: int) -> bytes:
+    import random
+    rand = random.Random(seed)
+    return "&".join(f"field{j}={rand.randbytes(20).hex()}" for j in range(20000)).encode()
+
+
+@pytest.mark.parametrize("encoding, compress", [
+    ("gzip", gzip.compress), ("deflate", zlib.compress), ("br", brotli.compress), (None, None)])
+@pytest.mark.parametrize("seed", range(6))
+def test_binary_bytes_as_sent_are_not_read_as_utf16_forms(encoding, compress, seed):
+    """A NUL in the first four bytes makes JSON parsers guess UTF-16/32 (RFC 4627), never a form or
+    multipart parser: every gzip stream starts with one, and its bytes as sent, read as UTF-16, were
+    one endless field name refused as a hidden override (15 of 40 gzip-encoded 1 MiB forms)."""
+    import random
+    body = _form_of(seed) if compress else b"\x00\x00" + random.Random(seed).randbytes(1 << 20)
+    sent = compress(body) if compress else body
+    for content_type in (FORM, f"{FORM}; charset=utf-8", "multipart/form-data; boundary=AAA"):
+        assert methods_in([content_type], sent, encoding) == [], (content_type, encoding)
+
+
+def test_a_nul_at_the_start_still_makes_json_read_as_utf16_and_a_declared_wide_form_is_still_read():
+    assert methods_in([], J.encode("utf-16-le")) == ["DELETE"]  # no Content-Type: Rack's form, JSON parsers'
+    assert methods_in([FORM], "\ufeff_method=DELETE".encode("utf-16-le")) == []  # undeclared: no parser guesses
+    found, _ = run(scanner([f"{FORM}; charset=utf-16"]), "\ufeff_method=DELETE".encode("utf-16-le"))
+    assert "DELETE" in [o.method for o in found]
+
+
 def test_ascii_compatible_charsets_read_as_sent():
     for charset in ("utf-8", "ISO-8859-1", "windows-1252", "Shift_JIS", "gbk", '"utf-8"', "us-ascii"):
         s = scanner([f"{FORM}; charset={charset}"])
