@@ -16,18 +16,26 @@ for its slot (`LoopShare.reserve`) while the sandbox is over its share on a cont
 over its share whether contended or not, yields while a sandbox within its share is being served.
 Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandbox alone on a
 worker, or next to an idle loop, is never slowed.
+
+Between turns, the order of the loop's ready callbacks (gateway/fairshare.py `ReadyOrder`): while
+a lighter sandbox is being served, a heavier one's callback goes back to the end of the ready queue
+while a lighter one's waits in it, and at most a millisecond of such work runs between two polls for
+I/O. Each sandbox's own callbacks keep their order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from mitmproxy import ctx, exceptions
+from mitmproxy.proxy import commands
 
-from gateway.fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, MAX_WAIT, LoopShare
+from gateway.fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, MAX_WAIT, LoopShare, ReadyOrder, yields_to
 
 ATTR = "_egress_share_key"
 _step = [0.0]  # when the loop's current callback began, or was last charged (one callback at a time)
@@ -46,6 +54,11 @@ STEP_SLICE = 0.002
 # long as the lighter one stayed busy let a sandbox sending one byte a millisecond cut a legitimate
 # upload to a quarter (a fresh-eyes review), and 400 spinning connections filled every loop step.
 PRIORITY_WINDOW = 0.002
+# How far into the loop's ready queue (asyncio's own deque, BaseEventLoop._ready) a yielding
+# callback looks for a lighter sandbox's (ReadyOrder): the queue is only read, and the callback, if
+# it waits, goes back to its end.
+READY_SCAN = 64
+_order = ReadyOrder()
 _light: list = [-1.0, None]  # when a callback of a sandbox within its share last ended, and that sandbox
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # a _Serving
 
@@ -94,6 +107,19 @@ def _lighter_served(key: str) -> bool:
     """Whether another sandbox, within its share, was being served in the last PRIORITY_WINDOW
     (the last such callback: a sandbox never yields to its own connections)."""
     return _light[1] != key and time.perf_counter() - _light[0] < PRIORITY_WINDOW
+
+
+def _lighter_ready(ready, handler, key, load: float) -> bool:
+    """Whether a callback of a sandbox that `handler`'s sandbox (`key`, at `load`) yields to is in
+    the loop's ready queue."""
+    for other in itertools.islice(ready, READY_SCAN):
+        holder = other._context.get(_serving) if other._context is not None else None
+        served = holder.handler if holder is not None else None
+        other_load = getattr(served, "_egress_load", -1.0)
+        if (served is not None and served is not handler and other_load >= 0
+                and yields_to(load, other_load) and getattr(served, ATTR, None) != key):
+            return True
+    return False
 
 
 def _client_transport(handler):
@@ -197,6 +223,8 @@ def install(state) -> None:
     if getattr(handler_class.handle_client, "_egress_share", False):
         return
     handle_client, run = handler_class.handle_client, asyncio.Handle._run
+    from asyncio import selector_events
+    process_events = selector_events.BaseSelectorEventLoop._process_events
 
     async def marked_handle_client(self) -> None:
         holder = serve(self)  # this task's context, and every task it starts (connections, hooks)
@@ -211,14 +239,27 @@ def install(state) -> None:
         handler = holder.handler if holder is not None else None
         if handler is None:
             return run(self)
+        load, key = getattr(handler, "_egress_load", -1.0), getattr(handler, ATTR, None)
         _step[0] = _began[0] = perf_counter()
+        yielding = _order.yielding(key, load, _step[0])
+        if yielding and (ready := getattr(self._loop, "_ready", None)) is not None and (
+                _order.sliced() or _lighter_ready(ready, handler, key, load)):
+            _order.waits()
+            ready.append(self)  # after the lighter one's, or after the loop's next poll for I/O
+            return None
         try:
             return run(self)
         finally:
             now = perf_counter()
-            handler._egress_spent += now - _step[0]  # charged at its next read (cheap here)
+            spent = now - _step[0]
+            handler._egress_spent += spent  # charged at its next read (cheap here)
             if handler._egress_light:
                 _light[0], _light[1] = now, getattr(handler, ATTR, None)
+            _order.ran(key, load, now, spent, yielding)
+
+    def counted_process_events(self, event_list) -> None:
+        _order.polled()  # (every step of a selector loop polls, with no wait while callbacks are ready)
+        return process_events(self, event_list)
 
     async def turn(self, may_slice: bool = True) -> None:
         """The handler's sandbox's turn on the loop, before the handler goes on: after each read
@@ -255,6 +296,7 @@ def install(state) -> None:
             if paused is not None:
                 _resume(paused)
         self._egress_light = not _share.in_debt(key)
+        self._egress_load = _share.load_of(key)
         if waited:
             _waited(key, waited)
         elif may_slice and perf_counter() - _began[0] > STEP_SLICE and serving() is self:
@@ -285,16 +327,31 @@ def install(state) -> None:
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet
     handler_class._egress_light = False  # its sandbox was within its share at its last turn (unknown: not)
+    handler_class._egress_load = -1.0  # its sandbox's load at its last turn (-1: not known yet)
     marked_handle_client._egress_share = True
     handler_class.handle_client = marked_handle_client
     handler_class.egress_turn = turn  # awaited between each read and its event (addons/conn_close.py)
     handler_class.hook_task = shared_hook_task
     handler_class.wakeup = shared_wakeup
     asyncio.Handle._run = timed_run
+    selector_events.BaseSelectorEventLoop._process_events = counted_process_events
+
+
+@dataclass
+class EgressPaceHook(commands.StartHook):
+    """Started by a stream between two pieces of a large body it sends (addons/layers.py
+    `paced_sends`): the sandbox's turn, so that one buffered 18 MB response is not encrypted and
+    written in one step of the loop (~50 ms) while every other sandbox waits. Unhandled, it only
+    ends at once."""
+
+    flow: object  # the stream's HTTPFlow (mitmproxy hands every hook one argument)
 
 
 class FairShare:
-    """Declares the options and installs the wrappers."""
+    """Declares the options and installs the wrappers; gives a stream's paced sends their turns."""
+
+    async def egress_pace(self, flow) -> None:
+        await current_turn()
 
     def __init__(self, state) -> None:
         install(state)

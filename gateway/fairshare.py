@@ -46,6 +46,69 @@ DEFAULT_MAX_KEYS = 65536
 # a half of its throughput, a fresh-eyes review). Under sustained contention each turn's cost
 # still puts it back in debt, so it still gets its share.
 DEFAULT_MAX_DEBT = 0.02
+# Which of the loop's ready callbacks runs first (`ReadyOrder`).
+HEAVY = 0.1  # of the loop over about the last second: a sandbox under it never yields
+LIGHT_RECENT = 0.25  # seconds: a lighter sandbox whose callback ended within it is being served
+HEAVY_SLICE = 0.001  # seconds of yielding work per poll for I/O, while a lighter sandbox is served
+
+
+def yields_to(load: float, other: float) -> bool:
+    """Whether ready work of a sandbox with `load` waits while work of one with `other` is ready:
+    the one that used less of the loop lately goes first (least attained service). No starvation:
+    the lighter one's load grows as it runs, and once it is no longer the lighter it no longer goes
+    first; the heavier one waits only for work that is ready, never for a timer."""
+    return load >= HEAVY and other < load
+
+
+class ReadyOrder:
+    """The order of one event loop's ready callbacks between sandboxes, a sans-I/O core that
+    addons/fair_share.py drives from asyncio's callback runner.
+
+    Turns (`LoopShare.reserve`) gave a flood its whole share whenever it was not in debt, and a
+    neighbour's every callback queued behind the flood's ready ones (1.5-3 ms each), and behind all
+    of them that one poll of the loop had made ready: the neighbour's p99 2.1-3.5x its baseline.
+    So, while a lighter sandbox is being served (one of its callbacks ended within LIGHT_RECENT), a
+    heavier sandbox's callback (`yielding`) waits (`must_wait`) while a lighter one's is ready, and
+    runs at most HEAVY_SLICE of such work per poll for I/O, so that what the lighter one's sockets
+    bring is seen and goes first within about a millisecond. Once one yielding callback waited, all
+    wait until the next poll, so that they keep their order. A sandbox alone, or next to heavier
+    ones only, never waits; nothing ever waits for a timer, so the loop stays work-conserving."""
+
+    __slots__ = ("heavy", "slice", "recent", "polls", "_slice_poll", "_slice_spent", "_light_at",
+                 "_light_load", "_light_key")
+
+    def __init__(self, heavy: float = HEAVY, slice_seconds: float = HEAVY_SLICE, recent: float = LIGHT_RECENT):
+        self.heavy, self.slice, self.recent = float(heavy), float(slice_seconds), float(recent)
+        self.polls = 0  # the loop's polls for I/O so far
+        self._slice_poll, self._slice_spent = -1, 0.0  # the poll after which yielding work last ran, and for how long
+        self._light_at, self._light_load, self._light_key = float("-inf"), 1.0, None  # the lightest served lately
+
+    def polled(self) -> None:
+        self.polls += 1
+
+    def yielding(self, key: Hashable, load: float, now: float) -> bool:
+        """Whether the sandbox's work (at `load`; negative: not known) gives way now."""
+        return (load >= self.heavy and key is not None and now - self._light_at < self.recent
+                and self._light_key != key and yields_to(load, self._light_load))
+
+    def sliced(self) -> bool:
+        """Whether the yielding work since the last poll has used its slice (waits for the next)."""
+        return self._slice_poll == self.polls and self._slice_spent >= self.slice
+
+    def waits(self) -> None:
+        """A yielding callback waits: every other one waits until the next poll too, so that each
+        sandbox's callbacks still run in the order they were made (asyncio's FIFO promise)."""
+        self._slice_poll, self._slice_spent = self.polls, math.inf
+
+    def ran(self, key: Hashable, load: float, now: float, spent: float, yielding: bool) -> None:
+        """A callback of the sandbox ended at `now` after `spent` seconds."""
+        if yielding:
+            if self._slice_poll != self.polls:
+                self._slice_poll, self._slice_spent = self.polls, 0.0
+            self._slice_spent += spent
+        if load >= 0 and key is not None and (
+                now - self._light_at > self.recent or load <= self._light_load or key == self._light_key):
+            self._light_at, self._light_load, self._light_key = now, load, key
 
 
 class _Decaying:
@@ -205,6 +268,11 @@ class LoopShare:
             return None
         self._refill(entry, now, share)
         return entry.tokens
+
+    def load_of(self, key: Hashable) -> float:
+        """The fraction of the loop the sandbox's own work charged lately fills (0.0: none)."""
+        entry = self._shares.get(key)
+        return entry.load.at(self.clock()) / LOAD_WINDOW if entry is not None else 0.0
 
     def load(self, now: float | None = None) -> float:
         """The fraction of the loop the work charged lately fills (about the last second)."""

@@ -1,0 +1,223 @@
+"""Which of the loop's ready callbacks runs first between sandboxes: gateway/fairshare.py
+`ReadyOrder` on a fake clock, then addons/fair_share.py driving it on a real asyncio loop (its
+ready queue and a real socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import socket
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from addons import fair_share
+from gateway.fairshare import HEAVY, LIGHT_RECENT, ReadyOrder, yields_to
+
+
+# -- the sans-I/O core ---------------------------------------------------------------------------
+
+def test_a_sandbox_alone_never_yields_however_heavy():
+    order = ReadyOrder()
+    order.ran("a", 0.9, 10.0, 0.003, False)
+    assert not order.yielding("a", 0.9, 10.001)
+
+
+def test_a_heavier_sandbox_yields_while_a_lighter_one_is_served_and_not_after():
+    order = ReadyOrder()
+    order.ran("b", 0.05, 10.0, 0.0002, False)
+    assert order.yielding("a", 0.6, 10.0 + LIGHT_RECENT / 2)
+    assert not order.yielding("a", 0.6, 10.0 + LIGHT_RECENT * 1.01)  # b is no longer being served
+    assert not order.yielding("b", 0.05, 10.001)  # the lighter one never yields to itself
+
+
+def test_under_heavy_or_unknown_nobody_yields_and_an_unknown_load_is_never_the_lighter():
+    order = ReadyOrder()
+    order.ran("b", 0.01, 10.0, 0.0001, False)
+    assert not order.yielding("a", HEAVY / 2, 10.001)  # reordering two light sandboxes gains nothing
+    assert not order.yielding(None, 0.9, 10.001)  # not a sandbox's work
+    fresh = ReadyOrder()
+    fresh.ran("b", -1.0, 10.0, 0.0001, False)  # a connection whose sandbox's load is not known yet
+    assert not fresh.yielding("a", 0.9, 10.001)
+
+
+def test_a_lighter_one_that_grew_heavier_no_longer_goes_first():
+    order = ReadyOrder()
+    order.ran("b", 0.2, 10.0, 0.001, False)
+    assert order.yielding("a", 0.5, 10.01)
+    order.ran("b", 0.55, 10.02, 0.001, False)  # b's own record, updated as it runs
+    assert not order.yielding("a", 0.5, 10.03)
+    assert not yields_to(0.5, 0.5)
+
+
+def test_yielding_work_gets_one_slice_per_poll_and_a_wait_holds_the_rest_to_the_next_poll():
+    order = ReadyOrder(slice_seconds=0.001)
+    order.polled()
+    assert not order.sliced()
+    order.ran("a", 0.6, 10.0, 0.0004, True)
+    assert not order.sliced()
+    order.ran("a", 0.6, 10.001, 0.0007, True)  # 1.1 ms since the poll
+    assert order.sliced()
+    order.ran("c", 0.6, 10.002, 0.01, False)  # work that does not yield is not counted
+    order.polled()
+    assert not order.sliced()
+    order.waits()
+    assert order.sliced()
+    order.polled()
+    assert not order.sliced()
+
+
+events = st.lists(st.tuples(st.sampled_from("abcd"), st.floats(-1, 1), st.floats(0, 0.5)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events, st.sampled_from("abcd"), st.floats(0, 1), st.floats(0, 0.5))
+def test_a_sandbox_yields_only_to_a_lighter_other_sandbox_served_within_the_window(history, key, load, later):
+    """Whatever came before: yielding means some other sandbox with a smaller load, not unknown,
+    ended a callback within LIGHT_RECENT, and the sandbox itself is at least HEAVY."""
+    order, now, seen = ReadyOrder(), 100.0, []
+    for other, other_load, gap in history:
+        now += gap
+        order.ran(other, other_load, now, 0.001, False)
+        seen.append((other, other_load, now))
+    now += later
+    if order.yielding(key, load, now):
+        assert load >= HEAVY
+        assert any(k != key and 0 <= lo < load and now - t < LIGHT_RECENT for k, lo, t in seen)
+
+
+# -- on a real loop ------------------------------------------------------------------------------
+
+class _Handler:
+    """What the callback runner reads of mitmproxy's ConnectionHandler."""
+
+    _egress_spent = 0.0
+    _egress_light = False
+
+    def __init__(self, key: str, load: float):
+        setattr(self, fair_share.ATTR, key)
+        self._egress_load = load
+
+
+def _context(handler) -> contextvars.Context:
+    context = contextvars.copy_context()
+    context.run(fair_share.serve, handler)
+    return context
+
+
+@pytest.fixture
+def order(monkeypatch):
+    """The runner installed for the test only (other tests' fake handlers run on plain asyncio)."""
+    from asyncio import selector_events
+
+    from mitmproxy.proxy import server
+
+    handler_class = server.ConnectionHandler
+    for owner, name in ((asyncio.Handle, "_run"), (selector_events.BaseSelectorEventLoop, "_process_events"),
+                        (handler_class, "handle_client"), (handler_class, "hook_task"), (handler_class, "wakeup")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    fair_share.install(fair_share._state)
+    fresh = ReadyOrder()
+    monkeypatch.setattr(fair_share, "_order", fresh)
+    return fresh
+
+
+class _Run:
+    """Callbacks scheduled in sandboxes' contexts, and the order (and poll) they ran in."""
+
+    def __init__(self, expected: int):
+        self.ran: list[tuple[str, int]] = []
+        self.done = asyncio.get_running_loop().create_future()
+        self.expected = expected
+
+    def soon(self, name: str, context) -> None:
+        asyncio.get_running_loop().call_soon(self._record, name, context=context)
+
+    def _record(self, name: str) -> None:
+        self.ran.append((name, fair_share._order.polls))
+        if len(self.ran) == self.expected and not self.done.done():
+            self.done.set_result(None)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.ran]
+
+
+def test_a_lighter_sandbox_s_ready_callback_runs_before_a_heavier_one_s_and_theirs_keep_their_order(order):
+    heavy, light = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", 0.05))
+
+    async def main():
+        run = _Run(5)
+        run.soon("b0", light)  # b is being served
+        await asyncio.sleep(0)
+        for name in ("a1", "a2", "a3"):
+            run.soon(name, heavy)
+        run.soon("b1", light)
+        await run.done
+        return run.names()
+
+    assert asyncio.run(main()) == ["b0", "b1", "a1", "a2", "a3"]
+
+
+def test_what_a_lighter_sandbox_s_socket_brings_runs_before_the_rest_of_a_heavier_one_s_work(order):
+    order.slice = 0.0  # one heavy callback per poll, whatever it costs
+    heavy, light = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", 0.05))
+    left, right = socket.socketpair()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = _Run(4)
+        run.soon("b0", light)
+        await asyncio.sleep(0)
+
+        def readable():
+            left.recv(16)
+            loop.remove_reader(left.fileno())
+            run._record("b-read")
+
+        def first():
+            right.send(b"x")  # b's socket becomes readable while a's work runs: seen at the next poll
+            run._record("a1")
+
+        light.run(loop.add_reader, left.fileno(), readable)
+        loop.call_soon(first, context=heavy)
+        run.soon("a2", heavy)
+        await run.done
+        return run.names()
+
+    try:
+        assert asyncio.run(main()) == ["b0", "a1", "b-read", "a2"]
+    finally:
+        left.close()
+        right.close()
+
+
+def test_a_heavy_sandbox_alone_runs_its_callbacks_in_order_in_one_step_of_the_loop(order):
+    order.slice = 0.0
+    heavy = _context(_Handler("sandbox:a", 0.9))
+
+    async def main():
+        run = _Run(4)
+        for name in ("a1", "a2", "a3", "a4"):
+            run.soon(name, heavy)
+        await run.done
+        return run.ran
+
+    ran = asyncio.run(main())
+    assert [name for name, _ in ran] == ["a1", "a2", "a3", "a4"]
+    assert len({poll for _, poll in ran}) == 1  # nothing waited for another poll
+
+
+def test_a_connection_whose_load_is_not_known_yet_gets_no_priority(order):
+    heavy, unknown = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", -1.0))
+
+    async def main():
+        run = _Run(4)
+        run.soon("b0", unknown)
+        await asyncio.sleep(0)
+        run.soon("a1", heavy)
+        run.soon("a2", heavy)
+        run.soon("b1", unknown)
+        await run.done
+        return run.names()
+
+    assert asyncio.run(main()) == ["b0", "a1", "a2", "b1"]
