@@ -67,6 +67,7 @@ from . import frame_limits, h2_backpressure, h2_limits, read_ahead
 from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood
 from .credentials import BOUND, BUFFER_ACCOUNT
 from .decode_pool import DecodeSteps, EgressDecodeStepsHook
+from .fair_share import EgressPaceHook
 from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
 
@@ -742,6 +743,55 @@ class GatewayHttp2Server(Http2Server):
             yield commands.SendData(self.conn, data)
 
 
+# A body sent in one piece larger than this is sent in pieces of it (`paced_sends`).
+SEND_PIECE = 256 * 1024
+
+
+def paced_sends(commands_: layer.CommandGenerator, stream: HttpStream):
+    """`commands_` with each large body it sends (a buffered response to the client, a buffered
+    request upstream) sent SEND_PIECE at a time, the sandbox's turn between two pieces (a blocking
+    EgressPaceHook: mitmproxy holds the stream's later events meanwhile). mitmproxy sends a
+    buffered body as one event, and TLS encrypted an 18 MB response in one step of the loop, up to
+    50 ms of every other sandbox's waiting (bench/noisy.py bound_lines). The bytes sent, and their
+    order, are the same."""
+    reply = None
+    while True:
+        try:
+            command = commands_.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        reply = None
+        event = command.event if isinstance(command, SendHttp) else None
+        if isinstance(event, (RequestData, ResponseData)) and len(event.data) > SEND_PIECE:
+            data, connection, kind, stream_id = event.data, command.connection, type(event), event.stream_id
+            command = event = None  # (the whole body is held only by `data` from here)
+            for at in range(0, len(data), SEND_PIECE):
+                if at:
+                    yield EgressPaceHook(stream.flow)
+                yield SendHttp(kind(stream_id, data[at:at + SEND_PIECE]), connection)
+            data = None
+            continue
+        reply = yield command
+
+
+# A body at least this large is let go once its flow is done (`_drop_bodies`).
+DROP_BODY_AT = 64 * 1024
+
+
+def _drop_bodies(flow) -> None:
+    """The flow is done and its stream dropped: its large bodies go now, by reference counting.
+    A closed flow sits in reference cycles (its layers, contexts, connections) that only a full
+    collection frees, and until then its bodies stayed too: 18 MB bound responses piled up between
+    two, and the full collections that freed them held the loop 25-45 ms each (issue 15's
+    noisy-neighbour benchmark, bound_lines). A WebSocket or other upgrade keeps its flow."""
+    if flow is None or flow.websocket is not None or (flow.response is not None and flow.response.status_code == 101):
+        return
+    for message in (flow.request, flow.response):
+        data = getattr(message, "data", None)
+        if data is not None and data.content is not None and len(data.content) >= DROP_BODY_AT:
+            data.content = b""
+
+
 class GatewayHttpStream(HttpStream):
     """mitmproxy's HttpStream, with
     - `body_size_limit` enforced on streamed bodies too (mitmproxy checks it only against a declared
@@ -878,7 +928,7 @@ class GatewayHttpStream(HttpStream):
             self._request_moved = None
         elif isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
             self._response_moved = None
-        yield from super()._handle_event(event)
+        yield from paced_sends(super()._handle_event(event), self)
         if self.client_state in (self.state_done, self.state_errored) and self.server_state in (
                 self.state_done, self.state_errored):
             self._release()
@@ -894,6 +944,7 @@ class GatewayHttpStream(HttpStream):
         self._request_moved = self._response_moved = None
         self._release()
         yield from super().flow_done()
+        _drop_bodies(self.flow)
 
     # -- a body that stops moving ------------------------------------------------------------------
 

@@ -164,6 +164,53 @@ def test_large_compressed_response_is_redacted_or_refused(cred):
     assert_no_leak(_decoded(response), SECRETS, "decoded body")
 
 
+def _leading_document(body: bytes) -> bytes:
+    """The echo's JSON document at the start of a padded body (`/v1/gzip?pad=`)."""
+    _, end = json.JSONDecoder().raw_decode(body.decode("latin-1"))
+    return body[:end]
+
+
+def _large_echo_body() -> bytes:
+    """A request body the echo sends back inside its JSON: 1.2 MB, several of the pieces a large
+    body is sent to the client in (addons/layers.py SEND_PIECE), the same bytes checkable after."""
+    return bytes(0x41 + (i * 7919 % 26) for i in range(1_200_000))
+
+
+def test_a_large_bound_response_arrives_whole_in_pieces_over_http1(cred):
+    body = _large_echo_body()
+    response = fetch(cred.gateway, "echo.test", "/v1/anything/large", method="POST", body=body,
+                     headers=[("Content-Type", "text/plain")], timeout=30)
+    assert response.status == 200
+    assert_length_true(response)
+    assert_no_leak(response_bytes(response), SECRETS)
+    document = _check_echo_document(response.body)
+    assert document["data"].encode() == body  # every piece, in order
+
+
+def test_a_large_bound_response_arrives_whole_in_pieces_over_http2(cred):
+    with tls_to(cred.gateway, "echo.test", alpn=["h2"], timeout=30) as tls:
+        client = H2Client(tls)
+        sid = client.send("echo.test", "/v1/gzip?enc=identity&pad=1500000")
+        client.wait(sid, timeout=30)
+        entry = client.responses[sid]
+    assert entry["status"] == 200 and not entry["reset"]
+    assert_no_leak(entry["body"] + repr(entry["headers"]).encode(), SECRETS)
+    assert len(entry["body"]) == int(client.header(sid, "x-plain-length"))
+    _check_echo_document(_leading_document(entry["body"]))
+    assert entry["body"].endswith(b"\n") and b"\nend " in entry["body"][-200:]
+
+
+def test_a_secret_past_the_first_pieces_of_a_large_response_is_redacted(cred):
+    response = fetch(cred.gateway, "echo.test", "/v1/gzip?enc=identity&pad=1500000", timeout=30)
+    assert response.status == 200
+    assert_length_true(response)
+    assert len(response.body) == int(response.header("X-Plain-Length"))
+    assert_no_leak(response_bytes(response), SECRETS)
+    _check_echo_document(_leading_document(response.body))
+    tail = response.body[-200:]
+    assert b"\nend " in tail and _redacted(tail.decode()), tail  # the last secret, 1.5 MB in
+
+
 @pytest.mark.parametrize("path", ["/v1/gzip?enc=x-unknown", "/v1/gzip?enc=broken-gzip"])
 def test_undecodable_compressed_response_is_refused(cred, path):
     response = fetch(cred.gateway, "echo.test", path)
