@@ -8,10 +8,17 @@ the gateway is running moves those objects to a generation no collection walks; 
 create later is collected as before, and frozen objects are still freed by reference counting.
 
 A closed connection is a web of cycles (its layers, contexts and flows) that only a full collection
-frees, and with little else allocated those come seldom: 18 MB bound responses piled up to 376 MiB
-of RSS between two (bench/noisy.py bound_lines; the budgets count live buffers, not garbage). So
-once COLLECT_AFTER bytes of buffers were given back since the last, a client's disconnect is
-followed by a full collection (~20 ms, at most one a second).
+frees. Its large bodies no longer wait for one (addons/layers.py `_drop_bodies` lets them go when
+the flow is done: 18 MB bound responses had piled up to 376 MiB of RSS between two, bench/noisy.py
+bound_lines), but what else such webs hold still does: so once COLLECT_AFTER bytes of buffers were
+given back since the last, a client's disconnect is followed by a full collection (25-45 ms of the
+loop each, so rare: at most one a second, and with bodies let go, RSS stayed at ~135 MiB without).
+
+With the start-up objects frozen, the automatic full collections come often (the survivors they
+weigh the young against are few) and each frees what closed connections left since the last: under
+a request flood, ~6,000 objects, 5-9 ms of the loop every ~2 s, the other sandboxes' slowest
+requests. FULL_EVERY = 2 (CPython's default is 10 younger collections per full one) makes them five
+times as frequent and as short (1.3-4.8 ms), for about the same total time.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import gc
 import logging
 import time
 
-COLLECT_AFTER = 64 * 1024 * 1024
+COLLECT_AFTER = 512 * 1024 * 1024
+FULL_EVERY = 2  # middle-generation collections per full one
 MIN_INTERVAL = 1.0
 
 
@@ -49,5 +57,7 @@ class CollectorFreeze:
     def running(self) -> None:
         gc.collect()  # start-up's garbage is freed, not frozen
         gc.freeze()
+        young, middle, _ = gc.get_threshold()
+        gc.set_threshold(young, middle, FULL_EVERY)
         logging.getLogger("egress").debug("egress gateway: %d start-up objects frozen out of collections",
                                           gc.get_freeze_count())
