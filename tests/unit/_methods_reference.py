@@ -783,6 +783,7 @@ def _parsers(plan: BodyPlan) -> list:
 
 
 _BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
+_WIDE_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")  # UTF-16 LE/BE, UTF-32 LE (ff fe 00 00) and BE
 
 
 class _Reading:
@@ -831,9 +832,9 @@ class _Reading:
 class _Stream:
     """One byte stream of the body (as sent, or decoded from its Content-Encoding), read every
     plausible way: as bytes, in each declared charset that is not ASCII-transparent, and as
-    UTF-16 and UTF-32 of both byte orders when a wide charset is declared (by every parser), or as
-    JSON when the body starts with a UTF-16/32 BOM or a NUL in its first four bytes (how RFC 4627
-    and Python's json detect them; no form or multipart parser guesses a charset so)."""
+    UTF-16 and UTF-32 of both byte orders by every parser when a wide charset is declared or the
+    body starts with a UTF-16/32 byte order mark, and by JSON parsers only when it has a NUL in its
+    first four bytes."""
 
     HEAD = 4
 
@@ -847,9 +848,9 @@ class _Stream:
         self._head = None
         codecs_: list[str | None] = [None, *self.plan.charsets]
         self.readings = [_Reading(c, _parsers(self.plan)) for c in codecs_]
-        if self.plan.wide:
+        if self.plan.wide or head.startswith(_WIDE_BOMS):
             self.readings += [_Reading(c, _parsers(self.plan)) for c in _WIDE]
-        elif self.plan.json and (b"\0" in head or head.startswith(_BOMS[1:])):
+        elif self.plan.json and b"\0" in head:
             self.readings += [_Reading(c, [_Json()]) for c in _WIDE]
 
     def feed(self, data: bytes, found: list[Override]) -> None:

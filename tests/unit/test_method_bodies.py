@@ -214,9 +214,21 @@ def test_binary_bytes_as_sent_are_not_read_as_utf16_forms(encoding, compress, se
 
 def test_a_nul_at_the_start_still_makes_json_read_as_utf16_and_a_declared_wide_form_is_still_read():
     assert methods_in([], J.encode("utf-16-le")) == ["DELETE"]  # no Content-Type: Rack's form, JSON parsers'
-    assert methods_in([FORM], "\ufeff_method=DELETE".encode("utf-16-le")) == []  # undeclared: no parser guesses
+    assert methods_in([FORM], "_method=DELETE".encode("utf-16-le")) == []  # a NUL, no BOM: no form parser guesses
     found, _ = run(scanner([f"{FORM}; charset=utf-16"]), "\ufeff_method=DELETE".encode("utf-16-le"))
     assert "DELETE" in [o.method for o in found]
+
+
+@pytest.mark.parametrize("codec", ["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"])
+@pytest.mark.parametrize("content_type", [FORM, "multipart/form-data; boundary=AAA"])
+def test_a_form_that_starts_with_a_byte_order_mark_is_read_in_that_encoding(codec, content_type):
+    """ASP.NET's FormReader (and so FormFeature in ASP.NET Core 2.x, then HttpMethodOverrideMiddleware
+    with FormFieldName "_method") reads a form with detectEncodingFromByteOrderMarks: a BOM wins
+    over the default UTF-8, with no charset declared (a review's finding)."""
+    text = "\ufeff_method=DELETE" if content_type == FORM else "\ufeff" + MP.decode()
+    found, problem = run(scanner([content_type]), text.encode(codec))
+    assert problem is None
+    assert "DELETE" in [o.method for o in found], (codec, content_type)
 
 
 def test_ascii_compatible_charsets_read_as_sent():
