@@ -242,9 +242,9 @@ def install(state) -> None:
         load, key = getattr(handler, "_egress_load", -1.0), getattr(handler, ATTR, None)
         _step[0] = _began[0] = perf_counter()
         yielding = _order.yielding(key, load, _step[0])
-        if yielding and (ready := getattr(self._loop, "_ready", None)) is not None and (
-                _order.sliced() or _lighter_ready(ready, handler, key, load)):
-            _order.waits()
+        if key is not None and (ready := getattr(self._loop, "_ready", None)) is not None and (
+                _order.held(key) or (yielding and (_order.sliced() or _lighter_ready(ready, handler, key, load)))):
+            _order.waits(key)
             ready.append(self)  # after the lighter one's, or after the loop's next poll for I/O
             return None
         try:

@@ -70,21 +70,30 @@ class ReadyOrder:
     So, while a lighter sandbox is being served (one of its callbacks ended within LIGHT_RECENT), a
     heavier sandbox's callback (`yielding`) waits (`must_wait`) while a lighter one's is ready, and
     runs at most HEAVY_SLICE of such work per poll for I/O, so that what the lighter one's sockets
-    bring is seen and goes first within about a millisecond. Once one yielding callback waited, all
-    wait until the next poll, so that they keep their order. A sandbox alone, or next to heavier
-    ones only, never waits; nothing ever waits for a timer, so the loop stays work-conserving."""
+    bring is seen and goes first within about a millisecond. Once one of a sandbox's callbacks
+    waited, all of its callbacks wait until the next poll (`held`), so that they keep their order.
+    No cycle: a sandbox waits only for a strictly lighter one, or for the next poll, so the lightest
+    ready one always runs. A sandbox alone, or next to heavier ones only, never waits; nothing ever
+    waits for a timer, so the loop stays work-conserving."""
 
-    __slots__ = ("heavy", "slice", "recent", "polls", "_slice_poll", "_slice_spent", "_light_at",
-                 "_light_load", "_light_key")
+    __slots__ = ("heavy", "slice", "recent", "polls", "_poll", "_spent", "_waited", "_light_at", "_light_load",
+                 "_light_key")
 
     def __init__(self, heavy: float = HEAVY, slice_seconds: float = HEAVY_SLICE, recent: float = LIGHT_RECENT):
         self.heavy, self.slice, self.recent = float(heavy), float(slice_seconds), float(recent)
         self.polls = 0  # the loop's polls for I/O so far
-        self._slice_poll, self._slice_spent = -1, 0.0  # the poll after which yielding work last ran, and for how long
+        self._poll = -1  # the poll `_spent` and `_waited` are about
+        self._spent = -1.0  # seconds of yielding work run since that poll (-1: none ran)
+        self._waited: set = set()  # sandboxes one of whose callbacks waited since that poll
         self._light_at, self._light_load, self._light_key = float("-inf"), 1.0, None  # the lightest served lately
 
     def polled(self) -> None:
         self.polls += 1
+
+    def _since_poll(self) -> None:
+        if self._poll != self.polls:
+            self._poll, self._spent = self.polls, -1.0
+            self._waited.clear()
 
     def yielding(self, key: Hashable, load: float, now: float) -> bool:
         """Whether the sandbox's work (at `load`; negative: not known) gives way now."""
@@ -92,20 +101,32 @@ class ReadyOrder:
                 and self._light_key != key and yields_to(load, self._light_load))
 
     def sliced(self) -> bool:
-        """Whether the yielding work since the last poll has used its slice (waits for the next)."""
-        return self._slice_poll == self.polls and self._slice_spent >= self.slice
+        """Whether the yielding work since the last poll has used its slice (waits for the next);
+        the first yielding callback after a poll always may run."""
+        self._since_poll()
+        return self._spent >= 0 and self._spent >= self.slice
 
-    def waits(self) -> None:
-        """A yielding callback waits: every other one waits until the next poll too, so that each
-        sandbox's callbacks still run in the order they were made (asyncio's FIFO promise)."""
-        self._slice_poll, self._slice_spent = self.polls, math.inf
+    def held(self, key: Hashable) -> bool:
+        """Whether a callback of the sandbox waited since the last poll: its every later one waits
+        too, yielding or not (its load, or the lighter one's, can change within a step of the
+        loop), so that each sandbox's callbacks still run in the order they were made (asyncio's
+        FIFO promise). Only its own: a sandbox that waited for a lighter one never holds that one
+        (two heavier sandboxes held each other so, for as long as a third trickled, a review)."""
+        if not self._waited:
+            return False
+        self._since_poll()
+        return key in self._waited
+
+    def waits(self, key: Hashable) -> None:
+        """A callback of the sandbox waits until the next poll."""
+        self._since_poll()
+        self._waited.add(key)
 
     def ran(self, key: Hashable, load: float, now: float, spent: float, yielding: bool) -> None:
         """A callback of the sandbox ended at `now` after `spent` seconds."""
         if yielding:
-            if self._slice_poll != self.polls:
-                self._slice_poll, self._slice_spent = self.polls, 0.0
-            self._slice_spent += spent
+            self._since_poll()
+            self._spent = max(self._spent, 0.0) + spent
         if load >= 0 and key is not None and (
                 now - self._light_at > self.recent or load <= self._light_load or key == self._light_key):
             self._light_at, self._light_load, self._light_key = now, load, key

@@ -50,7 +50,7 @@ def test_a_lighter_one_that_grew_heavier_no_longer_goes_first():
     assert not yields_to(0.5, 0.5)
 
 
-def test_yielding_work_gets_one_slice_per_poll_and_a_wait_holds_the_rest_to_the_next_poll():
+def test_yielding_work_gets_one_slice_per_poll():
     order = ReadyOrder(slice_seconds=0.001)
     order.polled()
     assert not order.sliced()
@@ -58,13 +58,20 @@ def test_yielding_work_gets_one_slice_per_poll_and_a_wait_holds_the_rest_to_the_
     assert not order.sliced()
     order.ran("a", 0.6, 10.001, 0.0007, True)  # 1.1 ms since the poll
     assert order.sliced()
+    order.polled()
+    assert not order.sliced()
     order.ran("c", 0.6, 10.002, 0.01, False)  # work that does not yield is not counted
-    order.polled()
     assert not order.sliced()
-    order.waits()
-    assert order.sliced()
+
+
+def test_a_wait_holds_that_sandbox_only_and_only_until_the_next_poll():
+    order = ReadyOrder()
     order.polled()
-    assert not order.sliced()
+    assert not order.held("a")
+    order.waits("a")
+    assert order.held("a") and not order.held("b") and not order.sliced()  # the lighter one is not held
+    order.polled()
+    assert not order.held("a")
 
 
 events = st.lists(st.tuples(st.sampled_from("abcd"), st.floats(-1, 1), st.floats(0, 0.5)), max_size=40)
@@ -221,3 +228,73 @@ def test_a_connection_whose_load_is_not_known_yet_gets_no_priority(order):
         return run.names()
 
     assert asyncio.run(main()) == ["b0", "a1", "a2", "b1"]
+
+
+def test_two_heavier_sandboxes_never_hold_each_other_while_a_lighter_one_is_served(order):
+    """H (0.6) and M (0.3) ready while L (0.01) is being served: H waits for M, M runs, then H.
+    (A first version held every yielding callback once one waited: H waited for M, M for the
+    slice, forever, the loop spinning, for as long as L was served now and then: a review.)"""
+    order.recent = 1e9  # L stays "being served" for the whole test
+    light = _context(_Handler("sandbox:l", 0.01))
+    middle, heavy = _context(_Handler("sandbox:m", 0.3)), _context(_Handler("sandbox:h", 0.6))
+
+    async def main():
+        run = _Run(3)
+        run.soon("l0", light)
+        await asyncio.sleep(0)
+        run.soon("h1", heavy)
+        run.soon("m1", middle)
+        await asyncio.wait_for(run.done, 5)
+        return run.ran
+
+    ran = asyncio.run(main())
+    assert [name for name, _ in ran] == ["l0", "m1", "h1"]
+    assert ran[-1][1] - ran[0][1] <= 3  # a poll or two, not a spin
+
+
+def test_a_sandbox_s_callbacks_keep_their_order_when_the_lighter_one_grows_heavier_mid_step(order):
+    light_handler = _Handler("sandbox:l", 0.01)
+    light, heavy = _context(light_handler), _context(_Handler("sandbox:a", 0.6))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = _Run(5)
+        run.soon("l0", light)
+        await asyncio.sleep(0)
+
+        def grows():
+            light_handler._egress_load = 0.7  # (what its turn records once its load grew)
+            run._record("l1")
+
+        run.soon("a1", heavy)  # waits: l1 is ready
+        loop.call_soon(grows, context=light)
+        run.soon("l2", light)  # ends at 0.7: a no longer yields to it
+        run.soon("a2", heavy)  # made after a1: still after it
+        await asyncio.wait_for(run.done, 5)
+        return run.names()
+
+    names = asyncio.run(main())
+    assert names.index("a1") < names.index("a2"), names
+
+
+def test_a_sandbox_s_callbacks_keep_their_order_when_the_lighter_one_stops_being_served_mid_step(order):
+    light, heavy = _context(_Handler("sandbox:l", 0.01)), _context(_Handler("sandbox:a", 0.6))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = _Run(4)
+        run.soon("l0", light)
+        await asyncio.sleep(0)
+
+        def window_passes():  # (no sandbox's callback: as if LIGHT_RECENT had passed meanwhile)
+            order._light_at = float("-inf")
+
+        run.soon("a1", heavy)  # waits: l1 is ready
+        loop.call_soon(window_passes)
+        run.soon("a2", heavy)  # no longer yielding, yet made after a1
+        run.soon("l1", light)
+        await asyncio.wait_for(run.done, 5)
+        return run.names()
+
+    names = asyncio.run(main())
+    assert names.index("a1") < names.index("a2"), names
