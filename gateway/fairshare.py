@@ -47,7 +47,11 @@ DEFAULT_MAX_KEYS = 65536
 # still puts it back in debt, so it still gets its share.
 DEFAULT_MAX_DEBT = 0.02
 # Which of the loop's ready callbacks runs first (`ReadyOrder`).
-HEAVY = 0.1  # of the loop over about the last second: a sandbox under it never yields
+# Of the loop over about the last second: a sandbox under it never yields. An ordinary client
+# making a fresh HTTPS request every 0.1 s is ~0.12; at 0.1 it yielded to a flood of cheap,
+# never-finished ClientHellos (lighter, ~0.05, and always ready) and waited for them: its p99 rose
+# from 1.1x to 3.5x its baseline (bench/noisy.py huge_client_hello).
+HEAVY = 0.25
 LIGHT_RECENT = 0.25  # seconds: a lighter sandbox whose callback ended within it is being served
 HEAVY_SLICE = 0.001  # seconds of yielding work per poll for I/O, while a lighter sandbox is served
 
