@@ -18,9 +18,10 @@ Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandb
 worker, or next to an idle loop, is never slowed.
 
 Between turns, the order of the loop's ready callbacks (gateway/fairshare.py `ReadyOrder`): while
-a lighter sandbox is being served, a heavier one's callback goes back to the end of the ready queue
-while a lighter one's waits in it, and at most a millisecond of such work runs between two polls for
-I/O. Each sandbox's own callbacks keep their order.
+a lighter sandbox is being served, a heavier one's callback is set aside until the loop's next poll
+(then put back at the front of the ready queue, ahead of all made since) while a lighter one's waits
+in it, and at most a millisecond of such work runs between two polls for I/O. Each sandbox's own
+callbacks keep their order, and each sandbox has one load for all its connections (noted at turns).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+
+from asyncio import selector_events
 
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import commands
@@ -115,11 +118,31 @@ def _lighter_ready(ready, handler, key, load: float) -> bool:
     for other in itertools.islice(ready, READY_SCAN):
         holder = other._context.get(_serving) if other._context is not None else None
         served = holder.handler if holder is not None else None
-        other_load = getattr(served, "_egress_load", -1.0)
-        if (served is not None and served is not handler and other_load >= 0
-                and yields_to(load, other_load) and getattr(served, ATTR, None) != key):
-            return True
+        other_key = getattr(served, ATTR, None) if served is not None else None
+        if other_key is not None and other_key != key:
+            other_load = _share.noted_load(other_key)
+            if other_load >= 0 and yields_to(load, other_load):
+                return True
     return False
+
+
+DEFERRED = "_egress_deferred"  # a selector loop's callbacks set aside until its next poll (`_defer`)
+
+
+def _next_poll() -> None:
+    """A ready callback that does nothing: with callbacks set aside, the loop polls at once."""
+
+
+def _defer(handle) -> None:
+    """Set a callback aside until the loop's next poll, where it goes back to the front of the
+    ready queue (`counted_process_events`), ahead of everything made ready since. Appended to the
+    queue's end instead, it ran after callbacks its own sandbox's earlier ones had made meanwhile:
+    one connection's callbacks out of order (a review)."""
+    loop = handle._loop
+    deferred = loop.__dict__.setdefault(DEFERRED, [])
+    if not deferred:
+        loop.call_soon(_next_poll)  # (in the loop's own context: never set aside itself)
+    deferred.append(handle)
 
 
 def _client_transport(handler):
@@ -223,7 +246,6 @@ def install(state) -> None:
     if getattr(handler_class.handle_client, "_egress_share", False):
         return
     handle_client, run = handler_class.handle_client, asyncio.Handle._run
-    from asyncio import selector_events
     process_events = selector_events.BaseSelectorEventLoop._process_events
 
     async def marked_handle_client(self) -> None:
@@ -239,13 +261,14 @@ def install(state) -> None:
         handler = holder.handler if holder is not None else None
         if handler is None:
             return run(self)
-        load, key = getattr(handler, "_egress_load", -1.0), getattr(handler, ATTR, None)
+        key = getattr(handler, ATTR, None)
+        load = _share.noted_load(key) if key is not None else -1.0
         _step[0] = _began[0] = perf_counter()
         yielding = _order.yielding(key, load, _step[0])
-        if key is not None and (ready := getattr(self._loop, "_ready", None)) is not None and (
-                _order.held(key) or (yielding and (_order.sliced() or _lighter_ready(ready, handler, key, load)))):
+        if key is not None and isinstance(self._loop, selector_events.BaseSelectorEventLoop) and (
+                _order.held(key) or (yielding and (_order.sliced() or _lighter_ready(self._loop._ready, handler, key, load)))):
             _order.waits(key)
-            ready.append(self)  # after the lighter one's, or after the loop's next poll for I/O
+            _defer(self)
             return None
         try:
             return run(self)
@@ -259,6 +282,10 @@ def install(state) -> None:
 
     def counted_process_events(self, event_list) -> None:
         _order.polled()  # (every step of a selector loop polls, with no wait while callbacks are ready)
+        deferred = self.__dict__.get(DEFERRED)
+        if deferred:  # back at the front: before all that was made ready since they were set aside
+            self._ready.extendleft(reversed(deferred))
+            deferred.clear()
         return process_events(self, event_list)
 
     async def turn(self, may_slice: bool = True) -> None:
@@ -296,7 +323,7 @@ def install(state) -> None:
             if paused is not None:
                 _resume(paused)
         self._egress_light = not _share.in_debt(key)
-        self._egress_load = _share.load_of(key)
+        _share.note_load(key)
         if waited:
             _waited(key, waited)
         elif may_slice and perf_counter() - _began[0] > STEP_SLICE and serving() is self:
@@ -327,7 +354,6 @@ def install(state) -> None:
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet
     handler_class._egress_light = False  # its sandbox was within its share at its last turn (unknown: not)
-    handler_class._egress_load = -1.0  # its sandbox's load at its last turn (-1: not known yet)
     marked_handle_client._egress_share = True
     handler_class.handle_client = marked_handle_client
     handler_class.egress_turn = turn  # awaited between each read and its event (addons/conn_close.py)

@@ -155,7 +155,7 @@ class _Decaying:
 
 
 class _Share:
-    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot", "load")
+    __slots__ = ("tokens", "stamp", "active", "per_read", "next_slot", "load", "noted")
 
     def __init__(self, tokens: float, now: float):
         self.tokens = tokens
@@ -164,6 +164,7 @@ class _Share:
         self.per_read = 0.0  # what one charge (one read's work) costs, on average lately
         self.next_slot = now  # the first time a read of this sandbox may be given, while in debt
         self.load = _Decaying(LOAD_WINDOW, now)  # its own work charged lately
+        self.noted = -1.0  # its load at its last turn (`note_load`; -1: none yet)
 
 
 class LoopShare:
@@ -298,6 +299,22 @@ class LoopShare:
         """The fraction of the loop the sandbox's own work charged lately fills (0.0: none)."""
         entry = self._shares.get(key)
         return entry.load.at(self.clock()) / LOAD_WINDOW if entry is not None else 0.0
+
+    def note_load(self, key: Hashable) -> float:
+        """Note the sandbox's load now (at a turn of one of its connections): what `noted_load`
+        gives until its next turn. One value per sandbox, not per connection: with each connection
+        keeping its own, two sandboxes could each wait for a lighter-looking connection of the
+        other, and the order between sandboxes is only free of cycles if each has one load."""
+        entry = self._shares.get(key)
+        if entry is None:
+            return -1.0
+        entry.noted = entry.load.at(self.clock()) / LOAD_WINDOW
+        return entry.noted
+
+    def noted_load(self, key: Hashable) -> float:
+        """The sandbox's load at its last turn (-1.0: none yet, or forgotten); no clock read."""
+        entry = self._shares.get(key)
+        return entry.noted if entry is not None else -1.0
 
     def load(self, now: float | None = None) -> float:
         """The fraction of the loop the work charged lately fills (about the last second)."""

@@ -168,3 +168,18 @@ def test_the_debt_is_capped_so_that_what_was_used_while_nobody_waited_is_forgive
     s.charge("a", 5.0)  # five seconds of work alone
     assert s.tokens("a") == -s.max_debt
     assert 0 < s.reserve("a") <= s.max_debt / 0.5 + 1e-9
+
+
+def test_a_sandbox_has_one_noted_load_for_all_its_connections_until_its_next_turn():
+    """The ready order compares sandboxes by the load noted at their last turn: one value per
+    sandbox (per-connection values let two sandboxes each wait for the other's lighter-looking
+    connection), read without a clock."""
+    s, clock = share()
+    assert s.noted_load("a") == -1.0  # never charged: not known
+    s.charge("a", 0.3)
+    assert s.noted_load("a") == -1.0  # charged, no turn yet
+    noted = s.note_load("a")
+    assert abs(noted - s.load_of("a")) < 1e-9 and s.noted_load("a") == noted
+    clock.now += 5.0  # its load decays, its noted load stays until its next turn
+    assert s.load_of("a") < noted and s.noted_load("a") == noted
+    assert s.note_load("a") == s.load_of("a")

@@ -95,15 +95,22 @@ def test_a_sandbox_yields_only_to_a_lighter_other_sandbox_served_within_the_wind
 
 # -- on a real loop ------------------------------------------------------------------------------
 
+class _Loads(dict):
+    """Each sandbox's load as noted at its last turn (LoopShare.noted_load), set by the test."""
+
+    def noted_load(self, key) -> float:
+        return self.get(key, -1.0)
+
+
 class _Handler:
-    """What the callback runner reads of mitmproxy's ConnectionHandler."""
+    """What the callback runner reads of mitmproxy's ConnectionHandler; its sandbox's load."""
 
     _egress_spent = 0.0
     _egress_light = False
 
     def __init__(self, key: str, load: float):
         setattr(self, fair_share.ATTR, key)
-        self._egress_load = load
+        fair_share._share[key] = load
 
 
 def _context(handler) -> contextvars.Context:
@@ -124,6 +131,7 @@ def order(monkeypatch):
                         (handler_class, "handle_client"), (handler_class, "hook_task"), (handler_class, "wakeup")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
     fair_share.install(fair_share._state)
+    monkeypatch.setattr(fair_share, "_share", _Loads())
     fresh = ReadyOrder()
     monkeypatch.setattr(fair_share, "_order", fresh)
     return fresh
@@ -253,8 +261,7 @@ def test_two_heavier_sandboxes_never_hold_each_other_while_a_lighter_one_is_serv
 
 
 def test_a_sandbox_s_callbacks_keep_their_order_when_the_lighter_one_grows_heavier_mid_step(order):
-    light_handler = _Handler("sandbox:l", 0.01)
-    light, heavy = _context(light_handler), _context(_Handler("sandbox:a", 0.6))
+    light, heavy = _context(_Handler("sandbox:l", 0.01)), _context(_Handler("sandbox:a", 0.6))
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -263,7 +270,7 @@ def test_a_sandbox_s_callbacks_keep_their_order_when_the_lighter_one_grows_heavi
         await asyncio.sleep(0)
 
         def grows():
-            light_handler._egress_load = 0.7  # (what its turn records once its load grew)
+            fair_share._share["sandbox:l"] = 0.7  # (what its turn notes once its load grew)
             run._record("l1")
 
         run.soon("a1", heavy)  # waits: l1 is ready
@@ -298,3 +305,50 @@ def test_a_sandbox_s_callbacks_keep_their_order_when_the_lighter_one_stops_being
 
     names = asyncio.run(main())
     assert names.index("a1") < names.index("a2"), names
+
+
+def test_a_callback_set_aside_still_runs_before_one_its_sandbox_made_after_it(order):
+    """a0 runs and makes a_n; a1, made before a_n, then waits for the lighter l1. Appended to the
+    ready queue's end, a1 ran after a_n (a review); set aside, it goes back to the front."""
+    heavy, light = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", 0.05))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = _Run(5)
+
+        def a0():
+            run._record("a0")
+            run.soon("a_n", heavy)  # e.g. the task step a0 wakes: made after a1
+
+        loop.call_soon(a0, context=heavy)  # nothing light served yet: a0 runs
+        run.soon("l0", light)
+        run.soon("a1", heavy)  # waits: l1 is ready
+        run.soon("l1", light)
+        await asyncio.wait_for(run.done, 5)
+        return run.names()
+
+    assert asyncio.run(main()) == ["a0", "l0", "l1", "a1", "a_n"]
+
+
+def test_a_sandbox_s_connections_share_one_load_so_two_sandboxes_never_wait_for_each_other(order):
+    """Per-connection loads (each noted at its own turn) straddling another sandbox's made a
+    cycle: a's 0.31 connection waited for b (0.30), holding all of a; b waited for a's 0.29 one
+    (a review: both froze while a third sandbox was served now and then). One load per sandbox."""
+    order.recent = 1e9
+    light = _context(_Handler("sandbox:c", 0.01))
+    a1, b = _context(_Handler("sandbox:a", 0.31)), _context(_Handler("sandbox:b", 0.30))
+    a2 = _context(_Handler("sandbox:a", 0.29))  # the sandbox's load is now 0.29, for both of its connections
+
+    async def main():
+        run = _Run(4)
+        run.soon("c0", light)
+        await asyncio.sleep(0)
+        run.soon("a-first", a1)
+        run.soon("b", b)
+        run.soon("a-second", a2)
+        await asyncio.wait_for(run.done, 5)
+        return run.ran
+
+    ran = asyncio.run(main())
+    assert [name for name, _ in ran] == ["c0", "a-first", "a-second", "b"]
+    assert ran[-1][1] - ran[0][1] <= 3
