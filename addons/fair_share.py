@@ -266,8 +266,10 @@ def install(state) -> None:
         _step[0] = _began[0] = perf_counter()
         yielding = _order.yielding(key, load, _step[0])
         if key is not None and isinstance(self._loop, selector_events.BaseSelectorEventLoop) and (
-                _order.held(key) or (yielding and (_order.sliced() or _lighter_ready(self._loop._ready, handler, key, load)))):
-            _order.waits(key)
+                _order.held(key) or (yielding and not _order.overdue(key, _step[0]) and (
+                    _order.sliced() or _lighter_ready(self._loop._ready, handler, key, load)))):
+            _order.waits(key, _step[0])
+            _share.note_load(key)  # (it reaches no turn while it waits: its load, noted afresh)
             _defer(self)
             return None
         try:

@@ -54,6 +54,11 @@ DEFAULT_MAX_DEBT = 0.02
 HEAVY = 0.25
 LIGHT_RECENT = 0.25  # seconds: a lighter sandbox whose callback ended within it is being served
 HEAVY_SLICE = 0.001  # seconds of yielding work per poll for I/O, while a lighter sandbox is served
+# Seconds a sandbox's callbacks may be set aside in a row (from its first wait to a run of it):
+# past it its next one runs whatever is ready. A lighter sandbox with a tiny callback ready at
+# every poll held a heavier one's for as long as it went on (10 s in a review's probe).
+MAX_SET_ASIDE = 0.02
+_WAITING_CAP = 4096  # sandboxes remembered as waiting (past it the memory is cleared: they may run)
 
 
 def yields_to(load: float, other: float) -> bool:
@@ -80,8 +85,8 @@ class ReadyOrder:
     ready one always runs. A sandbox alone, or next to heavier ones only, never waits; nothing ever
     waits for a timer, so the loop stays work-conserving."""
 
-    __slots__ = ("heavy", "slice", "recent", "polls", "_poll", "_spent", "_waited", "_light_at", "_light_load",
-                 "_light_key")
+    __slots__ = ("heavy", "slice", "recent", "polls", "_poll", "_spent", "_waited", "_waiting", "_light_at",
+                 "_light_load", "_light_key")
 
     def __init__(self, heavy: float = HEAVY, slice_seconds: float = HEAVY_SLICE, recent: float = LIGHT_RECENT):
         self.heavy, self.slice, self.recent = float(heavy), float(slice_seconds), float(recent)
@@ -89,6 +94,7 @@ class ReadyOrder:
         self._poll = -1  # the poll `_spent` and `_waited` are about
         self._spent = -1.0  # seconds of yielding work run since that poll (-1: none ran)
         self._waited: set = set()  # sandboxes one of whose callbacks waited since that poll
+        self._waiting: dict = {}  # sandbox -> when its callbacks began to wait (cleared when one runs)
         self._light_at, self._light_load, self._light_key = float("-inf"), 1.0, None  # the lightest served lately
 
     def polled(self) -> None:
@@ -121,13 +127,24 @@ class ReadyOrder:
         self._since_poll()
         return key in self._waited
 
-    def waits(self, key: Hashable) -> None:
+    def overdue(self, key: Hashable, now: float) -> bool:
+        """Whether the sandbox's callbacks have waited MAX_SET_ASIDE in a row: its next one runs."""
+        since = self._waiting.get(key)
+        return since is not None and now - since >= MAX_SET_ASIDE
+
+    def waits(self, key: Hashable, now: float = 0.0) -> None:
         """A callback of the sandbox waits until the next poll."""
         self._since_poll()
         self._waited.add(key)
+        if key not in self._waiting:
+            if len(self._waiting) >= _WAITING_CAP:
+                self._waiting.clear()
+            self._waiting[key] = now
 
     def ran(self, key: Hashable, load: float, now: float, spent: float, yielding: bool) -> None:
         """A callback of the sandbox ended at `now` after `spent` seconds."""
+        if self._waiting:
+            self._waiting.pop(key, None)
         if yielding:
             self._since_poll()
             self._spent = max(self._spent, 0.0) + spent

@@ -101,6 +101,9 @@ class _Loads(dict):
     def noted_load(self, key) -> float:
         return self.get(key, -1.0)
 
+    def note_load(self, key) -> float:  # (the test's loads do not decay)
+        return self.get(key, -1.0)
+
 
 class _Handler:
     """What the callback runner reads of mitmproxy's ConnectionHandler; its sandbox's load."""
@@ -352,3 +355,43 @@ def test_a_sandbox_s_connections_share_one_load_so_two_sandboxes_never_wait_for_
     ran = asyncio.run(main())
     assert [name for name, _ in ran] == ["c0", "a-first", "a-second", "b"]
     assert ran[-1][1] - ran[0][1] <= 3
+
+
+def test_a_heavier_sandbox_is_not_held_for_ever_by_a_lighter_one_always_ready(order):
+    """A lighter sandbox with a tiny callback ready at every poll held a heavier one's callback for
+    as long as it went on (10 s in a review's probe: the heavier one's load, noted at its turns,
+    could not fall while it waited). Past MAX_SET_ASIDE in a row its next callback runs: here the
+    lighter one's chain only ends once the heavier one's callback has run."""
+    order.recent = 1e9
+    light, heavy = _context(_Handler("sandbox:l", 0.01)), _context(_Handler("sandbox:a", 0.6))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = _Run(1)
+
+        def light_step():  # ready at every poll, until the heavier one has run
+            if not run.done.done():
+                loop.call_soon(light_step, context=light)
+
+        loop.call_soon(light_step, context=light)
+        await asyncio.sleep(0)
+        run.soon("a1", heavy)
+        await asyncio.wait_for(run.done, 5)
+        return run.names()
+
+    assert asyncio.run(main()) == ["a1"]
+
+
+def test_overdue_counts_from_a_sandbox_s_first_wait_to_its_next_run():
+    from gateway.fairshare import MAX_SET_ASIDE
+
+    order = ReadyOrder()
+    order.polled()
+    assert not order.overdue("a", 10.0)
+    order.waits("a", 10.0)
+    order.polled()
+    order.waits("a", 10.0 + MAX_SET_ASIDE / 2)  # waiting still, since 10.0
+    assert not order.overdue("a", 10.0 + MAX_SET_ASIDE / 2)
+    assert order.overdue("a", 10.0 + MAX_SET_ASIDE * 1.01) and not order.overdue("b", 10.0 + MAX_SET_ASIDE * 1.01)
+    order.ran("a", 0.6, 10.03, 0.001, True)
+    assert not order.overdue("a", 11.0)
