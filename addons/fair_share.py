@@ -269,7 +269,6 @@ def install(state) -> None:
                 _order.held(key) or (yielding and not _order.overdue(key, _step[0]) and (
                     _order.sliced() or _lighter_ready(self._loop._ready, handler, key, load)))):
             _order.waits(key, _step[0])
-            _share.note_load(key)  # (it reaches no turn while it waits: its load, noted afresh)
             _defer(self)
             return None
         try:
