@@ -325,7 +325,7 @@ class LoopShare:
         entry = self._shares.get(key)
         if entry is None:
             return -1.0
-        entry.noted = entry.load.at(self.clock()) / LOAD_WINDOW
+        entry.noted = self.load_of(key)
         return entry.noted
 
     def noted_load(self, key: Hashable) -> float:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import gc
 
+from addons import gc_freeze
 from addons.gc_freeze import CollectorFreeze
 
 
 def test_running_freezes_what_exists_and_later_objects_are_still_collected():
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     try:
         CollectorFreeze().running()
+        assert gc.get_threshold() == (thresholds[0], thresholds[1], gc_freeze.FULL_EVERY)  # shorter full collections
         frozen = gc.get_freeze_count()
         assert frozen > 1000  # this interpreter's modules, at least
 
@@ -24,6 +27,7 @@ def test_running_freezes_what_exists_and_later_objects_are_still_collected():
         assert gc.get_freeze_count() <= frozen  # (frozen objects are still freed by their counts)
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 def test_a_full_collection_follows_a_disconnect_once_enough_buffers_were_given_back(monkeypatch):
