@@ -183,3 +183,21 @@ def test_a_sandbox_has_one_noted_load_for_all_its_connections_until_its_next_tur
     clock.now += 5.0  # its load decays, its noted load stays until its next turn
     assert s.load_of("a") < noted and s.noted_load("a") == noted
     assert s.note_load("a") == s.load_of("a")
+
+
+def test_a_burst_is_heavy_within_a_tenth_of_a_second_though_its_average_over_a_second_is_not():
+    """Over the last second alone, a flood that had just begun counted as light for ~0.3 s and
+    went first; so did one flooding for 0.2 s of every second (its average never reaches HEAVY)."""
+    from gateway.fairshare import FAST_WINDOW, HEAVY, LOAD_WINDOW
+
+    clock = [100.0]
+    s = LoopShare(clock=lambda: clock[0])
+    for _ in range(60):  # 60 ms of work in 60 ms
+        clock[0] += 0.001
+        s.charge("flood", 0.001)
+    slow = s._shares["flood"].load.at(clock[0]) / LOAD_WINDOW
+    assert slow < HEAVY <= s.load_of("flood")
+    clock[0] += 5 * FAST_WINDOW  # quiet since: back to the second's average
+    assert abs(s.load_of("flood") - s._shares["flood"].load.at(clock[0]) / LOAD_WINDOW) < 0.01
+    s.charge("trickle", 0.0005)
+    assert s.load_of("trickle") < HEAVY
