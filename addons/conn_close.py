@@ -35,9 +35,10 @@ def install() -> None:
         try:
             reader = self.transports[connection].reader
             assert reader
+            read_size = getattr(self, "egress_read_size", None)  # (addons/fair_share.py)
             while True:
                 try:
-                    data = await reader.read(65535)
+                    data = await reader.read(read_size() if read_size is not None else 65535)
                     if not data:
                         raise OSError("Connection closed by peer.")
                 except OSError:

@@ -395,3 +395,76 @@ def test_overdue_counts_from_a_sandbox_s_first_wait_to_its_next_run():
     assert order.overdue("a", 10.0 + MAX_SET_ASIDE * 1.01) and not order.overdue("b", 10.0 + MAX_SET_ASIDE * 1.01)
     order.ran("a", 0.6, 10.03, 0.001, True)
     assert not order.overdue("a", 11.0)
+
+
+def test_work_for_no_sandbox_yet_runs_before_a_heavier_sandbox_s_ready_work(order):
+    """Accepting a connection and setting it up runs in no sandbox's context until the handler
+    knows its client: a fresh request's every such step waited behind a flood's ready callbacks
+    (8.7 ms before its first callback of its own, 1.8 ms alone). A heavier sandbox gives way to it
+    as to a lighter one; a cancelled callback does not count."""
+    heavy, light = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", 0.05))
+    nobody = contextvars.Context()  # (the server's: no connection served)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = _Run(4)
+        run.soon("b0", light)  # b is being served
+        await asyncio.sleep(0)
+        run.soon("a1", heavy)
+        run.soon("a2", heavy)
+        loop.call_soon(lambda: None, context=nobody).cancel()
+        run.soon("accept", nobody)
+        await asyncio.wait_for(run.done, 5)
+        return run.names()
+
+    assert asyncio.run(main()) == ["b0", "accept", "a1", "a2"]
+
+
+def test_a_handler_whose_client_is_not_known_yet_counts_as_nobody_s(order):
+    heavy, light = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", 0.05))
+    new = _context(type("Unknown", (), {"_egress_spent": 0.0, "_egress_light": False})())
+
+    async def main():
+        run = _Run(3)
+        run.soon("b0", light)
+        await asyncio.sleep(0)
+        run.soon("a1", heavy)
+        run.soon("new", new)
+        await asyncio.wait_for(run.done, 5)
+        return run.names()
+
+    assert asyncio.run(main()) == ["b0", "new", "a1"]
+
+
+def test_the_poll_callback_of_a_set_aside_one_holds_nothing(order):
+    """With a callback set aside, a no-op ready callback makes the loop poll at once: it is no
+    sandbox's work, yet a heavier sandbox must not give way to it (it would, at every poll, until
+    MAX_SET_ASIDE)."""
+    heavy, light = _context(_Handler("sandbox:a", 0.6)), _context(_Handler("sandbox:b", 0.05))
+
+    async def main():
+        run = _Run(4)
+        run.soon("b0", light)
+        await asyncio.sleep(0)
+        run.soon("a1", heavy)  # set aside for b1
+        run.soon("b1", light)
+        run.soon("a2", heavy)
+        await asyncio.wait_for(run.done, 5)
+        return run.ran
+
+    ran = asyncio.run(main())
+    assert [name for name, _ in ran] == ["b0", "b1", "a1", "a2"]
+    assert ran[-1][1] - ran[1][1] <= 1  # a1 and a2 ran at the next poll, not after MAX_SET_ASIDE
+
+
+def test_a_yielding_sandbox_reads_a_tls_record_at_a_time_and_others_all_they_can(order):
+    import time
+
+    from mitmproxy.proxy import server
+
+    heavy, light = _Handler("sandbox:a", 0.6), _Handler("sandbox:b", 0.05)
+    read_size = server.ConnectionHandler.egress_read_size
+    assert read_size(heavy) == fair_share.FULL_READ  # nobody lighter is being served
+    order.ran("sandbox:b", 0.05, time.perf_counter(), 0.0001, False)
+    assert read_size(heavy) == fair_share.YIELDING_READ
+    assert read_size(light) == fair_share.FULL_READ
