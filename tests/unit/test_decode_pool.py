@@ -170,3 +170,22 @@ def test_a_cancelled_step_still_holds_its_sandbox_s_turn_and_is_charged():
     assert first.cancelled()
     assert fair_share._share.in_debt(key)  # the cancelled step's 0.2 s were charged
     assert not decode_pool._locks
+
+
+def test_pool_threads_run_at_the_lowest_priority_so_the_loop_keeps_its_cpu():
+    """A decode at the loop's own priority took half of a busy CPU from the loop: every other
+    sandbox's callbacks ran at half speed while one sandbox's bodies decoded."""
+    import os
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main():
+        return await decode_pool.run(niceness)
+
+    decode_pool.shutdown()  # (a pool made by an earlier test is made again, with its initializer)
+    try:
+        assert asyncio.run(main()) == max(decode_pool.POOL_NICE, os.nice(0))
+        assert niceness() == os.nice(0)  # the loop's own thread: unchanged
+    finally:
+        decode_pool.shutdown()
