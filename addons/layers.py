@@ -460,10 +460,12 @@ class GatewayHttp2Server(Http2Server):
       a stream the client reset before its HEADERS were handled never becomes a request. Refused
       streams are audited at most once per second and reason, with a `repeated` count;
     - one read's HTTP/2 events are handled through a backlog, at most STREAMS_PER_STEP new requests
-      per step of the event loop: each request is decided when it is handled (~1 ms), and a read of
-      100 HEADERS frames held every other connection of the worker for ~120 ms."""
+      per step of the event loop, and no more once STEP_SECONDS were spent in it: each request is
+      decided when it is handled (~0.3-1 ms), and a read of 100 HEADERS frames held every other
+      connection of the worker for ~120 ms; 8 of them, 2-15 ms (rapid reset)."""
 
     STREAMS_PER_STEP = 8
+    STEP_SECONDS = 0.001
 
     def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None, sandbox: str | None = None):
         super().__init__(context)
@@ -721,11 +723,12 @@ class GatewayHttp2Server(Http2Server):
         yield from self._run_backlog()
 
     def _run_backlog(self) -> layer.CommandGenerator[None]:
-        """Handle the backlog's events in order until STREAMS_PER_STEP requests were opened; the
-        rest on a wakeup, a later step of the loop (a new read meanwhile only adds to the backlog's
+        """Handle the backlog's events in order until STREAMS_PER_STEP requests were opened, or one
+        or more in STEP_SECONDS; the rest on a wakeup, a later step of the loop (a new read meanwhile only adds to the backlog's
         end). The client's flow-control windows are acknowledged as events are handled, so what
         the backlog can hold is bounded by them, as by the stream limit and the flood budgets."""
         opened = 0
+        began = time.perf_counter()
         while self._backlog:
             h2_event = self._backlog.popleft()
             if (yield from self.handle_h2_event(h2_event)):
@@ -733,7 +736,8 @@ class GatewayHttp2Server(Http2Server):
                 return
             if isinstance(h2_event, h2.events.RequestReceived):
                 opened += 1
-                if opened >= self.STREAMS_PER_STEP and self._backlog:
+                if self._backlog and (opened >= self.STREAMS_PER_STEP
+                                      or time.perf_counter() - began >= self.STEP_SECONDS):
                     if self._backlog_wakeup is None:
                         self._backlog_wakeup = commands.RequestWakeup(0)
                         yield self._backlog_wakeup

@@ -88,3 +88,26 @@ def test_streams_of_one_read_open_a_step_at_a_time_in_order_and_reset_ones_never
         assert set(handled) == set(ids) - (reset_ids - early)
     else:
         assert set(handled) == set(ids) - reset_ids
+
+
+def test_a_step_of_the_backlog_ends_once_its_time_is_spent(monkeypatch):
+    """Eight requests a step took 2-15 ms under rapid reset: the step also ends after
+    STEP_SECONDS (here 0: one request a step), the rest on wakeups, all in order."""
+    from mitmproxy.proxy import events
+
+    monkeypatch.setattr(GatewayHttp2Server, "STEP_SECONDS", 0.0)
+    layer, client = _server()
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    h2c.initiate_connection()
+    ids = []
+    for n in range(5):
+        ids.append(h2c.get_next_available_stream_id())
+        h2c.send_headers(ids[-1], [(":method", "GET"), (":scheme", "https"), (":authority", "a.test"),
+                                   (":path", f"/{n}")], end_stream=True)
+    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    steps = [_opened(commands)]
+    while pending := _wakeups(commands):
+        commands = list(layer.handle_event(events.Wakeup(pending[0])))
+        steps.append(_opened(commands))
+    assert [step for step in steps if step] == [[sid] for sid in ids]  # (a last step may handle what
+    # follows the last request: its END_STREAM)
