@@ -187,6 +187,16 @@ class GatewayState:
             state = self.connections[client_id] = ConnectionState(peer, mode, address)
         return state
 
+    def sandbox_key_of_peer(self, peername: tuple | None) -> str:
+        """`sandbox_key` for a client known only by its peer address (a connection being accepted)."""
+        address = None
+        if peername:
+            try:
+                address = ipaddress.ip_address(str(peername[0]).split("%", 1)[0])
+            except ValueError:
+                address = None
+        return self.sandbox_key(ConnectionState("?", "regular", address))
+
     def scope(self, conn: ConnectionState | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a
         reloaded policy applies at once)."""
