@@ -89,7 +89,8 @@ class _Serving:
 
 class _Accepted:
     """A connection being accepted and set up, before mitmproxy has a handler for it: its sandbox
-    is known from its peer address, so that its setup is ordered and charged as its sandbox's. As
+    is known from its peer address, so that its setup is ordered as its sandbox's (the time of
+    those few callbacks is not charged: the handler's own account starts with the handler). As
     no sandbox's work, a flood of connections reset before their handler knew them went ahead of
     every heavier sandbox (a review: a neighbour's p99 ~2x worse under it)."""
 
@@ -155,8 +156,7 @@ def _lighter_ready(ready, handler, key, load: float) -> bool:
     ready queue: one of a lighter sandbox, or one for no sandbox at all (the loop accepting
     connections; a connection being set up counts as its peer's sandbox's, `_Accepted`, and a
     handler whose client is known as its sandbox's, cached or not). Before, a new connection's
-    every setup step (about four callbacks) waited behind the flood's ready work:
-    before, a new connection's every such step waited behind the flood's ready work, and a
+    every setup step (about four callbacks) waited behind the flood's ready work, and a
     neighbour's fresh request spent 8.7 ms (1.8 ms alone) before its first callback of its own."""
     for other in itertools.islice(ready, READY_SCAN):
         if other._cancelled:
