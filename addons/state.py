@@ -46,6 +46,16 @@ class ConnectionState:
     established: list[Established] = field(default_factory=list)
 
 
+def _peer_address(peername: tuple | None):
+    """The client's IP from its peer name (a scope id dropped), or None."""
+    if not peername:
+        return None
+    try:
+        return ipaddress.ip_address(str(peername[0]).split("%", 1)[0])
+    except ValueError:
+        return None
+
+
 class GatewayState:
     """The one object every guard shares: the engine (swapped whole on reload) and the connections."""
 
@@ -176,26 +186,13 @@ class GatewayState:
     def connection(self, client_id: str, peername: tuple | None = None, mode: str = "regular") -> ConnectionState:
         state = self.connections.get(client_id)
         if state is None:
-            address = None
-            peer = "?"
-            if peername:
-                peer = f"{peername[0]}:{peername[1]}"
-                try:
-                    address = ipaddress.ip_address(str(peername[0]).split("%", 1)[0])
-                except ValueError:
-                    address = None
-            state = self.connections[client_id] = ConnectionState(peer, mode, address)
+            peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+            state = self.connections[client_id] = ConnectionState(peer, mode, _peer_address(peername))
         return state
 
     def sandbox_key_of_peer(self, peername: tuple | None) -> str:
         """`sandbox_key` for a client known only by its peer address (a connection being accepted)."""
-        address = None
-        if peername:
-            try:
-                address = ipaddress.ip_address(str(peername[0]).split("%", 1)[0])
-            except ValueError:
-                address = None
-        return self.sandbox_key(ConnectionState("?", "regular", address))
+        return self.sandbox_key(ConnectionState("?", "regular", _peer_address(peername)))
 
     def scope(self, conn: ConnectionState | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a
