@@ -111,3 +111,71 @@ def test_a_step_of_the_backlog_ends_once_its_time_is_spent(monkeypatch):
         steps.append(_opened(commands))
     assert [step for step in steps if step] == [[sid] for sid in ids]  # (a last step may handle what
     # follows the last request: its END_STREAM)
+
+
+def test_a_flood_is_handled_at_once_though_earlier_requests_wait_in_the_backlog():
+    """Rapid reset on a busy worker: the first read's requests were still waiting in the backlog
+    when the read whose RST_STREAM frames passed the budget came. Queued behind them, the flood's
+    GOAWAY went out with the backlog's next step, the client closed, and its close dropped the
+    backlog with the flood in it: the connection ended with no reset_flood line. Now the flood is
+    recorded and answered in the read that brought it, before any later event."""
+    import h2.events
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    from gateway.h2budget import DEFAULT_MAX_RESETS
+
+    layer, client = _server()
+    refused = []
+    layer.on_refusal = lambda context, decision, *args, **kwargs: refused.append(decision.reason)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    h2c.initiate_connection()
+    headers = [(":method", "GET"), (":scheme", "https"), (":authority", "a.test"), (":path", "/")]
+    for _ in range(3 * STEP):
+        h2c.send_headers(h2c.get_next_available_stream_id(), headers, end_stream=True)
+    first = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    assert _wakeups(first) and layer._backlog  # requests still wait
+    for _ in range(DEFAULT_MAX_RESETS + 1):
+        sid = h2c.get_next_available_stream_id()
+        h2c.send_headers(sid, headers, end_stream=True)
+        h2c.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    flood = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    assert refused == ["reset_flood"]
+    sent = b"".join(c.data for c in flood if isinstance(c, mc.SendData))
+    ends = [e for e in h2c.receive_data(sent) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    list(layer.handle_event(events.ConnectionClosed(client)))  # the client closes on the GOAWAY
+    assert refused == ["reset_flood"]
+
+
+def _flooded(layer, client) -> list:
+    from mitmproxy.proxy import events
+
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    h2c.initiate_connection()
+    headers = [(":method", "GET"), (":scheme", "https"), (":authority", "a.test"), (":path", "/")]
+    for _ in range(layer.limits.max_resets + 1):
+        sid = h2c.get_next_available_stream_id()
+        h2c.send_headers(sid, headers, end_stream=True)
+        h2c.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    return list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+
+
+def test_a_flood_s_goaway_is_followed_by_a_fin_except_inside_a_connect_tunnel():
+    """The lingering close after the gateway's own GOAWAY: FIN first where the layer owns the
+    client's socket (transparent mode); inside a CONNECT tunnel mitmproxy's HttpStream turns any
+    close of the client into a full one, which reset the connection while the flood still came
+    in and destroyed the GOAWAY before the client read it, so there nothing is closed until the
+    linger ends (as RefusalLayer does)."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy.layers.http import HttpStream
+
+    def closes(commands):
+        return [(type(c).__name__, getattr(c, "half_close", False)) for c in commands
+                if isinstance(c, mc.CloseConnection)]
+
+    layer, client = _server()
+    assert closes(_flooded(layer, client)) == [("CloseTcpConnection", True)]
+    layer, client = _server()
+    layer.context.layers.insert(0, HttpStream(layer.context.fork(), 1))  # the CONNECT request's stream
+    assert closes(_flooded(layer, client)) == []
