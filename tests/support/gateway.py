@@ -116,4 +116,8 @@ class GatewayProcess:
     def audit(self) -> list[dict]:
         if not self.audit_path.exists():
             return []
-        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
+        text = self.audit_path.read_text()
+        # A line being written may be read half-way (one write(2) is not atomic for a concurrent
+        # read of a regular file): only lines already ended count, as a log shipper reads them.
+        complete = text[:text.rfind("\n") + 1]
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
