@@ -105,6 +105,11 @@ def gateway(tmp_path_factory, upstreams, pki, gated):
 
 
 @pytest.fixture(autouse=True)
+def _audit_mark(gateway):
+    gateway.mark()
+
+
+@pytest.fixture(autouse=True)
 def no_crash(gateway):
     """mitmproxy logs an exception in a layer and goes on: the refusal may be out while the
     stream behind it was never ended (and kept its buffer)."""
@@ -145,7 +150,7 @@ def _refusals(gateway, client: str, reason: str, total: int) -> list[dict]:
     """The audit lines of one connection with `reason`, once their `repeated` counts add up to `total`."""
     deadline = time.monotonic() + WAIT
     while True:
-        lines = [a for a in gateway.audit() if a.get("client") == client and a.get("reason") == reason]
+        lines = [a for a in gateway.audit_since_mark() if a.get("client") == client and a.get("reason") == reason]
         if sum(a.get("repeated") or 1 for a in lines) >= total or time.monotonic() > deadline:
             return lines
         time.sleep(0.05)
@@ -208,7 +213,7 @@ def test_a_rapid_reset_flood_ends_in_goaway_and_reaches_no_upstream(gateway, ups
         lines = audit_for(gateway, conn.client, count=1)
         flood = _refusals(gateway, conn.client, "reset_flood", 1)
     assert len(flood) == 1 and flood[0]["event"] == "connection" and flood[0]["status"] is None, flood
-    decided = [a for a in gateway.audit() if a.get("client") == conn.client and a.get("path") == "/flood"]
+    decided = [a for a in gateway.audit_since_mark() if a.get("client") == conn.client and a.get("path") == "/flood"]
     assert len(decided) < MAX_RESETS // 4, len(decided)  # not one decision per stream
     assert not [r for r in upstreams.tls["allowed.test"].requests if r.path == "/flood"]
     with tls_tunnel(gateway, "allowed.test:443") as other:
@@ -238,7 +243,7 @@ def test_one_read_of_many_streams_is_handled_in_order_across_loop_steps(gateway,
     assert statuses == {sid: "200" for sid in ids[:-1]}, statuses
     paths = [r.path for r in upstreams.tls["allowed.test"].requests if r.path.startswith("/step")]
     assert sorted(paths) == [f"/step{n}" for n in range(MAX_STREAMS - 1)], paths
-    decided = [a for a in gateway.audit() if a.get("client") == conn.client and a.get("path") == f"/step{MAX_STREAMS - 1}"]
+    decided = [a for a in gateway.audit_since_mark() if a.get("client") == conn.client and a.get("path") == f"/step{MAX_STREAMS - 1}"]
     assert not decided, decided
 
 
@@ -401,4 +406,4 @@ def test_a_long_download_earns_its_window_updates(gateway, upstreams):
             assert not [e for e in seen if isinstance(e, h2.events.ConnectionTerminated) or e == "closed"], seen[-3:]
             frames = [e for e in seen if isinstance(e, h2.events.DataReceived)]
             assert sum(len(e.data) for e in frames) == 2 * 1024 * 1024 and len(frames) > 100
-    assert not [a for a in gateway.audit() if a.get("reason") == "control_frame_flood" and a.get("client") == conn.client]
+    assert not [a for a in gateway.audit_since_mark() if a.get("reason") == "control_frame_flood" and a.get("client") == conn.client]

@@ -83,7 +83,7 @@ class Rig:
     def audit(self, client: str, count: int = 1, wait: float = 3.0) -> list[dict]:
         deadline = time.monotonic() + wait
         while True:
-            lines = [a for a in self.gateway.audit() if a.get("client") == client]
+            lines = [a for a in self.gateway.audit_since_mark() if a.get("client") == client]
             if len(lines) >= count or time.monotonic() > deadline:
                 return lines
             time.sleep(0.02)
@@ -114,6 +114,11 @@ def rig(tmp_path_factory, upstreams, pki, loopback_dns):
     gateway.stop()
     for server in servers.values():
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _audit_mark(rig):
+    rig.gateway.mark()
 
 
 @pytest.fixture(autouse=True)

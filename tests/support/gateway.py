@@ -113,6 +113,17 @@ class GatewayProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    audit_mark = 0  # the audit lines before the running test (`mark`)
+
+    def mark(self) -> None:
+        """Note where the running test's audit lines begin: a gateway shared by a module serves
+        many tests, and a later test's client may get an earlier one's port back (seen: a POST's
+        line matched with another test's GET of the same 127.0.0.1:port)."""
+        self.audit_mark = len(self.audit())
+
+    def audit_since_mark(self) -> list[dict]:
+        return self.audit()[self.audit_mark:]
+
     def audit(self) -> list[dict]:
         if not self.audit_path.exists():
             return []
