@@ -70,6 +70,8 @@ YIELDING_READ = 16384
 # it waits, goes back to its end.
 READY_SCAN = 64
 _order = ReadyOrder()
+_ACCEPT = selector_events.BaseSelectorEventLoop._accept_connection  # the listening socket's callback
+_SETUP_CODE: list = [None]  # the code of keyed_accept_connection (install)
 _light: list = [-1.0, None]  # when a callback of a sandbox within its share last ended, and that sandbox
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # a _Serving
 
@@ -151,23 +153,45 @@ def _lighter_served(key: str) -> bool:
     return _light[1] != key and time.perf_counter() - _light[0] < PRIORITY_WINDOW
 
 
+def _setting_up(handle) -> bool:
+    """Whether a ready callback for no sandbox is the loop accepting a connection: the listening
+    socket's accept, or the first step of the setup task it starts (`keyed_accept_connection`,
+    before it marks its context). Only these go before a heavier sandbox's work: the rest of what
+    runs for no sandbox (a decode thread's completion, in the empty context a thread gives it;
+    the callbacks of a connection already closed; the gateway's timers) went first too, uncharged
+    and unbounded but by MAX_SET_ASIDE, the heavy sandbox's own decodes among them (a review)."""
+    callback = handle._callback
+    if getattr(callback, "__func__", None) is _ACCEPT:
+        return True
+    task = getattr(callback, "__self__", None)
+    if isinstance(task, asyncio.Task):
+        coro = task.get_coro()
+        return getattr(coro, "cr_code", None) is _SETUP_CODE[0]
+    return False
+
+
 def _lighter_ready(ready, handler, key, load: float) -> bool:
     """Whether a callback that `handler`'s sandbox (`key`, at `load`) yields to is in the loop's
-    ready queue: one of a lighter sandbox, or one for no sandbox at all (the loop accepting
-    connections; a connection being set up counts as its peer's sandbox's, `_Accepted`, and a
-    handler whose client is known as its sandbox's, cached or not). Before, a new connection's
-    every setup step (about four callbacks) waited behind the flood's ready work, and a
-    neighbour's fresh request spent 8.7 ms (1.8 ms alone) before its first callback of its own."""
+    ready queue: one of a lighter sandbox, of a connection whose sandbox is not known yet, or of
+    the loop accepting a connection (`_setting_up`; the setup then counts as its peer's sandbox's,
+    `_Accepted`). Before, a new connection's every setup step (about four callbacks) waited behind
+    the flood's ready work, and a neighbour's fresh request spent 8.7 ms (1.8 ms alone) before its
+    first callback of its own."""
     for other in itertools.islice(ready, READY_SCAN):
         if other._cancelled:
             continue
         holder = other._context.get(_serving) if other._context is not None else None
-        served = holder.handler if holder is not None else None
-        other_key = (getattr(served, ATTR, None) or _known_key(served)) if served is not None else None
-        if other_key is None:
-            if other._callback is not _next_poll:
+        if holder is None:
+            if _setting_up(other):
                 return True
-        elif other_key != key:
+            continue
+        served = holder.handler
+        if served is None:
+            continue  # a connection already closed: nobody's turn
+        other_key = getattr(served, ATTR, None) or _known_key(served)
+        if other_key is None:
+            return True  # a handler whose client is not known yet
+        if other_key != key:
             other_load = _share.noted_load(other_key)
             if other_load >= 0 and yields_to(load, other_load):
                 return True
@@ -304,6 +328,8 @@ def install(state) -> None:
         if accepted is not None:
             _serving.set(_Serving(accepted))
         return await accept_connection(self, protocol_factory, conn, extra, *args, **kwargs)
+
+    _SETUP_CODE[0] = keyed_accept_connection.__code__
 
     async def marked_handle_client(self) -> None:
         holder = serve(self)  # this task's context, and every task it starts (connections, hooks)
