@@ -15,12 +15,35 @@ it (`wait_closed`), never sleep.
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import ssl
 import threading
+import time
 from pathlib import Path
 
 WAIT = 10.0
+
+
+def accept_forever(sock: socket.socket, handle, stopped) -> None:
+    """Accept connections on `sock` until it is closed (or `stopped()`), each handed to
+    `handle(conn, addr)` on a thread of its own. An accept that fails for one connection (reset
+    while it waited in the backlog: ECONNABORTED; EMFILE for a moment) skips it: a loop that ended
+    there (the `websockets` server's own does) left the socket listening, the kernel completing
+    handshakes nobody read, and every later test's upstream TLS handshake hung (a CI run: a
+    WebSocket through the gateway never got its 101)."""
+    while not stopped():
+        try:
+            conn, addr = sock.accept()
+        except (ConnectionAbortedError, InterruptedError):
+            continue
+        except OSError as exc:
+            if stopped() or sock.fileno() < 0 or exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                                                    errno.ENOMEM):
+                return
+            time.sleep(0.01)  # out of descriptors or memory for a moment: the connection waits in the backlog
+            continue
+        threading.Thread(target=handle, args=(conn, addr), daemon=True).start()
 
 
 class _Watch:
@@ -88,17 +111,10 @@ class WatchedServer(_Watch):
         self._sock.listen(64)
         self.port = self._sock.getsockname()[1]
         self._stopped = False
-        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=accept_forever, args=(self._sock, self._handle, lambda: self._stopped),
+                         daemon=True).start()
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
-
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket, addr=None) -> None:
         self._open()
         try:
             conn.settimeout(60)
@@ -167,7 +183,14 @@ class WebSocketOrigin(_Watch):
 
         self._server = serve(handler, host, port, ssl=context, ping_interval=None)
         self.port = self._server.socket.getsockname()[1]
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._stopped = False
+        # The library's own handler per connection, from an accept loop that survives a failed
+        # accept (`serve_forever` ends at the first one).
+        threading.Thread(target=accept_forever, args=(self._server.socket, self._server.handler, lambda: self._stopped),
+                         daemon=True).start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        self._stopped = True
+        with contextlib.suppress(OSError):  # (wakes the accept; the library's shutdown() would wait
+            self._server.socket.shutdown(socket.SHUT_RDWR)  # for a serve_forever that never ran)
+        self._server.socket.close()
