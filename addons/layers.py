@@ -166,7 +166,6 @@ class RefusalLayer(layer.Layer):
         yield commands.CloseConnection(self.context.client)
 
 
-
 TLS_ALERT_HANDSHAKE_FAILURE = b"\x15\x03\x03\x00\x02\x02\x28"  # fatal handshake_failure (RFC 8446 6)
 
 
