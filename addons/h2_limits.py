@@ -7,6 +7,9 @@ server layer that applies them: addons/layers.py `GatewayHttp2Server`).
   (h2 itself would raise TooManyStreamsError and mitmproxy would tear the whole connection down),
   still decoding its header block so that HPACK stays in step. It also remembers which streams the
   client reset in the same read, so that the server never starts a request for one of them.
+  Its GOAWAY names the highest stream the server layer handled (`acted_on`), not the highest
+  one parsed: streams parsed and dropped with the backlog (or with a read h2 stopped parsing
+  in) never reached a hook or an upstream, and RFC 9113 6.8 lets the client retry them.
 - `GatewayHttp2Client` (the upstream h2 connection) drains its queue of streams waiting for a free
   upstream stream slot in a loop: mitmproxy's resumes the next queued stream from inside the call
   that handled the previous one, so a run of queued streams that each close at once (opened and
@@ -26,7 +29,7 @@ import time
 
 import h2.exceptions
 from hyperframe.frame import (
-    DataFrame, ExtensionFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
+    DataFrame, ExtensionFrame, GoAwayFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
 )
 from mitmproxy.proxy.layers.http._base import HttpEvent, ReceiveHttp
 from mitmproxy.proxy.layers.http._http2 import Http2Client
@@ -137,6 +140,19 @@ class LimitedH2Connection(BufferedH2Connection):
         # its own settings) so that h2's own check and the one below agree from the first frame.
         self.local_settings.max_concurrent_streams = max_streams
         self.local_settings.acknowledge()
+        self.acted_on = 0  # the highest stream id whose request the server layer has handled
+
+    def close_connection(self, error_code=0, additional_data=None, last_stream_id=None) -> None:
+        super().close_connection(error_code, additional_data,
+                                 self.acted_on if last_stream_id is None else last_stream_id)
+
+    def _terminate_connection(self, error_code) -> None:
+        """h2's GOAWAY for an error met while parsing (a flood raised in `_receive_frame`)."""
+        goaway = GoAwayFrame(0)
+        goaway.last_stream_id = self.acted_on
+        goaway.error_code = error_code
+        self.state_machine.process_input(h2.connection.ConnectionInputs.SEND_GOAWAY)
+        self._prepare_for_sending([goaway])
 
     def receive_data(self, data: bytes):
         return _merged(super().receive_data(data))

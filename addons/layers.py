@@ -531,6 +531,8 @@ class GatewayHttp2Server(Http2Server):
             return (yield from self._count_reset(now))
         if isinstance(event, h2.events.RequestReceived) and self.is_closed(event.stream_id):
             return False  # reset by the client before it was handled: no request at all (its reset is counted)
+        if isinstance(event, h2.events.RequestReceived):
+            self.h2_conn.acted_on = max(self.h2_conn.acted_on, event.stream_id)  # its GOAWAY's last stream
         if isinstance(event, h2.events.StreamReset):  # counted as its frame was parsed (ResetFlood)
             self.ledger.release(event.stream_id)
             return (yield from super().handle_h2_event(event))

@@ -179,3 +179,39 @@ def test_a_flood_s_goaway_is_followed_by_a_fin_except_inside_a_connect_tunnel():
     layer, client = _server()
     layer.context.layers.insert(0, HttpStream(layer.context.fork(), 1))  # the CONNECT request's stream
     assert closes(_flooded(layer, client)) == []
+
+
+@settings(deadline=None, max_examples=25)
+@given(st.integers(min_value=0, max_value=4 * STEP), st.booleans())
+def test_a_flood_s_goaway_names_the_last_stream_handled_not_the_last_parsed(waiting, drained):
+    """RFC 9113 6.8: streams above a GOAWAY's last stream id were not acted on, and a client may
+    retry them elsewhere. Streams still in the backlog when a flood ends the connection (and those
+    of the read h2 stopped parsing in) never reached a hook or an upstream: the GOAWAY must not
+    claim them, and must claim every stream that was handled."""
+    import h2.events
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client = _server()
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    h2c.initiate_connection()
+    headers = [(":method", "GET"), (":scheme", "https"), (":authority", "a.test"), (":path", "/")]
+    for _ in range(waiting):
+        h2c.send_headers(h2c.get_next_available_stream_id(), headers, end_stream=True)
+    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    handled = _opened(commands)
+    while drained and (pending := _wakeups(commands)):  # else the rest still wait in the backlog
+        commands = list(layer.handle_event(events.Wakeup(pending[0])))
+        handled += _opened(commands)
+    floods = []
+    for _ in range(layer.limits.max_resets + 1):
+        floods.append(h2c.get_next_available_stream_id())
+        h2c.send_headers(floods[-1], headers, end_stream=True)
+        h2c.reset_stream(floods[-1], h2.errors.ErrorCodes.CANCEL)
+    flood = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    sent = b"".join(c.data for c in flood if isinstance(c, mc.SendData))
+    ends = [e for e in h2c.receive_data(sent) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert len(ends) == 1 and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert ends[0].last_stream_id == max(handled, default=0)
+    if drained:
+        assert len(handled) == waiting
