@@ -1,5 +1,5 @@
 """Fixtures for the transparent/DNS-mode tests: one closed network per session (see topology.py),
-four sandboxes built by docker/sandbox-net.sh, and three gateways in the gateway namespace.
+eight sandboxes built by docker/sandbox-net.sh, and six gateways in the gateway namespace.
 
     sandbox  gateway  policy
     main     main     allowed.test + pypi.test (http/https), 93.184.216.34 by IP (https),
@@ -10,6 +10,8 @@ four sandboxes built by docker/sandbox-net.sh, and three gateways in the gateway
     report   report   `mode: report`: allowed.test (GET), raw TCP :22 to tcp.test's IP; the rest would_deny
     revoke   revoke   allowed.test, other.test, raw TCP :22 to tcp.test's IP; rewritten and reloaded by
                       test_revocation.py (open connections after a policy change)
+    limited  limited  main's policy, with per-sandbox buckets that do not refill within a test run
+    neighbour limited (LIMITED_ARGS): test_rate_limits.py spends limited's, neighbour keeps its own
 
 Safety: everything that is sent to a non-loopback address is sent from inside a namespace created
 here (the test process switches only a thread's namespace, programs run under `ip netns exec`);
@@ -142,9 +144,18 @@ SANDBOXES = {
     "beta": (4, 18083, 15355, "80 443", "multi"),
     "report": (5, 18084, 15356, "80 443 22", "report"),
     "revoke": (6, 18085, 15357, "80 443 22", "revoke"),
+    "limited": (7, 18086, 15358, "80 443 22", "limited"),
+    "neighbour": (8, 18086, 15358, "80 443 22", "limited"),
 }
-GATEWAYS = {"main": (MAIN_POLICY, 18181), "strict": (STRICT_POLICY, 18182), "multi": (MULTI_POLICY, 18183),
-            "report": (REPORT_POLICY, 18184), "revoke": (REVOKE_POLICY, 18185)}
+# The limited gateway's buckets: a burst of 4 new connections and 2 requests per sandbox, refilled
+# at one token per 1,000 s (the least the options take), so a test can count them out exactly.
+LIMITED_ARGS = ["--set", "egress_max_new_connections_per_second_per_sandbox=0.001",
+                "--set", "egress_new_connection_burst_per_sandbox=4",
+                "--set", "egress_max_requests_per_second_per_sandbox=0.001",
+                "--set", "egress_request_burst_per_sandbox=2"]
+GATEWAYS = {"main": (MAIN_POLICY, 18181, []), "strict": (STRICT_POLICY, 18182, []),
+            "multi": (MULTI_POLICY, 18183, []), "report": (REPORT_POLICY, 18184, []),
+            "revoke": (REVOKE_POLICY, 18185, []), "limited": (MAIN_POLICY, 18186, LIMITED_ARGS)}
 
 
 class NamespacedGateway(GatewayProcess):
@@ -244,7 +255,7 @@ def world():
         topology.record_icmp()
         for key, (index, proxy_port, dns_port, ports, _gw) in SANDBOXES.items():
             topology.add_sandbox(key, index, proxy_port, dns_port, ports)
-        for key, (text, regular_port) in GATEWAYS.items():
+        for key, (text, regular_port, limits) in GATEWAYS.items():
             workdir = root / key
             workdir.mkdir()
             policy = workdir / "policy.yaml"
@@ -253,7 +264,8 @@ def world():
             gateways[key] = NamespacedGateway(
                 policy, workdir, host="127.0.0.1", port=regular_port, upstream_ca=topology.pki.ca_cert,
                 command_prefix=["ip", "netns", "exec", topology.gw],
-                extra_args=["--mode", f"transparent@0.0.0.0:{proxy_port}", "--mode", f"dns@0.0.0.0:{dns_port}"],
+                extra_args=["--mode", f"transparent@0.0.0.0:{proxy_port}", "--mode", f"dns@0.0.0.0:{dns_port}",
+                            *limits],
             )
         with concurrent.futures.ThreadPoolExecutor(len(gateways)) as pool:
             list(pool.map(lambda g: g.start(), gateways.values()))
@@ -307,10 +319,19 @@ def beta(world) -> Site:
     return world.sites["beta"]
 
 
+@pytest.fixture(scope="session")
+def limited(world) -> Site:
+    return world.sites["limited"]
+
+
+@pytest.fixture(scope="session")
+def neighbour(world) -> Site:
+    return world.sites["neighbour"]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_recorders(request):
-    if "world" in request.fixturenames or any(
-            name in request.fixturenames for name in ("topology", "main", "strict", "alpha", "beta", "report", "revoke")):
+    if "world" in request.fixturenames or any(name in request.fixturenames for name in SANDBOXES):
         request.getfixturevalue("world").topology.reset()
     yield
 
