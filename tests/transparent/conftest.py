@@ -289,44 +289,16 @@ def topology(world) -> Topology:
     return world.topology
 
 
-@pytest.fixture(scope="session")
-def main(world) -> Site:
-    return world.sites["main"]
+def _site_fixture(key: str):
+    """The fixture for one sandbox of SANDBOXES (named after it): its Site in the session's world."""
+    @pytest.fixture(scope="session", name=key)
+    def site(world) -> Site:
+        return world.sites[key]
+    return site
 
 
-@pytest.fixture(scope="session")
-def strict(world) -> Site:
-    return world.sites["strict"]
-
-
-@pytest.fixture(scope="session")
-def report(world) -> Site:
-    return world.sites["report"]
-
-
-@pytest.fixture(scope="session")
-def revoke(world) -> Site:
-    return world.sites["revoke"]
-
-
-@pytest.fixture(scope="session")
-def alpha(world) -> Site:
-    return world.sites["alpha"]
-
-
-@pytest.fixture(scope="session")
-def beta(world) -> Site:
-    return world.sites["beta"]
-
-
-@pytest.fixture(scope="session")
-def limited(world) -> Site:
-    return world.sites["limited"]
-
-
-@pytest.fixture(scope="session")
-def neighbour(world) -> Site:
-    return world.sites["neighbour"]
+for _key in SANDBOXES:  # main, strict, alpha, beta, report, revoke, limited, neighbour
+    globals()[_key] = _site_fixture(_key)
 
 
 @pytest.fixture(autouse=True)
