@@ -63,11 +63,18 @@ class EgressCore:
         )
         loader.add_option(
             "egress_max_head_bytes", int, 64 * 1024,
-            "Largest HTTP/1 request head (request line and headers) accepted, in bytes (431 above).",
+            "Largest request head accepted, in bytes: an HTTP/1 request line and headers (431 above), an "
+            "HTTP/2 header block, encoded or decoded (GOAWAY above; reason request_head_too_large).",
+        )
+        loader.add_option(
+            "egress_max_header_fields", int, 256,
+            "Most header fields a request head (or HTTP/2 trailer section) may carry; more: 431, reason "
+            "too_many_header_fields (0: no limit).",
         )
         loader.add_option(
             "egress_head_timeout", int, 30,
-            "Seconds a client may take to send one HTTP/1 request head (408 after; 0: no limit).",
+            "Seconds a client may take to send one request head: HTTP/1 (408 after), or an HTTP/2 "
+            "header block (GOAWAY after); 0: no limit.",
         )
 
     def configure(self, updated: set[str]):

@@ -10,6 +10,11 @@ server layer that applies them: addons/layers.py `GatewayHttp2Server`).
   Its GOAWAY names the highest stream the server layer handled (`acted_on`), not the highest
   one parsed: streams parsed and dropped with the backlog (or with a read h2 stopped parsing
   in) never reached a hook or an upstream, and RFC 9113 6.8 lets the client retry them.
+- `BoundedFrameBuffer` (its frame buffer) sums a header block's bytes as its HEADERS and
+  CONTINUATION frames arrive and stops at `egress_max_head_bytes`: h2 joins the whole block (up to
+  64 CONTINUATION frames of 128 KiB, 8 MiB) and HPACK decodes it in one callback before any size
+  is checked (an 8 MiB Huffman value held the event loop ~2 s); its decoder's header-list limit is
+  the same figure, so what is decoded is bounded too.
 - `GatewayHttp2Client` (the upstream h2 connection) drains its queue of streams waiting for a free
   upstream stream slot in a loop: mitmproxy's resumes the next queued stream from inside the call
   that handled the previous one, so a run of queued streams that each close at once (opened and
@@ -28,8 +33,9 @@ import h2.stream
 import time
 
 import h2.exceptions
+from h2.frame_buffer import CONTINUATION_BACKLOG, FrameBuffer
 from hyperframe.frame import (
-    DataFrame, ExtensionFrame, GoAwayFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
+    ContinuationFrame, DataFrame, HeadersFrame, PushPromiseFrame, ExtensionFrame, GoAwayFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
 )
 from mitmproxy.proxy.layers.http._base import HttpEvent, ReceiveHttp
 from mitmproxy.proxy.layers.http._http2 import Http2Client
@@ -41,6 +47,10 @@ from . import frame_limits, h2_backpressure
 
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
+_HEADER_BLOCK_FRAMES = (HeadersFrame, ContinuationFrame, PushPromiseFrame)
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # egress_max_head_bytes (addons/core.py)
+DEFAULT_HEAD_TIMEOUT = 30.0  # egress_head_timeout
+DEFAULT_MAX_HEADER_FIELDS = 256  # egress_max_header_fields
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,9 @@ class Limits:
     reset_window: float = h2budget.DEFAULT_RESET_WINDOW
     max_buffered_bytes: int = h2budget.DEFAULT_MAX_BUFFERED_BYTES
     max_control_frames: int = h2budget.DEFAULT_MAX_CONTROL_FRAMES
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    head_timeout: float = DEFAULT_HEAD_TIMEOUT
+    max_header_fields: int = DEFAULT_MAX_HEADER_FIELDS
 
     @classmethod
     def from_options(cls, options) -> "Limits":
@@ -61,7 +74,10 @@ class Limits:
                    max(0, int(get("egress_h2_max_resets", cls.max_resets))),
                    max(0.001, float(get("egress_h2_reset_window", cls.reset_window))),
                    max(0, int(get("egress_h2_max_buffered_bytes", cls.max_buffered_bytes))),
-                   max(0, int(get("egress_h2_max_control_frames", cls.max_control_frames))))
+                   max(0, int(get("egress_h2_max_control_frames", cls.max_control_frames))),
+                   max(1024, int(get("egress_max_head_bytes", cls.max_head_bytes))),
+                   max(0.0, float(get("egress_head_timeout", cls.head_timeout))),
+                   max(0, int(get("egress_max_header_fields", cls.max_header_fields))))
 
 
 class StreamRefused(h2.events.Event):
@@ -100,6 +116,50 @@ class SmallFrameFlood(ControlFlood):
     reason = "small_frame_flood"
 
 
+class HeaderBlockTooLarge(ControlFlood):
+    """The same, when a header block (HEADERS and its CONTINUATION frames, before HPACK decodes
+    it), or what it decodes to, passed egress_max_head_bytes. Past that point its stream cannot be
+    refused alone: HPACK's state depends on every block being decoded whole."""
+
+    reason = "request_head_too_large"
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
+class BoundedFrameBuffer(FrameBuffer):
+    """h2's frame buffer, with the bytes of the header block being joined summed frame by frame:
+    past `max_block_bytes` it raises HeaderBlockTooLarge, before the block is joined or decoded.
+    `block_started` is when the unfinished block's first frame arrived (None: none is pending)."""
+
+    def __init__(self, server: bool, max_block_bytes: int) -> None:
+        super().__init__(server=server)
+        self.max_block_bytes = max_block_bytes
+        self.block_bytes = 0
+        self.block_started: float | None = None
+
+    def _update_header_buffer(self, f):
+        if isinstance(f, _HEADER_BLOCK_FRAMES):
+            self.block_bytes = (self.block_bytes if self._headers_buffer else 0) + len(f.data)
+            if self.block_bytes > self.max_block_bytes:
+                raise self._too_large(f"an HTTP/2 header block passed {self.max_block_bytes} bytes")
+            if len(self._headers_buffer) >= CONTINUATION_BACKLOG:  # (h2's own limit, which is not audited)
+                raise self._too_large(f"an HTTP/2 header block passed {CONTINUATION_BACKLOG} frames")
+        f = super()._update_header_buffer(f)
+        if not self._headers_buffer:
+            self.block_started = None
+        elif self.block_started is None:
+            self.block_started = time.monotonic()
+        return f
+
+    def _too_large(self, message: str) -> HeaderBlockTooLarge:
+        """The block is dropped: the connection ends, and nothing more of it is kept meanwhile."""
+        error = HeaderBlockTooLarge(message, self.block_bytes)
+        self._headers_buffer, self.block_bytes, self.block_started = [], 0, None
+        return error
+
+
 def _merged(events: list) -> list:
     """Adjacent DataReceived events of one stream from one read, as one: the frames' boundaries
     mean nothing to HTTP, and each event costs the layers above far more than h2's parse of it
@@ -129,8 +189,10 @@ def _empty_data(frame) -> bool:
 
 class LimitedH2Connection(BufferedH2Connection):
     def __init__(self, config, max_streams: int, max_control_frames: int = h2budget.DEFAULT_MAX_CONTROL_FRAMES,
-                 small_frame: Callable[[int], bool] | None = None, resets: h2budget.ResetTracker | None = None):
+                 small_frame: Callable[[int], bool] | None = None, resets: h2budget.ResetTracker | None = None,
+                 max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES):
         super().__init__(config)
+        self.incoming_buffer = BoundedFrameBuffer(not config.client_side, max_head_bytes)
         self.resets = resets  # the connection's reset budget, shared with its server layer
         self.small_frame = small_frame  # a small DATA frame arrived: False when its sandbox has no tokens
         self.small_frames = 0
@@ -139,6 +201,8 @@ class LimitedH2Connection(BufferedH2Connection):
         # Advertised in the first SETTINGS frame; acknowledged here at once (as mitmproxy does for
         # its own settings) so that h2's own check and the one below agree from the first frame.
         self.local_settings.max_concurrent_streams = max_streams
+        self.local_settings.max_header_list_size = max_head_bytes
+        self.decoder.max_header_list_size = max_head_bytes  # (h2 sets it only when a SETTINGS ACK comes)
         self.local_settings.acknowledge()
         self.acted_on = 0  # the highest stream id whose request the server layer has handled
 

@@ -56,6 +56,7 @@ from mitmproxy.proxy.layers.tcp import TCPLayer
 
 import h2.errors
 import h2.events
+import h2.exceptions
 
 from gateway import h2budget
 from gateway.budget import Account
@@ -310,6 +311,8 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
+        self.max_header_fields = max(0, int(getattr(context.options, "egress_max_header_fields",
+                                                    h2_limits.DEFAULT_MAX_HEADER_FIELDS)))
         self._head_started: float | None = None  # when the first byte of the current head came
         self._head_wakeup: commands.RequestWakeup | None = None  # the timer for that head
 
@@ -396,6 +399,12 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         if sum(len(line) for line in request_head) > self.max_head_bytes:
             yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))
             return
+        if len(request_head) - 1 > self.max_header_fields > 0:  # (each line: a field or an obs-fold)
+            # Checked before parsing: each field costs every later lookup (12,000 of them in 60 KB
+            # cost ~100 ms of the loop per request in mitmproxy's and the gateway's header checks).
+            yield from self._refuse(_too_many_fields(len(request_head) - 1, self.max_header_fields), None,
+                                    _request_method(request_head))
+            return
         head = [bytes(x) for x in request_head]
         try:
             self.request = http1.read_request_head(head)
@@ -449,6 +458,16 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         yield from super().send(event)
 
 
+def _regular_fields(headers) -> int:
+    """The header fields of an HTTP/2 header list, its pseudo-header fields not counted."""
+    return sum(1 for name, _ in headers if not name.startswith(b":"))
+
+
+def _too_many_fields(count: int, limit: int, section: str = "header") -> Decision:
+    return Decision.deny("too_many_header_fields", f"the request's {section} section has {count} fields, "
+                                                   f"more than egress_max_header_fields ({limit})")
+
+
 class GatewayHttp2Server(Http2Server):
     """mitmproxy's HTTP/2 server, except that
     - an error it would answer with its own HTML page (quoting what failed) is answered in the
@@ -480,13 +499,14 @@ class GatewayHttp2Server(Http2Server):
         self.h2_conn = h2_limits.LimitedH2Connection(self.h2_conf, self.limits.max_concurrent_streams,
                                                      self.limits.max_control_frames,
                                                      functools.partial(frame_limits.take, sandbox or "unknown"),
-                                                     self.resets)
+                                                     self.resets, self.limits.max_head_bytes)
         self.aggregate = h2budget.RefusalAggregator()
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self._flush_wakeup: commands.RequestWakeup | None = None
         self._backlog: deque = deque()  # h2 events parsed and not handled yet, in order
         self._backlog_wakeup: commands.RequestWakeup | None = None
+        self._block_wakeup: commands.RequestWakeup | None = None  # the deadline of an unfinished header block
 
     def _unread(self) -> int:
         unread = 0
@@ -509,6 +529,9 @@ class GatewayHttp2Server(Http2Server):
                 self._backlog_wakeup = None
                 yield from self._tracked(self._run_backlog())
                 h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
+            elif event.command is self._block_wakeup:
+                self._block_wakeup = None
+                yield from self._block_deadline()
             return
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             self._backlog.clear()  # what the client sent before it closed: its streams fail with it
@@ -517,11 +540,35 @@ class GatewayHttp2Server(Http2Server):
             h2_backpressure.release(self.context.client)
         else:
             h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
+        if (self._block_wakeup is None and self.limits.head_timeout
+                and self.h2_conn.incoming_buffer.block_started is not None):
+            self._block_wakeup = commands.RequestWakeup(self.limits.head_timeout)
+            yield self._block_wakeup
+
+    def _block_deadline(self) -> layer.CommandGenerator[None]:
+        """A header block started and did not end in time (HEADERS without END_HEADERS, then silence
+        or a trickle of CONTINUATION frames): the HTTP/1 head timeout's counterpart. No stream can
+        be answered (its block is not decoded): GOAWAY and close, as a flood."""
+        started = self.h2_conn.incoming_buffer.block_started
+        if started is None or self._closing:
+            return  # the block ended, or the connection is already closing
+        waited = time.monotonic() - started
+        if waited < self.limits.head_timeout:
+            self._block_wakeup = commands.RequestWakeup(self.limits.head_timeout - waited)
+            yield self._block_wakeup
+            return
+        self.h2_conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        decision = Decision.deny("request_head_timeout", f"an HTTP/2 header block took more than "
+                                                         f"{self.limits.head_timeout:g}s; the connection was closed (GOAWAY)")
+        yield from self._goaway(decision, bytes=self.h2_conn.incoming_buffer.block_bytes)
 
     # --- budgets ------------------------------------------------------------------------------
 
     def handle_h2_event(self, event) -> layer.CommandGenerator[bool]:
         now = time.monotonic()
+        if isinstance(event, h2.exceptions.DenialOfServiceError):  # HPACK decoded past the header-list limit
+            event = h2_limits.HeaderBlockTooLarge(
+                f"an HTTP/2 header block decoded to more than {self.limits.max_head_bytes} bytes", 0)
         if isinstance(event, h2_limits.ControlFlood):
             return (yield from self._control_flood(event))
         if isinstance(event, h2_limits.StreamRefused):
@@ -533,6 +580,16 @@ class GatewayHttp2Server(Http2Server):
             return False  # reset by the client before it was handled: no request at all (its reset is counted)
         if isinstance(event, h2.events.RequestReceived):
             self.h2_conn.acted_on = max(self.h2_conn.acted_on, event.stream_id)  # its GOAWAY's last stream
+            if (fields := _regular_fields(event.headers)) > self.limits.max_header_fields > 0:
+                yield from self._refuse_head(event, _too_many_fields(fields, self.limits.max_header_fields))
+                return (yield from self._count_reset(now))
+        if (isinstance(event, h2.events.TrailersReceived) and event.stream_id in self.streams
+                and (fields := _regular_fields(event.headers)) > self.limits.max_header_fields > 0):
+            stream = self._streams.get(event.stream_id)
+            flow = getattr(stream, "flow", None)
+            yield from self._refuse_stream(event.stream_id, _too_many_fields(fields, self.limits.max_header_fields, "trailer"),
+                                           flow.request if flow is not None else None)
+            return (yield from self._count_reset(now))
         if isinstance(event, h2.events.StreamReset):  # counted as its frame was parsed (ResetFlood)
             self.ledger.release(event.stream_id)
             return (yield from super().handle_h2_event(event))
@@ -541,6 +598,19 @@ class GatewayHttp2Server(Http2Server):
             if not (yield from self._hold(event)):
                 return False
         return (yield from super().handle_h2_event(event))
+
+    def _refuse_head(self, event: h2.events.RequestReceived, decision: Decision) -> layer.CommandGenerator[None]:
+        """A request refused on its head alone, before any hook saw it: its answer, and a reset if
+        its body is still to come."""
+        decision = yield from self._audit(decision)
+        head = (b":method", b"HEAD") in event.headers
+        if head:
+            self._head_requests.add(event.stream_id)
+        self._send_refusal(event.stream_id, decision)
+        self._head_requests.discard(event.stream_id)
+        if not self.is_closed(event.stream_id):
+            self.h2_conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)  # RFC 9113 8.1
+        yield commands.SendData(self.conn, self.h2_conn.data_to_send())
 
     def _count_reset(self, now: float) -> layer.CommandGenerator[bool]:
         """One stream reset early (by the client, or refused here). Over the limit: GOAWAY and close."""
@@ -562,8 +632,15 @@ class GatewayHttp2Server(Http2Server):
             counted = {"resets": self.resets.total}
         elif isinstance(event, h2_limits.SmallFrameFlood):
             decision, counted = Decision.deny(event.reason, str(event)), {"frames": self.h2_conn.small_frames}
+        elif isinstance(event, h2_limits.HeaderBlockTooLarge):
+            counted = {"bytes": event.size} if event.size else {}
         else:
             counted = {"frames": self.h2_conn.control.total}
+        return (yield from self._goaway(decision, **counted))
+
+    def _goaway(self, decision: Decision, **counted) -> layer.CommandGenerator[bool]:
+        """The connection ends on the gateway's GOAWAY (already queued): one audit line, then the
+        lingering close."""
         self._record(decision, None, event="connection", status_sent=False, **counted)
         self._linger_close = True
         yield commands.Log(f"{human.format_address(self.conn.peername)}: egress gateway: {decision.message}")
@@ -630,7 +707,7 @@ class GatewayHttp2Server(Http2Server):
         yield from ()
 
     def _record(self, decision: Decision, request, **fields) -> Decision:
-        fields.setdefault("status_sent", decision.reason == "buffer_budget")
+        fields.setdefault("status_sent", decision.reason in ("buffer_budget", "too_many_header_fields"))
         try:
             return self.on_refusal(self.context, decision, request, getattr(request, "method", None), **fields) \
                 or decision
@@ -642,7 +719,10 @@ class GatewayHttp2Server(Http2Server):
     _linger_close = False  # set when the gateway itself ends the connection with GOAWAY
     _linger: commands.RequestWakeup | None = None
 
+    _closing = False
+
     def close_connection(self, msg: str) -> layer.CommandGenerator[None]:
+        self._closing = True
         for reason, count in self.aggregate.flush().items():
             self._record(Decision.deny(reason, f"{count} more HTTP/2 streams refused ({reason})"), None,
                          repeated=count)

@@ -87,7 +87,11 @@ REASONS: dict[str, tuple[int, str]] = {
     "credential_rate_limited": (429, "the credential the rule injects was used more often than its policy limit "
                                      "allows; nothing was sent"),
     "request_head_timeout": (408, "the request head took too long to arrive"),
-    "request_head_too_large": (431, "the request line and headers exceed the size limit"),
+    "request_head_too_large": (431, "the request line and headers exceed the size limit (HTTP/2: a header block, "
+                                    "encoded or decoded, passed egress_max_head_bytes; the connection was closed "
+                                    "with GOAWAY ENHANCE_YOUR_CALM)"),
+    "too_many_header_fields": (431, "the request head (or an HTTP/2 request's trailers) has more header fields than "
+                                    "egress_max_header_fields; refused before any check or hook read it"),
     "chunk_line_too_large": (431, "an HTTP/1 chunk-size line (with its extensions) or trailer section passed "
                                   "egress_max_head_bytes; answered if the response had not started, then closed"),
     "pipeline_too_large": (431, "an HTTP/1 client sent more than twice egress_max_head_bytes ahead of a response "

@@ -407,3 +407,51 @@ def test_a_long_download_earns_its_window_updates(gateway, upstreams):
             frames = [e for e in seen if isinstance(e, h2.events.DataReceived)]
             assert sum(len(e.data) for e in frames) == 2 * 1024 * 1024 and len(frames) > 100
     assert not [a for a in gateway.audit_since_mark() if a.get("reason") == "control_frame_flood" and a.get("client") == conn.client]
+
+
+def test_a_header_block_past_the_head_limit_ends_the_connection_before_it_is_decoded(gateway, upstreams):
+    """HEADERS and CONTINUATION frames of 128 KiB carrying one multi-MiB value: h2 joined the whole
+    block and HPACK decoded it in one ~2 s callback (every other client of the worker waited),
+    then GOAWAY PROTOCOL_ERROR with no audit line. Now the frame that passes
+    egress_max_head_bytes ends the connection: GOAWAY ENHANCE_YOUR_CALM, one
+    `request_head_too_large` line, nothing upstream; what the client wrote after it is not read."""
+    import hpack
+    from hyperframe.frame import ContinuationFrame, HeadersFrame
+
+    block = hpack.Encoder().encode(_headers("allowed.test", "/block") + [("x-big", "v" * (1 << 20))], huffman=False)
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        piece = 16384  # the client's view of the gateway's max frame size before SETTINGS are read
+        try:
+            for n, at in enumerate(range(0, len(block), piece)):
+                frame = HeadersFrame(1, block[at:at + piece]) if n == 0 else ContinuationFrame(1, block[at:at + piece])
+                frame.flags = {"END_STREAM"} if n == 0 else set()
+                if n >= 63:
+                    break  # h2's own limit of 64 frames a block
+                conn.sock.sendall(frame.serialize())
+        except OSError:
+            pass  # closed while the rest was being written
+        seen = _events(client, lambda seen: "closed" in seen or any(
+            isinstance(e, h2.events.ConnectionTerminated) for e in seen))
+        goaway = [e for e in seen if isinstance(e, h2.events.ConnectionTerminated)]
+        assert goaway and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, seen
+        lines = _refusals(gateway, conn.client, "request_head_too_large", 1)
+    assert len(lines) == 1 and lines[0]["event"] == "connection" and lines[0]["status"] is None, lines
+    assert not [r for r in upstreams.tls["allowed.test"].requests if r.path == "/block"]
+
+
+def test_a_head_with_too_many_fields_is_refused_431_and_the_connection_goes_on(gateway, upstreams):
+    """257 tiny fields (the default egress_max_header_fields is 256): 431 too_many_header_fields on
+    the stream, nothing upstream; the next stream on the same connection is served."""
+    with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:
+        client = H2Client(conn)
+        many = client.send("allowed.test", "/many", extra=[(f"x-f{n}", "0") for n in range(257)])
+        client.wait(many)
+        assert client.responses[many]["status"] == 431
+        assert dict(client.responses[many]["headers"])["x-egress-reason"] == "too_many_header_fields"
+        enough = client.send("allowed.test", "/enough", extra=[(f"x-f{n}", "0") for n in range(90)])  # (the origin takes 100)
+        client.wait(enough)
+        assert client.responses[enough]["status"] == 200
+        lines = _refusals(gateway, conn.client, "too_many_header_fields", 1)
+    assert len(lines) == 1 and lines[0]["status"] == 431, lines
+    assert [r.path for r in upstreams.tls["allowed.test"].requests] == ["/enough"]

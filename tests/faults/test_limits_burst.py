@@ -115,6 +115,20 @@ def test_oversized_heads_under_a_burst(limited, upstreams):
         assert get(conn, "http://allowed.test/small", "allowed.test", extra=[("X-Pad", "p" * (MAX_HEAD - 200))]).status == 200
 
 
+def test_heads_with_too_many_fields_under_a_burst(limited, upstreams):
+    """Each field costs every later header lookup (12,000 tiny ones cost ~100 ms of the loop per
+    request): past egress_max_header_fields (256) the head is refused 431 before it is parsed."""
+    def many(i):
+        with client(limited, i) as conn:
+            return get(conn, f"http://allowed.test/many/{i}", "allowed.test", extra=[(f"X-F{n}", "0") for n in range(256)])
+
+    responses = burst(8, many)  # with Host: 257 fields
+    assert {(r.status, r.egress_reason) for r in responses} == {(431, "too_many_header_fields")}
+    assert upstreams.untouched("allowed.test")
+    with connect_proxy(limited) as conn:  # under it is fine (the test origin itself takes at most 100)
+        assert get(conn, "http://allowed.test/few", "allowed.test", extra=[(f"X-F{n}", "0") for n in range(90)]).status == 200
+
+
 def test_slowloris_burst_gets_408(limited, upstreams):
     """Clients that trickle their head a header line at a time get a 408 once egress_head_timeout is
     over, each of them, at once."""

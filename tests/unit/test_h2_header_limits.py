@@ -1,0 +1,223 @@
+"""What one HTTP/2 request head may cost (addons/h2_limits.py BoundedFrameBuffer, addons/layers.py
+GatewayHttp2Server): a header block is bounded while it arrives, before h2 joins it and HPACK
+decodes it; what it decodes to is bounded too; an unfinished block has a deadline; a head with too
+many fields is refused on its stream before any hook sees it. Driven through the real layer
+(mitmproxy's sans-I/O API) with real frames."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import hpack
+from hyperframe.frame import ContinuationFrame, HeadersFrame
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from addons import h2_limits
+from addons.layers import GatewayHttp2Server
+
+LIMIT = h2_limits.DEFAULT_MAX_HEAD_BYTES
+BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"a.test"), (b":path", b"/")]
+
+
+def _server(**limits):
+    from mitmproxy.addons import proxyserver
+    from mitmproxy.connection import Client
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.context import Context
+    from mitmproxy.test import taddons
+
+    with taddons.context(proxyserver.Proxyserver()) as tctx:
+        options = tctx.options
+    client = Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2), timestamp_start=0)
+    refused: list[tuple[str, dict]] = []
+    layer = GatewayHttp2Server(Context(client, options),
+                               lambda context, decision, *args, **fields: refused.append((decision.reason, fields)))
+    if limits:
+        layer.limits = dataclasses.replace(layer.limits, **limits)
+    layer.started = list(layer.handle_event(events.Start()))  # (its SETTINGS frame)
+    return layer, client, refused
+
+
+def _client():
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=False))
+    h2c.initiate_connection()
+    return h2c
+
+
+def _send(layer, client, data: bytes) -> list:
+    from mitmproxy.proxy import events
+
+    return list(layer.handle_event(events.DataReceived(client, data)))
+
+
+def _opened(commands) -> list[int]:
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.http._events import RequestHeaders
+
+    return [c.event.stream_id for c in commands if isinstance(c, ReceiveHttp) and isinstance(c.event, RequestHeaders)]
+
+
+def _answer(h2c, commands) -> list:
+    """What the client makes of the gateway's bytes."""
+    from mitmproxy.proxy import commands as mc
+
+    return h2c.receive_data(b"".join(c.data for c in commands if isinstance(c, mc.SendData)))
+
+
+def _block_frames(block: bytes, piece: int, stream_id: int = 1) -> list[bytes]:
+    """One header block as HEADERS + CONTINUATION frames of `piece` bytes each."""
+    pieces = [block[at:at + piece] for at in range(0, len(block), piece)] or [b""]
+    frames = []
+    for n, data in enumerate(pieces):
+        frame = HeadersFrame(stream_id, data) if n == 0 else ContinuationFrame(stream_id, data)
+        frame.flags = {"END_STREAM"} if n == 0 else set()
+        if n == len(pieces) - 1:
+            frame.flags.add("END_HEADERS")
+        frames.append(frame.serialize())
+    return frames
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(min_value=0, max_value=3 * LIMIT), st.sampled_from([1024, 16384, 2 ** 17]),
+       st.booleans())
+def test_a_header_block_is_bounded_as_it_arrives_not_once_joined(padding, piece, huffman):
+    """An 8 MiB block (63 CONTINUATION frames of 128 KiB) was joined whole and HPACK-decoded in one
+    ~2 s callback before anything checked its size. Now HPACK never sees a block over the limit:
+    the frame that passes it ends the connection (GOAWAY ENHANCE_YOUR_CALM, one audit line), and
+    no frame after it is read; a block within the limit is a request as before."""
+    layer, client, refused = _server()
+    decoded: list[int] = []
+    decode = layer.h2_conn.decoder.decode
+    layer.h2_conn.decoder.decode = lambda data, raw=False: decoded.append(len(data)) or decode(data, raw)
+    block = hpack.Encoder().encode(BASE + [(b"x-pad", b"a" * padding)], huffman=huffman)
+    h2c = _client()
+    frames = _block_frames(block, piece)
+    commands = _send(layer, client, h2c.data_to_send() + b"".join(frames))
+    assert all(size <= LIMIT for size in decoded)
+    if len(block) > LIMIT:
+        assert _opened(commands) == [] and [reason for reason, _ in refused] == ["request_head_too_large"]
+        assert refused[0][1]["bytes"] > LIMIT
+        ends = [e for e in _answer(h2c, commands) if isinstance(e, h2.events.ConnectionTerminated)]
+        assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        assert layer.h2_conn.incoming_buffer._headers_buffer == []  # nothing more of it is kept
+    elif len(block) + 32 * 5 + sum(len(n) + len(v) for n, v in BASE) + 5 + padding <= LIMIT:
+        assert _opened(commands) == [1] and refused == []
+
+
+def test_a_small_block_that_decodes_past_the_limit_is_refused_and_audited():
+    """HPACK's own header-list limit (a small block of references to one large table entry): h2
+    raised DenialOfServiceError and mitmproxy closed the connection with no audit line."""
+    layer, client, refused = _server()
+    encoder = hpack.Encoder()
+    big = (b"x-big", b"b" * 3000)
+    block = encoder.encode(BASE + [big] * 40, huffman=False)  # the value once, then 39 one-byte references
+    assert len(block) < 4 * 1024
+    h2c = _client()
+    commands = _send(layer, client, h2c.data_to_send() + b"".join(_block_frames(block, 16384)))
+    assert _opened(commands) == [] and [reason for reason, _ in refused] == ["request_head_too_large"]
+    ends = [e for e in _answer(h2c, commands) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_the_gateway_advertises_the_header_list_limit():
+    layer, client, _ = _server()
+    changed = [e for e in _answer(_client(), layer.started) if isinstance(e, h2.events.RemoteSettingsChanged)]
+    settings_ = changed[0].changed_settings
+    assert settings_[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE].new_value == LIMIT
+
+
+def test_an_unfinished_header_block_has_a_deadline():
+    """HEADERS without END_HEADERS, then silence: the connection was held until tcp_timeout, and
+    95 such connections held 784 MiB. Now the head timeout runs from the block's first frame."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(head_timeout=30.0)
+    block = hpack.Encoder().encode(BASE + [(b"x-pad", b"a" * 100)], huffman=False)
+    h2c = _client()
+    first = _block_frames(block, 50)[:-1]  # every frame but the one that ends the block
+    commands = _send(layer, client, h2c.data_to_send() + b"".join(first))
+    timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert len(timers) == 1 and timers[0].delay == 30.0
+    # Woken early (the block has waited 10 s): the timer is set again for what is left.
+    layer.h2_conn.incoming_buffer.block_started -= 10
+    commands = list(layer.handle_event(events.Wakeup(timers[0])))
+    again = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert refused == [] and len(again) == 1 and 19 < again[0].delay <= 20
+    layer.h2_conn.incoming_buffer.block_started -= 20
+    commands = list(layer.handle_event(events.Wakeup(again[0])))
+    assert [reason for reason, _ in refused] == ["request_head_timeout"]
+    ends = [e for e in _answer(h2c, commands) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert any(isinstance(c, mc.CloseConnection) for c in commands)
+
+
+def test_a_header_block_that_ends_in_time_clears_its_deadline():
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(head_timeout=30.0)
+    block = hpack.Encoder().encode(BASE + [(b"x-pad", b"a" * 100)], huffman=False)
+    h2c = _client()
+    frames = _block_frames(block, 50)
+    commands = _send(layer, client, h2c.data_to_send() + b"".join(frames[:-1]))
+    timer = [c for c in commands if isinstance(c, mc.RequestWakeup)][0]
+    assert _opened(_send(layer, client, frames[-1])) == [1]
+    assert layer.h2_conn.incoming_buffer.block_started is None
+    layer.h2_conn.incoming_buffer.block_bytes = 0
+    commands = list(layer.handle_event(events.Wakeup(timer)))
+    assert refused == [] and not [c for c in commands if isinstance(c, (mc.RequestWakeup, mc.CloseConnection))]
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.integers(min_value=0, max_value=40), st.integers(min_value=1, max_value=30), st.booleans(),
+       st.sampled_from(["GET", "HEAD", "POST"]))
+def test_a_head_with_too_many_fields_is_refused_on_its_stream(fields, limit, with_body, method):
+    """12,000 tiny fields in a 60 KB head cost ~100 ms of the loop per request in the header
+    checks. Over egress_max_header_fields (pseudo-header fields not counted) the stream is
+    answered 431 too_many_header_fields and never becomes a request; the connection goes on."""
+    layer, client, refused = _server(max_header_fields=limit)
+    h2c = _client()
+    headers = [(b":method", method.encode())] + BASE[1:] + [(b"x-f%d" % n, b"0") for n in range(fields)]
+    h2c.send_headers(1, headers, end_stream=not with_body)
+    commands = _send(layer, client, h2c.data_to_send())
+    if fields <= limit:
+        assert _opened(commands) == [1] and refused == []
+        return
+    assert _opened(commands) == [] and [reason for reason, _ in refused] == ["too_many_header_fields"]
+    answer = _answer(h2c, commands)
+    responses = [e for e in answer if isinstance(e, h2.events.ResponseReceived)]
+    assert responses and dict(responses[0].headers)[b":status"] == b"431"
+    assert dict(responses[0].headers)[b"x-egress-reason"] == b"too_many_header_fields"
+    body = b"".join(e.data for e in answer if isinstance(e, h2.events.DataReceived))
+    assert (body == b"") == (method == "HEAD")
+    assert any(isinstance(e, h2.events.StreamReset) for e in answer) == with_body
+    assert not any(isinstance(e, h2.events.ConnectionTerminated) for e in answer)
+    # The connection still serves the next request.
+    h2c.send_headers(3, BASE, end_stream=True)
+    assert _opened(_send(layer, client, h2c.data_to_send())) == [3]
+
+
+def test_trailers_with_too_many_fields_refuse_their_stream():
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(max_header_fields=4)
+    h2c = _client()
+    h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:])
+    h2c.send_data(1, b"body")
+    assert _opened(_send(layer, client, h2c.data_to_send())) == [1]
+    h2c.send_headers(1, [(b"x-t%d" % n, b"0") for n in range(5)], end_stream=True)
+    commands = _send(layer, client, h2c.data_to_send())
+    assert [reason for reason, _ in refused] == ["too_many_header_fields"]
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.http._events import RequestProtocolError, RequestTrailers
+
+    sent_up = [c.event for c in commands if isinstance(c, ReceiveHttp)]
+    assert not any(isinstance(e, RequestTrailers) for e in sent_up)
+    assert any(isinstance(e, RequestProtocolError) for e in sent_up)
+    del events
