@@ -14,8 +14,13 @@ Here the layer (wrapped once, like addons/credentials.py's redaction) relays wit
 - every frame and ping the client sends under `egress_small_frame_bytes` takes a token from its
   sandbox's small-frame bucket (addons/frame_limits.py); when none is left, both sides are closed
   with 1008 (policy violation) and one audit line, `small_frame_flood`;
+- the message being reassembled, from either side, is charged to the client's connection and
+  sandbox in the buffer ledger (gateway/budget.py) as its pieces arrive; a piece that finds no
+  room closes both sides with 1009 and one audit line, `buffer_budget` (20 connections each
+  holding an unfinished 15 MiB message took 306 MiB, past the 128 MiB sandbox budget);
 - after each message only that message is kept (every addon's `websocket_message` hook has seen
-  it by then: the redactor, rate limits, metrics read `messages[-1]`).
+  it by then: the redactor, rate limits, metrics read `messages[-1]`), and its content only while
+  small: a relayed message of DROP_CONTENT_AT bytes or more keeps its type and size, not its bytes.
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MESSAGE_TOO_BIG = 1009  # RFC 6455 close codes
 MESSAGE_POLICY = 1008
 SMALL_FRAGMENT = 4000  # mitmproxy's Fragmentizer.FRAGMENT_SIZE
+DROP_CONTENT_AT = 64 * 1024  # a relayed message this large is not kept (addons/layers.py DROP_BODY_AT)
 
 
 class WebsocketLimits:
     def __init__(self, state: GatewayState):
         self.state = state
-        install(self._refused, self._taker)
+        install(self._refused, self._taker, state.buffer_account)
         read_ahead.install()
 
     def load(self, loader):
@@ -119,13 +125,14 @@ class _Reassembly:
     """The message one side is sending: its pieces (joined once, at its end), its size so far,
     the size of the frame under way and of the frames before it."""
 
-    __slots__ = ("pieces", "size", "frame_size", "fragments")
+    __slots__ = ("pieces", "size", "frame_size", "fragments", "account")
 
     def __init__(self) -> None:
         self.pieces: list[bytes] = []
         self.size = 0
         self.frame_size = 0
         self.fragments: list[int] = []
+        self.account = None  # its share of the buffer ledger (gateway/budget.py Account), once charged
 
     @classmethod
     def of(cls, ws) -> "_Reassembly":
@@ -134,11 +141,15 @@ class _Reassembly:
             found = ws._egress_reassembly = cls()
         return found
 
-    def add(self, piece: bytes) -> None:
+    def add(self, piece: bytes) -> bool:
+        """Keep the piece; False (and nothing kept) when the buffer ledger has no room for it."""
         if piece:
+            if self.account is not None and not self.account.reserve(len(piece)):
+                return False
             self.pieces.append(piece)
             self.size += len(piece)
             self.frame_size += len(piece)
+        return True
 
     def frame_done(self) -> None:
         self.fragments.append(self.frame_size)
@@ -151,6 +162,8 @@ class _Reassembly:
         content = b"".join(self.pieces)
         fragments = self.fragments
         self.pieces, self.size, self.frame_size, self.fragments = [], 0, 0, []
+        if self.account is not None:
+            self.account.release()  # the message goes to the hooks and on (one at a time per side)
         if len(fragments) > 1 + len(content) // SMALL_FRAGMENT:
             fragments = []
         return content, fragments
@@ -163,7 +176,7 @@ def _limit() -> int:
         return DEFAULT_MAX_MESSAGE_BYTES
 
 
-def install(on_refused, taker) -> None:
+def install(on_refused, taker, account_for=None) -> None:
     """Wrap mitmproxy's WebsocketLayer (the class the HTTP stream makes, whatever wrapped it before)."""
     from mitmproxy.proxy import commands
     from mitmproxy.proxy.layers import websocket as ws_module
@@ -173,12 +186,14 @@ def install(on_refused, taker) -> None:
     if getattr(ws_module.WebsocketLayer, "_egress_bounded", False):
         ws_module.WebsocketLayer._egress_on_refused = staticmethod(on_refused)
         ws_module.WebsocketLayer._egress_taker = staticmethod(taker)
+        ws_module.WebsocketLayer._egress_account_for = staticmethod(account_for)
         return
 
     class BoundedWebsocketLayer(ws_module.WebsocketLayer):
         _egress_bounded = True
         _egress_on_refused = staticmethod(on_refused)
         _egress_taker = staticmethod(taker)
+        _egress_account_for = staticmethod(account_for)  # context -> a new Account (None: not charged)
         _egress_take = None  # the client's sandbox bucket (frame_limits.take bound to its key), once known
 
         def handle_event(self, event):
@@ -205,6 +220,13 @@ def install(on_refused, taker) -> None:
                 injected = True
             src_ws, dst_ws = (self.client_ws, self.server_ws) if from_client else (self.server_ws, self.client_ws)
             reading = _Reassembly.of(src_ws)
+            if reading.account is None and self._egress_account_for is not None:
+                try:
+                    reading.account = self._egress_account_for(self.context)
+                except Exception:  # fail closed: a side that cannot be charged holds nothing
+                    logging.getLogger("egress").exception("egress gateway: no buffer account for a WebSocket")
+                    yield from self._over_budget(from_client, 0)
+                    return
 
             if isinstance(event, events.DataReceived):
                 src_ws.receive_data(event.data)
@@ -219,7 +241,9 @@ def install(on_refused, taker) -> None:
             for ws_event in src_ws.events():
                 if isinstance(ws_event, wsproto.events.Message):
                     piece = ws_event.data.encode() if isinstance(ws_event.data, str) else ws_event.data
-                    reading.add(piece)
+                    if not reading.add(piece):
+                        yield from self._over_budget(from_client, reading.size + len(piece))
+                        return
                     if limit and reading.size > limit:
                         yield from self._too_large(from_client, reading.size, limit)
                         return
@@ -252,6 +276,9 @@ def install(on_refused, taker) -> None:
                                 fragments or _sized(len(out)))
                             for msg in fragmentizer(out):
                                 yield dst_ws.send2(msg)
+                        if len(message.content) >= DROP_CONTENT_AT:
+                            message.content = b""  # sent (or dropped): a large one is not kept
+                        content = out = None
                         if self._handle_event != self.relay_messages:
                             return  # closed meanwhile
                 elif isinstance(ws_event, (wsproto.events.Ping, wsproto.events.Pong)):
@@ -269,6 +296,7 @@ def install(on_refused, taker) -> None:
                                         wsproto.connection.ConnectionState.REMOTE_CLOSING):
                             yield ws.send2(ws_event)
                         yield commands.CloseConnection(ws.conn)
+                    self._egress_release()
                     yield ws_module.WebsocketEndHook(self.flow)
                     self.flow.live = False
                     self._handle_event = self.done
@@ -296,10 +324,23 @@ def install(on_refused, taker) -> None:
                                    f"a WebSocket message from the {'client' if from_client else 'upstream'} "
                                    f"passed {limit} bytes; closed with {MESSAGE_TOO_BIG}", size)
 
-        def _close(self, from_client: bool, code: int, reason_text: str, reason: str, message: str, size: int):
+        def _over_budget(self, from_client: bool, size: int):
+            yield from self._close(from_client, MESSAGE_TOO_BIG, "message too big", "buffer_budget",
+                                   f"a WebSocket message from the {'client' if from_client else 'upstream'} being "
+                                   f"reassembled would pass the connection's or the sandbox's buffer budget; closed "
+                                   f"with {MESSAGE_TOO_BIG}", size)
+
+        def _egress_release(self):
+            """The connection ends: what its reassemblies held goes back to the ledger."""
             for ws in (self.client_ws, self.server_ws):
-                _Reassembly.of(ws).take()
+                reading = _Reassembly.of(ws)
+                reading.take()
+                if reading.account is not None:
+                    reading.account.close()
                 ws.frame_buf = [b""]
+
+        def _close(self, from_client: bool, code: int, reason_text: str, reason: str, message: str, size: int):
+            self._egress_release()
             try:
                 self._egress_on_refused(self.flow, reason, message, size)
             except Exception:

@@ -468,6 +468,40 @@ def test_a_websocket_message_reassembled_past_its_budget_closes_both_sides_with_
     assert lines[-1]["rule"] == "stall"
 
 
+def test_a_websocket_message_being_reassembled_is_charged_to_the_buffer_budget(gateway_with, origin):
+    """Under the message limit but past the buffer budget: 20 connections of one sandbox each
+    holding an unfinished 15 MiB message took 306 MiB, past its 128 MiB budget, with no refusal.
+    Now the reassembly is charged as its pieces arrive: 1009 and `buffer_budget` once it would
+    pass; what it held is given back, so the next connection's message goes through whole."""
+    sets = ("egress_max_websocket_message_bytes=16000000", "egress_max_buffered_bytes_per_connection=1000000")
+    gateway, conn, upstream = _websocket(gateway_with, origin, *sets)
+    piece = b"C" * 65536
+    try:
+        conn.send(_ws_frame(2, piece, fin=False))
+        for _ in range(40):
+            conn.send(_ws_frame(0, piece, fin=False))
+    except OSError:
+        pass
+    data = b""
+    try:
+        while chunk := conn.sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    assert data[:1] == b"\x88" and data[2:4] == (1009).to_bytes(2, "big"), data[:20]
+    assert upstream.closed.wait(5)
+    lines = [a for a in audit_for(gateway, conn.client, 2) if a["event"] == "websocket"]
+    assert lines and lines[-1]["reason"] == "buffer_budget" and lines[-1]["status"] is None, lines
+    assert 1000000 < lines[-1]["size"] <= 1000000 + 65536, lines
+    upgrade = (b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\n"
+               b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    with connect_proxy(gateway, timeout=10) as second:  # the same sandbox: its budget was given back
+        second.send(upgrade)
+        assert second.read_response(head_only=True).status == 101
+        second.send(_ws_frame(2, b"D" * 900000, fin=True))
+        assert _wait(lambda: upstream.received >= 900000, 10), upstream.received
+
+
 def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_with, origin):
     """Whole messages under the budget go through; the flow keeps only the last one (it kept every
     one before: 1 MiB messages grew a worker without end). Checked by the gateway's RSS."""
