@@ -18,7 +18,11 @@ server layer that applies them: addons/layers.py `GatewayHttp2Server`).
 - `GatewayHttp2Client` (the upstream h2 connection) drains its queue of streams waiting for a free
   upstream stream slot in a loop: mitmproxy's resumes the next queued stream from inside the call
   that handled the previous one, so a run of queued streams that each close at once (opened and
-  reset by the client while they waited) recursed once per stream until RecursionError.
+  reset by the client while they waited) recursed once per stream until RecursionError. An
+  upstream's header blocks are bounded as the client's are (h2's 64 KiB header-list default), and
+  a response head or trailer section of more than egress_max_header_fields fails its stream; both
+  are 502 response_too_large, where h2 would join and decode first and mitmproxy answer 502
+  upstream_failed.
 """
 
 from __future__ import annotations
@@ -37,20 +41,23 @@ from h2.frame_buffer import CONTINUATION_BACKLOG, FrameBuffer
 from hyperframe.frame import (
     ContinuationFrame, DataFrame, HeadersFrame, PushPromiseFrame, ExtensionFrame, GoAwayFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
 )
+from mitmproxy.proxy.commands import CloseConnection, Log, SendData
 from mitmproxy.proxy.layers.http._base import HttpEvent, ReceiveHttp
+from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+from mitmproxy.utils import human
 from mitmproxy.proxy.layers.http._http2 import Http2Client
 from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from gateway import h2budget
 
 from . import frame_limits, h2_backpressure
+from .http1 import DEFAULT_MAX_HEADER_FIELDS, max_header_fields
 
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
 _HEADER_BLOCK_FRAMES = (HeadersFrame, ContinuationFrame, PushPromiseFrame)
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # egress_max_head_bytes (addons/core.py)
 DEFAULT_HEAD_TIMEOUT = 30.0  # egress_head_timeout
-DEFAULT_MAX_HEADER_FIELDS = 256  # egress_max_header_fields
 
 
 @dataclass(frozen=True)
@@ -272,6 +279,36 @@ class GatewayHttp2Client(Http2Client):
     docstring); otherwise the same code as Http2Client._handle_event (mitmproxy 12.3)."""
 
     _draining = False
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.h2_conn.incoming_buffer = BoundedFrameBuffer(False, self.h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE)
+
+    def handle_h2_event(self, event):
+        if isinstance(event, (HeaderBlockTooLarge, h2.exceptions.DenialOfServiceError)):
+            message = f"the upstream's HTTP/2 header block passed {self.h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE} bytes"
+            yield Log(f"{human.format_address(self.conn.peername)}: egress gateway: {message}")
+            yield SendData(self.conn, self.h2_conn.data_to_send())  # the GOAWAY h2 queued as it raised
+            yield CloseConnection(self.conn)
+            for stream_id in self.streams:
+                yield ReceiveHttp(ResponseProtocolError(stream_id, message, ErrorCode.RESPONSE_TOO_LARGE))
+            self.streams.clear()
+            self._handle_event = self.done
+            return True
+        if (isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived))
+                and event.stream_id in self.streams):
+            fields = sum(1 for name, _ in event.headers if not name.startswith(b":"))
+            if fields > (limit := max_header_fields(self.context)) > 0:
+                section = "response head" if isinstance(event, h2.events.ResponseReceived) else "trailer section"
+                if not self.is_closed(event.stream_id):  # (its END_STREAM may have come with it)
+                    self.h2_conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.CANCEL)
+                    yield SendData(self.conn, self.h2_conn.data_to_send())
+                self.streams.pop(event.stream_id, None)
+                yield ReceiveHttp(ResponseProtocolError(
+                    event.stream_id, f"the upstream's {section} has {fields} header fields, more than "
+                                     f"egress_max_header_fields ({limit})", ErrorCode.RESPONSE_TOO_LARGE))
+                return False
+        return (yield from super().handle_h2_event(event))
 
     def _no_free_streams(self) -> bool:
         return self.h2_conn.open_outbound_streams >= (

@@ -195,6 +195,12 @@ def _interim_status(buf) -> int | None:
 
 
 MAX_RESPONSE_HEAD_BYTES = 256 * 1024  # an upstream's response head, or bytes it sends with no response due
+DEFAULT_MAX_HEADER_FIELDS = 256  # egress_max_header_fields (addons/core.py)
+
+
+def max_header_fields(context) -> int:
+    """The field limit of one head or trailer section, in either direction (0: none)."""
+    return max(0, int(getattr(context.options, "egress_max_header_fields", DEFAULT_MAX_HEADER_FIELDS)))
 
 
 class GatewayHttp1Client(Http1Client):
@@ -291,10 +297,24 @@ class GatewayHttp1Client(Http1Client):
                     self.state = self.done
                     return
         for command in super().read_headers(event):
-            if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseHeaders)
-                    and self._exchange is not None):
-                self._exchange.response_head(command.event.response.status_code)
+            if isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseHeaders):
+                fields = len(command.event.response.headers.fields)
+                if fields > (limit := max_header_fields(self.context)) > 0:
+                    yield from self._too_many_fields(f"the upstream's response head has {fields} header fields, "
+                                                     f"more than egress_max_header_fields ({limit})")
+                    return
+                if self._exchange is not None:
+                    self._exchange.response_head(command.event.response.status_code)
             yield command
+
+    def _too_many_fields(self, message: str) -> layer.CommandGenerator[None]:
+        """Every field costs every later header lookup in the hooks: an upstream's response head
+        (or trailer section) of too many ends its connection, 502 response_too_large."""
+        self.buf = ReceiveBuffer()
+        yield commands.CloseConnection(self.conn)
+        self.state = self.done
+        if self.stream_id is not None:
+            yield ReceiveHttp(ResponseProtocolError(self.stream_id, message, ErrorCode.RESPONSE_TOO_LARGE))
 
     def mark_done(self, *, request: bool = False, response: bool = False) -> layer.CommandGenerator[None]:
         self.request_done = self.request_done or request
@@ -329,6 +349,10 @@ class GatewayHttp1Client(Http1Client):
             if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseEndOfMessage)
                     and catcher.trailers is not None):
                 trailers, catcher.trailers = catcher.trailers, None
+                if len(trailers.fields) > (limit := max_header_fields(self.context)) > 0:
+                    yield from self._too_many_fields(f"the upstream's trailer section has {len(trailers.fields)} "
+                                                     f"fields, more than egress_max_header_fields ({limit})")
+                    return
                 yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
             yield command
         if self.state == self.read_body and len(self.buf) > MAX_RESPONSE_HEAD_BYTES:

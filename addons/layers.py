@@ -65,7 +65,7 @@ from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
 from . import frame_limits, h2_backpressure, h2_limits, read_ahead
-from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood
+from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood, max_header_fields
 from .credentials import BOUND, BUFFER_ACCOUNT
 from .decode_pool import DecodeSteps, EgressDecodeStepsHook
 from .fair_share import EgressPaceHook
@@ -311,8 +311,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
-        self.max_header_fields = max(0, int(getattr(context.options, "egress_max_header_fields",
-                                                    h2_limits.DEFAULT_MAX_HEADER_FIELDS)))
+        self.max_header_fields = max_header_fields(context)
         self._head_started: float | None = None  # when the first byte of the current head came
         self._head_wakeup: commands.RequestWakeup | None = None  # the timer for that head
 

@@ -103,7 +103,9 @@ REASONS: dict[str, tuple[int, str]] = {
     "buffer_budget": (503, "buffering this body would pass the connection's or the sandbox's buffer budget"),
     "request_body_timeout": (408, "the request body stopped moving (no byte for egress_body_idle_timeout)"),
     "response_body_timeout": (504, "the upstream response body stopped moving; cut off if its head was sent"),
-    "response_too_large": (502, "the upstream response exceeds body_size_limit (or its decoded budget)"),
+    "response_too_large": (502, "the upstream response exceeds body_size_limit (or its decoded budget), or its head "
+                                "does: 256 KiB (HTTP/1), a 64 KiB HTTP/2 header block, more header or trailer "
+                                "fields than egress_max_header_fields"),
     "upstream_failed": (502, "the upstream connection or TLS verification failed"),
     "resolve_failed": (502, "the host name could not be resolved"),
     "internal_error": (500, "the gateway failed while deciding; the request was refused"),
