@@ -20,9 +20,11 @@ Http1Client, replaced by `GatewayHttp1Client` through `install()` (mitmproxy bui
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import h11
+import h11._readers
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import http
 from mitmproxy.net.http import http1, status_codes
@@ -65,12 +67,67 @@ def last_chunk(trailers: http.Headers | None) -> bytes:
     return b"0\r\n%s\r\n" % bytes(kept) if kept.fields else b"0\r\n\r\n"
 
 
+_BLANK_LINE = re.compile(rb"\n\r?\n")  # where a head or trailer section ends (as h11 finds it)
+
+
+class HeadLines:
+    """The lines of a head (or trailer section) still arriving in an h11 receive buffer, counted
+    incrementally (each byte once, however it is trickled), up to the blank line that ends it:
+    checked before the section is parsed, whose cost grows with its fields (50,000 fields of an
+    upstream's 256 KiB head cost ~70 ms of the loop in mitmproxy's parse, its trailers ~200 ms)."""
+
+    def __init__(self) -> None:
+        self.scanned = 0
+        self.lines = 0
+
+    def count(self, buf: ReceiveBuffer) -> int:
+        data = buf._data  # only appended to until the section is extracted (then `reset`)
+        if len(data) < self.scanned:
+            self.__init__()
+        blank = _BLANK_LINE.search(data, max(self.scanned - 1, 0))
+        end = blank.start() + 1 if blank else len(data)
+        if end > self.scanned:
+            self.lines += data.count(b"\n", self.scanned, end)
+            self.scanned = end
+        return self.lines
+
+    reset = __init__
+
+
+class TooManyFields(Exception):
+    """A head or trailer section passed egress_max_header_fields before it was parsed."""
+
+
+class _CountedChunkedReader(h11._readers.ChunkedReader):
+    """h11's chunked reader, whose trailer section is counted before h11 parses it."""
+
+    max_fields = 0
+    _trailer_lines: HeadLines | None = None
+
+    def __call__(self, buf):
+        if self._reading_trailer and self.max_fields:
+            if self._trailer_lines is None:
+                self._trailer_lines = HeadLines()
+            if (lines := self._trailer_lines.count(buf)) > self.max_fields:
+                raise TooManyFields(f"the trailer section has more than {self.max_fields} fields ({lines} lines so far)")
+        return super().__call__(buf)
+
+
+def count_trailer_fields(reader, max_fields: int):
+    """The body reader, with a chunked body's trailer section bounded to `max_fields` (0: none).
+    mitmproxy makes h11's own reader; it is given the counting subclass (same state, one more check)."""
+    if max_fields and type(reader) is h11._readers.ChunkedReader:
+        reader.__class__ = _CountedChunkedReader
+        reader.max_fields = max_fields
+    return reader
+
+
 class TrailerCatcher:
     """Wraps an h11 body reader: a chunked body's trailer fields are kept in `trailers` and the end
     of message goes on without them (mitmproxy would raise NotImplementedError)."""
 
-    def __init__(self, reader):
-        self.reader = reader
+    def __init__(self, reader, max_fields: int = 0):
+        self.reader = count_trailer_fields(reader, max_fields)
         self.trailers: http.Headers | None = None
 
     def __call__(self, buf):
@@ -102,8 +159,8 @@ class ChunkMerger:
     event per byte), and each chunk under egress_small_frame_bytes takes a token through `take`;
     when none is left, `SmallChunkFlood` is raised."""
 
-    def __init__(self, reader, take: Callable[[int], bool] | None):
-        self.reader = reader
+    def __init__(self, reader, take: Callable[[int], bool] | None, max_fields: int = 0):
+        self.reader = count_trailer_fields(reader, max_fields)
         self.take = take
         self.small_chunks = 0
         self._chunk = 0  # bytes of the chunk being read
@@ -215,6 +272,10 @@ class GatewayHttp1Client(Http1Client):
     _pending_trailers: http.Headers | None = None
     _exchange: UpstreamExchange | None = None
 
+    def __init__(self, context):
+        super().__init__(context)
+        self._head_lines = HeadLines()  # of the response head arriving
+
     def send(self, event) -> layer.CommandGenerator[None]:
         self._note_sent(event)
         if isinstance(event, RequestHeaders) and (event.request.is_http2 or event.request.is_http3):
@@ -288,6 +349,7 @@ class GatewayHttp1Client(Http1Client):
             while (status := _interim_status(self.buf)) is not None:
                 if self.buf.maybe_extract_lines() is None:
                     return  # the rest of the interim head is still on its way
+                self._head_lines.reset()
                 self._exchange.response_head(status)
                 if self._exchange.too_many_interim:
                     yield commands.CloseConnection(self.conn)
@@ -296,13 +358,14 @@ class GatewayHttp1Client(Http1Client):
                         ErrorCode.GENERIC_SERVER_ERROR))
                     self.state = self.done
                     return
+        limit = max_header_fields(self.context)
+        if isinstance(event, events.DataReceived) and limit and self._head_lines.count(self.buf) - 1 > limit:
+            yield from self._too_many_fields(f"the upstream's response head has more than {limit} header fields "
+                                             f"(egress_max_header_fields)")
+            return
         for command in super().read_headers(event):
             if isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseHeaders):
-                fields = len(command.event.response.headers.fields)
-                if fields > (limit := max_header_fields(self.context)) > 0:
-                    yield from self._too_many_fields(f"the upstream's response head has {fields} header fields, "
-                                                     f"more than egress_max_header_fields ({limit})")
-                    return
+                self._head_lines.reset()
                 if self._exchange is not None:
                     self._exchange.response_head(command.event.response.status_code)
             yield command
@@ -343,18 +406,18 @@ class GatewayHttp1Client(Http1Client):
 
     def read_body(self, event) -> layer.CommandGenerator[None]:
         if not isinstance(self.body_reader, TrailerCatcher):
-            self.body_reader = TrailerCatcher(self.body_reader)
+            self.body_reader = TrailerCatcher(self.body_reader, max_header_fields(self.context))
         catcher = self.body_reader
-        for command in super().read_body(event):
-            if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseEndOfMessage)
-                    and catcher.trailers is not None):
-                trailers, catcher.trailers = catcher.trailers, None
-                if len(trailers.fields) > (limit := max_header_fields(self.context)) > 0:
-                    yield from self._too_many_fields(f"the upstream's trailer section has {len(trailers.fields)} "
-                                                     f"fields, more than egress_max_header_fields ({limit})")
-                    return
-                yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
-            yield command
+        try:
+            for command in super().read_body(event):
+                if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseEndOfMessage)
+                        and catcher.trailers is not None):
+                    trailers, catcher.trailers = catcher.trailers, None
+                    yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
+                yield command
+        except TooManyFields as too_many:
+            yield from self._too_many_fields(f"the upstream's {too_many} (egress_max_header_fields)")
+            return
         if self.state == self.read_body and len(self.buf) > MAX_RESPONSE_HEAD_BYTES:
             # What h11 left unread is an unfinished chunk-size line (its extensions) or trailer
             # section: h11 bounds neither, and an upstream could grow it without end.

@@ -65,7 +65,7 @@ from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
 
 from . import frame_limits, h2_backpressure, h2_limits, read_ahead
-from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood, max_header_fields
+from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood, TooManyFields, max_header_fields
 from .credentials import BOUND, BUFFER_ACCOUNT
 from .decode_pool import DecodeSteps, EgressDecodeStepsHook
 from .fair_share import EgressPaceHook
@@ -418,9 +418,15 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
 
     def read_body(self, event: events.Event) -> layer.CommandGenerator[None]:
         if not isinstance(self.body_reader, ChunkMerger):
-            self.body_reader = ChunkMerger(self.body_reader, self._take_small)
+            self.body_reader = ChunkMerger(self.body_reader, self._take_small, self.max_header_fields)
         try:
             yield from super().read_body(event)
+        except TooManyFields as too_many:
+            # Checked before h11 parses the section (12,000 trailer fields cost ~80 ms of the loop).
+            yield from self._cut(Decision.deny("too_many_header_fields", f"the request's {too_many} "
+                                               f"(egress_max_header_fields)"),
+                                 "the client sent a trailer section of too many fields")
+            return
         except SmallChunkFlood as flood:
             yield from self._cut(Decision.deny("small_frame_flood", f"{flood}; the connection was closed"),
                                  "the client sent too many small chunks")
@@ -570,6 +576,10 @@ class GatewayHttp2Server(Http2Server):
                 f"an HTTP/2 header block decoded to more than {self.limits.max_head_bytes} bytes", 0)
         if isinstance(event, h2_limits.ControlFlood):
             return (yield from self._control_flood(event))
+        if isinstance(event, h2.exceptions.ProtocolError):  # (PUSH_PROMISE from a client, a stray CONTINUATION...)
+            self._record(Decision.deny("malformed_request", f"HTTP/2 protocol error: {str(event)[:200]}; the "
+                                                            f"connection was closed (GOAWAY)"),
+                         None, event="connection", status_sent=False)
         if isinstance(event, h2_limits.StreamRefused):
             yield from self._audit(Decision.deny(
                 "too_many_streams", f"more than {self.limits.max_concurrent_streams} concurrent HTTP/2 streams; "
@@ -633,6 +643,8 @@ class GatewayHttp2Server(Http2Server):
             decision, counted = Decision.deny(event.reason, str(event)), {"frames": self.h2_conn.small_frames}
         elif isinstance(event, h2_limits.HeaderBlockTooLarge):
             counted = {"bytes": event.size} if event.size else {}
+        elif isinstance(event, h2_limits.FrameTooLarge):
+            counted = {}
         else:
             counted = {"frames": self.h2_conn.control.total}
         return (yield from self._goaway(decision, **counted))

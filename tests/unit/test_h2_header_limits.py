@@ -221,3 +221,40 @@ def test_trailers_with_too_many_fields_refuse_their_stream():
     assert not any(isinstance(e, RequestTrailers) for e in sent_up)
     assert any(isinstance(e, RequestProtocolError) for e in sent_up)
     del events
+
+
+@settings(deadline=None, max_examples=20)
+@given(st.integers(min_value=2 ** 17 + 1, max_value=2 ** 24 - 1), st.sampled_from([0x1, 0x0, 0x9, 0x8]),
+       st.integers(min_value=0, max_value=3))
+def test_a_frame_declaring_more_than_the_maximum_is_refused_from_its_header(length, kind, split):
+    """h2 waited for the whole frame before checking its length: a header declaring 16 MiB, then
+    15 MiB of it, was held per connection (95 of them: 2 GiB) with no refusal. Now the 9 bytes of
+    the frame header are enough: GOAWAY FRAME_SIZE_ERROR, one audit line, nothing of it kept."""
+    layer, client, refused = _server()
+    h2c = _client()
+    header = length.to_bytes(3, "big") + bytes([kind, 0]) + (1).to_bytes(4, "big")
+    data = h2c.data_to_send() + header
+    commands = []
+    if split:  # the header itself in pieces
+        commands += _send(layer, client, data[:-split])
+        assert refused == []
+        data = data[-split:]
+    commands += _send(layer, client, data + b"x" * 1000)
+    assert [reason for reason, _ in refused] == ["malformed_request"]
+    ends = [e for e in _answer(h2c, commands) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.FRAME_SIZE_ERROR
+    assert len(layer.h2_conn.incoming_buffer._data) == 0
+
+
+def test_a_protocol_error_is_audited():
+    """PUSH_PROMISE from a client: GOAWAY PROTOCOL_ERROR, and now an audit line too."""
+    from hyperframe.frame import PushPromiseFrame
+
+    layer, client, refused = _server()
+    h2c = _client()
+    h2c.send_headers(1, BASE, end_stream=True)
+    promise = PushPromiseFrame(1, hpack.Encoder().encode(BASE))
+    promise.promised_stream_id = 2
+    promise.flags = {"END_HEADERS"}
+    _send(layer, client, h2c.data_to_send() + promise.serialize())
+    assert [reason for reason, _ in refused] == ["malformed_request"]

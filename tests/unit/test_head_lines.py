@@ -1,0 +1,59 @@
+"""Counting a head's (or trailer section's) fields before it is parsed (addons/http1.py
+HeadLines, count_trailer_fields): the count does not depend on how the bytes were split into
+reads, stops at the blank line (a body's newlines are not counted), and a chunked body's trailer
+section over the limit is refused before h11 decodes a field of it."""
+
+from __future__ import annotations
+
+import h11
+import h11._readers
+import pytest
+from h11._receivebuffer import ReceiveBuffer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from addons.http1 import HeadLines, TooManyFields, count_trailer_fields
+
+
+def _fed(data: bytes, cuts: list[int]):
+    """Yields the buffer after each read of `data` cut at `cuts`."""
+    buf = ReceiveBuffer()
+    at = 0
+    for cut in sorted(set(cuts)) + [len(data)]:
+        buf += data[at:cut]
+        at = cut
+        yield buf
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=40), st.booleans(), st.binary(max_size=200),
+       st.lists(st.integers(min_value=0, max_value=600), max_size=30))
+def test_the_count_is_the_head_s_lines_however_it_is_split(fields, bare_lf, body, cuts):
+    eol = b"\n" if bare_lf else b"\r\n"
+    head = eol.join([b"HTTP/1.1 200 OK"] + [b"a%d:0" % n for n in range(fields)]) + eol + eol
+    data = head + body + b"\n\n" * 3  # a body full of newlines and blank lines
+    counter = HeadLines()
+    for buf in _fed(data, [c for c in cuts if c < len(data)]):
+        count = counter.count(buf)
+    assert count == fields + 1
+
+
+@pytest.mark.parametrize("fields, limit, refused", [(5, 10, False), (10, 10, False), (11, 10, True), (12000, 256, True)])
+def test_a_trailer_section_over_the_limit_is_refused_before_h11_decodes_it(monkeypatch, fields, limit, refused):
+    decoded: list[int] = []
+    decode = h11._readers._decode_header_lines
+    monkeypatch.setattr(h11._readers, "_decode_header_lines",
+                        lambda lines: decoded.append(len(lines)) or decode(lines))
+    reader = count_trailer_fields(h11._readers.ChunkedReader(), limit)
+    buf = ReceiveBuffer()
+    buf += b"3\r\nabc\r\n0\r\n" + b"".join(b"t%d: 0\r\n" % n for n in range(fields)) + b"\r\n"
+    events = []
+    try:
+        while (event := reader(buf)) is not None:
+            events.append(event)
+            if isinstance(event, h11.EndOfMessage):
+                break
+    except TooManyFields:
+        assert refused and decoded == []
+        return
+    assert not refused and len(events[-1].headers) == fields and decoded == [fields]
