@@ -1,4 +1,5 @@
-"""Bytes written to a client that the client has not read yet are charged to its buffer budget.
+"""Bytes written to a client, or to an upstream of its connection, that the peer has not read yet
+are charged to the client's buffer budget.
 
 A buffered response's charge (addons/layers.py) ends when its stream completes, but its bytes then
 sit in the asyncio transport's write buffer until the client reads them: 30 tunnels of one
@@ -10,6 +11,10 @@ limits and new buffers of the sandbox find no room); a task waits for the transp
 gives the charge back as the bytes go out. At most the transport's high-water mark (64 KiB) may
 stay charged until the connection's next event; the connection's close releases the rest
 (BufferBudget.client_disconnected drops its accounts).
+
+The connection's upstream transports are summed in too: a WebSocket (or a streamed body) relayed
+to an upstream that does not read sat in its transport uncharged (10 connections of 8 MiB
+messages: RSS +207 MB, and the same sandbox's reassemblies were still admitted; review 6).
 """
 
 from __future__ import annotations
@@ -21,18 +26,30 @@ _state = None  # the GatewayState of the running gateway (install)
 ATTR = "_egress_write_backlog"
 
 
-def _backlog(handler) -> int | None:
-    io = handler.transports.get(handler.client)
-    writer = getattr(io, "writer", None) if io is not None else None
-    # Transparent and local-redirect connections are mitmproxy_rs streams: they have no asyncio
-    # transport to ask (their writes go to mitmproxy_rs's own bounded buffers), so nothing is charged.
-    transport = getattr(writer, "transport", None)
-    if transport is None:
-        return None
+def _writers(handler) -> list:
+    """The asyncio stream writers of the connection's transports (client and upstreams) that have
+    a transport to ask. Transparent and local-redirect clients are mitmproxy_rs streams: no asyncio
+    transport (their writes go to mitmproxy_rs's own bounded buffers), so they are not counted."""
+    found = []
+    for io in list(handler.transports.values()):
+        writer = getattr(io, "writer", None)
+        if getattr(writer, "transport", None) is not None:
+            found.append(writer)
+    return found
+
+
+def _size(writer) -> int:
     try:
-        return transport.get_write_buffer_size()
+        return writer.transport.get_write_buffer_size()
     except Exception:  # a transport being torn down
+        return 0
+
+
+def _backlog(handler) -> int | None:
+    writers = _writers(handler)
+    if not writers:
         return None
+    return sum(_size(writer) for writer in writers)
 
 
 def settle(handler) -> None:
@@ -61,11 +78,11 @@ def settle(handler) -> None:
 async def _drained(handler, account) -> None:
     try:
         while account.held and not account.closed:
-            io = handler.transports.get(handler.client)
-            writer = getattr(io, "writer", None) if io is not None else None
-            if writer is None or writer.is_closing():
+            waiting = [w for w in _writers(handler) if _size(w) and not w.is_closing()]
+            if not waiting:
                 break
-            await writer.drain()  # below the transport's high-water mark
+            for writer in waiting:
+                await writer.drain()  # below the transport's high-water mark
             size = _backlog(handler)
             if size is None:
                 break
