@@ -437,18 +437,20 @@ def _websocket(gateway_with, origin, *sets):
     upstream = origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                              b"Sec-WebSocket-Accept: " + _WS_ACCEPT + b"\r\n\r\n")
     gateway = gateway_with(*sets)
+    return gateway, _upgraded(gateway), upstream
+
+
+def _upgraded(gateway):
+    """A proxy connection whose request to stall.test was upgraded to a WebSocket."""
     conn = connect_proxy(gateway, timeout=10)
     conn.send(b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
     assert conn.read_response(head_only=True).status == 101
-    return gateway, conn, upstream
+    return conn
 
 
-def test_a_websocket_message_reassembled_past_its_budget_closes_both_sides_with_1009(gateway_with, origin):
-    """An endless fragmented message (FIN=0 frames) grew mitmproxy's frame buffer without limit
-    (500 MiB in 5 s): past egress_max_websocket_message_bytes both sides get a 1009 close."""
-    gateway, conn, upstream = _websocket(gateway_with, origin, "egress_max_websocket_message_bytes=1000000")
-    piece = b"A" * 65536
+def _endless_message(conn, piece: bytes) -> bytes:
+    """41 unfinished frames of one message, then everything the gateway sends until it closes."""
     try:
         conn.send(_ws_frame(2, piece, fin=False))
         for _ in range(40):
@@ -461,6 +463,14 @@ def test_a_websocket_message_reassembled_past_its_budget_closes_both_sides_with_
             data += chunk
     except OSError:
         pass
+    return data
+
+
+def test_a_websocket_message_reassembled_past_its_budget_closes_both_sides_with_1009(gateway_with, origin):
+    """An endless fragmented message (FIN=0 frames) grew mitmproxy's frame buffer without limit
+    (500 MiB in 5 s): past egress_max_websocket_message_bytes both sides get a 1009 close."""
+    gateway, conn, upstream = _websocket(gateway_with, origin, "egress_max_websocket_message_bytes=1000000")
+    data = _endless_message(conn, b"A" * 65536)
     assert data[:1] == b"\x88" and data[2:4] == (1009).to_bytes(2, "big"), data[:20]  # a close frame, 1009
     assert upstream.closed.wait(5)
     lines = [a for a in audit_for(gateway, conn.client, 2) if a["event"] == "websocket"]
@@ -475,29 +485,13 @@ def test_a_websocket_message_being_reassembled_is_charged_to_the_buffer_budget(g
     pass; what it held is given back, so the next connection's message goes through whole."""
     sets = ("egress_max_websocket_message_bytes=16000000", "egress_max_buffered_bytes_per_connection=1000000")
     gateway, conn, upstream = _websocket(gateway_with, origin, *sets)
-    piece = b"C" * 65536
-    try:
-        conn.send(_ws_frame(2, piece, fin=False))
-        for _ in range(40):
-            conn.send(_ws_frame(0, piece, fin=False))
-    except OSError:
-        pass
-    data = b""
-    try:
-        while chunk := conn.sock.recv(65536):
-            data += chunk
-    except OSError:
-        pass
+    data = _endless_message(conn, b"C" * 65536)
     assert data[:1] == b"\x88" and data[2:4] == (1009).to_bytes(2, "big"), data[:20]
     assert upstream.closed.wait(5)
     lines = [a for a in audit_for(gateway, conn.client, 2) if a["event"] == "websocket"]
     assert lines and lines[-1]["reason"] == "buffer_budget" and lines[-1]["status"] is None, lines
     assert 1000000 < lines[-1]["size"] <= 1000000 + 65536, lines
-    upgrade = (b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\n"
-               b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-    with connect_proxy(gateway, timeout=10) as second:  # the same sandbox: its budget was given back
-        second.send(upgrade)
-        assert second.read_response(head_only=True).status == 101
+    with _upgraded(gateway) as second:  # the same sandbox: its budget was given back
         second.send(_ws_frame(2, b"D" * 900000, fin=True))
         assert _wait(lambda: upstream.received >= 900000, 10), upstream.received
 
