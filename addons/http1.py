@@ -84,7 +84,9 @@ class HeadLines:
         data = buf._data  # only appended to until the section is extracted (then `reset`)
         if len(data) < self.scanned:
             self.__init__()
-        blank = _BLANK_LINE.search(data, max(self.scanned - 1, 0))
+        # a blank line ends with up to three bytes ("\n\r\n"): one that began in the last read
+        # (its "\n\r" was counted there) is looked for from two bytes back
+        blank = _BLANK_LINE.search(data, max(self.scanned - 2, 0))
         end = blank.start() + 1 if blank else len(data)
         if end > self.scanned:
             self.lines += data.count(b"\n", self.scanned, end)

@@ -9,7 +9,7 @@ import h11
 import h11._readers
 import pytest
 from h11._receivebuffer import ReceiveBuffer
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from addons.http1 import HeadLines, TooManyFields, count_trailer_fields
@@ -28,6 +28,7 @@ def _fed(data: bytes, cuts: list[int]):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(min_value=0, max_value=40), st.booleans(), st.binary(max_size=200),
        st.lists(st.integers(min_value=0, max_value=600), max_size=30))
+@example(fields=13, bare_lf=False, body=b"", cuts=[99])  # a read ending between a blank line's \r and \n
 def test_the_count_is_the_head_s_lines_however_it_is_split(fields, bare_lf, body, cuts):
     eol = b"\n" if bare_lf else b"\r\n"
     head = eol.join([b"HTTP/1.1 200 OK"] + [b"a%d:0" % n for n in range(fields)]) + eol + eol
@@ -36,6 +37,19 @@ def test_the_count_is_the_head_s_lines_however_it_is_split(fields, bare_lf, body
     for buf in _fed(data, [c for c in cuts if c < len(data)]):
         count = counter.count(buf)
     assert count == fields + 1
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\n"])
+def test_the_count_is_the_same_for_every_one_or_two_cuts(eol):
+    """Every split point, exhaustively: a read may end inside the blank line's \\r\\n\\r\\n."""
+    head = eol.join([b"GET / HTTP/1.1", b"a:0", b"b:1"]) + eol + eol
+    data = head + b"\n\r\n\n"
+    for first in range(len(data)):
+        for second in range(first, len(data)):
+            counter = HeadLines()
+            for buf in _fed(data, [first, second]):
+                count = counter.count(buf)
+            assert count == 3, (first, second)
 
 
 @pytest.mark.parametrize("fields, limit, refused", [(5, 10, False), (10, 10, False), (11, 10, True), (12000, 256, True)])
