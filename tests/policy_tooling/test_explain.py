@@ -11,7 +11,7 @@ from gateway.explain import ExplainError, explain, parse_target, render_text
 from gateway.policy import compile_policy
 from gateway.resolver import ResolveError
 
-from .helpers import POLICIES, loader_knows_secrets, run_cli, write
+from .helpers import POLICIES, run_cli, write
 
 POLICY = """\
 version: 1
@@ -247,8 +247,6 @@ def test_default_policy_without_policy_flag():
 
 @pytest.fixture
 def github():
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     return POLICIES / "github.yaml"
 
 
@@ -285,8 +283,6 @@ rules:
 
 
 def test_credential_refusals_like_the_gateway():
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     strict = compile_policy(CREDENTIAL_POLICY % ("true", "true"), "p.yaml")
     e = explain(strict, "http://a.example.com/")
     assert e.decision.allowed and e.injected == ["TOKEN"]
@@ -344,8 +340,6 @@ def test_report_mode_never_relaxes_the_deny_list():
 
 
 def test_report_mode_injects_no_credentials():
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     policy = compile_policy(
         "version: 1\nsecrets:\n  T: {env: T}\nrules:\n  - id: a\n    hosts: [a.example]\n    methods: [GET]\n"
         "    mode: report\n    inject:\n      - header: Authorization\n        value: \"${secrets.T}\"\n", "p.yaml")

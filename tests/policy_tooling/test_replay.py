@@ -10,7 +10,7 @@ from gateway.audit import AuditLog
 from gateway.policy import compile_policy
 from gateway.replay import parse_audit, replay
 
-from .helpers import loader_knows_secrets, run_cli, write
+from .helpers import run_cli, write
 
 OLD = """\
 version: 1
@@ -254,8 +254,6 @@ def test_several_files_and_bad_input(tmp_path):
 
 
 def test_credential_changes(tmp_path):
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     new = write(tmp_path / "new.yaml", """\
         version: 1
         secrets:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from gateway.policy import PolicyError, compile_policy
 
-from .helpers import CASES, POLICIES, ROOT, loader_knows_secrets, unsupported_keys
+from .helpers import CASES, POLICIES, ROOT
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema comes with the test extra (pip install -e .[test])")
 
@@ -56,12 +56,6 @@ def _within(parent: str, path: str) -> bool:
     return parent == "" or path == parent or path.startswith(parent + ".") or path.startswith(parent + "[")
 
 
-def _skip_if_pending(text: str) -> None:
-    missing = unsupported_keys(text)
-    if missing:
-        pytest.xfail(f"the loader does not know {', '.join(missing)} yet")
-
-
 def test_shipped_schemas_are_identical():
     assert (ROOT / "gateway" / "policy.schema.json").read_bytes() == (POLICIES / "policy.schema.json").read_bytes()
 
@@ -87,7 +81,6 @@ def test_example_policies_are_valid_for_both(path, validator):
     assert text.splitlines()[0] == SCHEMA_HEADER, f"{path.name} must start with {SCHEMA_HEADER!r}"
     errors = [f"{_schema_path(e)}: {e.message}" for e in validator.iter_errors(yaml.safe_load(text))]
     assert not errors, errors
-    _skip_if_pending(text)
     compile_policy(text, path.name)
 
 
@@ -99,7 +92,6 @@ def test_invalid_cases_are_rejected_by_both(path, validator):
     assert errors, "the schema accepts it"
     paths = [_schema_path(e) for e in errors]
     assert any(_within(p, expected) or _within(expected, p) for p in paths), (expected, paths)
-    _skip_if_pending(text)
     with pytest.raises(PolicyError) as info:
         compile_policy(text, path.name)
     found = [i.path for i in info.value.issues]
@@ -113,7 +105,6 @@ def test_loader_only_cases(path, validator):
     expected = _expected_path(text)
     errors = [f"{_schema_path(e)}: {e.message}" for e in validator.iter_errors(yaml.safe_load(text))]
     assert not errors, f"the schema rejects it too: move it to invalid/ ({errors})"
-    _skip_if_pending(text)
     with pytest.raises(PolicyError) as info:
         compile_policy(text, path.name)
     found = [i.path for i in info.value.issues]
@@ -122,8 +113,6 @@ def test_loader_only_cases(path, validator):
 
 def test_forbidden_inject_headers_agree(validator):
     """The schema's list of headers that cannot be injected is the loader's."""
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     from gateway.credentials import FORBIDDEN_INJECT_HEADERS
 
     header = validator.schema["$defs"]["injection"]["properties"]["header"]
@@ -161,14 +150,10 @@ TRICKY_TEMPLATES = [
 def test_inject_value_templates_agree_on_edge_cases(value):
     """The schema's template patterns accept exactly the values the loader's template parser does
     (a valid template with at least one secret reference)."""
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     _template_verdicts_agree(value)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_TEMPLATE_PIECES, min_size=1, max_size=9).map("".join))
 def test_inject_value_templates_agree(value):
-    if not loader_knows_secrets():
-        pytest.xfail("the loader does not know secrets/inject yet")
     _template_verdicts_agree(value)
