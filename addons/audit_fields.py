@@ -9,10 +9,10 @@ from __future__ import annotations
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
 
-from .state import ConnectionState
+from .state import ClientSession
 
 
-def connection_fields(conn: ConnectionState | None, sandbox: str | None = None) -> dict:
+def connection_fields(conn: ClientSession | None, sandbox: str | None = None) -> dict:
     original = conn.original_destination if conn else None
     return {
         "client": conn.client if conn else None,
@@ -43,7 +43,7 @@ def fallback_fields(state, client_conn) -> dict:
     return fields
 
 
-def flow_fields(flow, conn: ConnectionState | None, sandbox: str | None = None) -> dict:
+def flow_fields(flow, conn: ClientSession | None, sandbox: str | None = None) -> dict:
     request = flow.request
     return connection_fields(conn, sandbox) | {
         "sni": flow.client_conn.sni,

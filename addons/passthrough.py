@@ -19,7 +19,7 @@ from gateway.hostnames import HostError, canonical_host
 from gateway.policy import Rule
 
 from .audit_fields import connection_fields
-from .state import ConnectionState, GatewayState
+from .state import ClientSession, GatewayState
 
 
 def rule_for(engine: Engine, decision: Decision) -> Rule | None:
@@ -42,7 +42,7 @@ def decide(pin: Pin, sni: str | None, extensions: list[tuple[int, bytes]]) -> De
     return check_passthrough_hello(sni, extensions)
 
 
-def record(state: GatewayState, conn: ConnectionState, pin: Pin, sni: str | None,
+def record(state: GatewayState, conn: ClientSession, pin: Pin, sni: str | None,
            extensions: list[tuple[int, bytes]], refusal: Decision | None) -> None:
     rule = conn.passthrough_rule
     rule_id = rule.id if rule else None
@@ -57,7 +57,7 @@ def record(state: GatewayState, conn: ConnectionState, pin: Pin, sni: str | None
     )
 
 
-def admit(conn: ConnectionState, pin: Pin, server) -> None:
+def admit(conn: ClientSession, pin: Pin, server) -> None:
     """The upstream is the pinned address, whatever the sandbox dialled, and only that one."""
     server.address = (pin.address.compressed, pin.port)
     conn.admitted[(pin.address.compressed, pin.port)] = None

@@ -44,7 +44,7 @@ from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, refusal_headers
 from .revocation import close_client
 from .streaming import counting_stream
-from .state import ConnectionState, GatewayState
+from .state import ClientSession, GatewayState
 
 CHARGE = "egress_limits_charge"  # flow.metadata key: the windows this request's bytes count against
 RESERVED = "egress_limits_reserved"  # flow.metadata key: response bytes counted at the head, not yet sent
@@ -115,7 +115,7 @@ class Limiter:
         self.quotas = Quotas(clock)
         state.install_listeners.append(self._on_install)
 
-    def key(self, conn: ConnectionState, scope: Scope | None = None) -> str:
+    def key(self, conn: ClientSession, scope: Scope | None = None) -> str:
         """Like addons/limits.py: the sandbox, or the client address without a sandboxes section."""
         engine = self.state.engine
         if engine is not None and engine.policy.sandboxes is not None:
@@ -251,7 +251,7 @@ class RequestLimits:
                 raise exceptions.OptionsError("egress_request_burst_per_sandbox must be >= 0")
             self.limiter.requests.configure(rate, burst)
 
-    def gate(self, conn: ConnectionState, scope: Scope) -> Decision | None:
+    def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """Called by RequestGuard and ConnectGuard for every request head and CONNECT, allowed or
         not, before any decision work: a token from the sandbox's bucket, or 429 `rate_limited`. A
         sandbox sending requests the rules deny spends its own budget, not the other sandboxes' share

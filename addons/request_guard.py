@@ -1,20 +1,10 @@
-"""Every HTTP request, before any upstream byte: restated destinations, header sanity, the rules.
-
-Three shapes reach this hook:
-- on a pinned connection (a CONNECT tunnel, or a transparent connection pinned by its SNI or by
-  its first request's Host): Host, :authority and any absolute-form authority must name the pin
-  (421 otherwise), then method, path and scheme go to the rules;
-- the first request of a transparent plain-HTTP connection: its Host names the destination,
-  which is decided, resolved and pinned for the rest of the connection;
-- an absolute-form request on the proxy port: the URL names the destination (per request),
-  the Host header must agree with it (400), then the rules, resolution and address checks run
-  and the request is pinned to the checked address.
+"""Every HTTP request, before any upstream byte: the head read into plain values and judged by the
+connection's session (gateway/session.py ClientSession.request_head: restated destinations, header
+sanity, the rules, and the pin), then credentials, rate limits, the audit line, and the body checks.
 Only a request that passed everything admits its (address, port) for the upstream guard.
 """
 
 from __future__ import annotations
-
-import ipaddress
 
 from mitmproxy import ctx, http
 
@@ -22,11 +12,8 @@ from gateway import bodies, methods
 from gateway.decision import Decision, verdict_fields
 from gateway.decompress import REQUEST_LIMIT, request_decoder
 from gateway.engine import Engine, Pin, RequestFacts, body_override_refusal
+from gateway.session import RequestHead, Step
 from gateway.hopbyhop import forwardable
-from gateway.hostnames import HostError, parse_authority
-from gateway.policy import Scope
-from gateway.requestcheck import DEFAULT_PORTS, check_headers, check_restated
-from gateway.revocation import Established
 
 from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .credentials import CredentialInjector
@@ -34,8 +21,9 @@ from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
 from .method_body import BODY_CHECK, BodyOverrideCheck, EmptyBodyCheck, enforced_if_bound
 from .respond import refuse
+from .session_driver import drive
 from .revocation import FACTS, GENERATION
-from .state import ConnectionState, GatewayState
+from .state import GatewayState
 
 
 HOLD_BODY = "egress_hold_body"  # flow.metadata key: the request body is buffered, never streamed
@@ -51,10 +39,15 @@ def _header_pairs(request: http.Request) -> list[tuple[str, str]]:
     return [(k, v) for k, v in request.headers.items(multi=True)]
 
 
-def _facts(host, port: int, scheme: str, request: http.Request) -> RequestFacts:
-    headers = tuple(_header_pairs(request))
-    return RequestFacts(host, port, scheme, request.method, request.path, headers,
-                        bodies.request_framing(headers, end_stream(request)))
+def _head(flow: http.HTTPFlow) -> RequestHead:
+    """What the session judges: the head as the sandbox sent it, in plain values."""
+    request = flow.request
+    return RequestHead(
+        method=request.method, scheme=request.scheme, path=request.path, http_version=request.http_version,
+        headers=tuple(_header_pairs(request)),
+        authority=request.data.authority.decode("utf-8", "surrogateescape"),
+        raw_authority=raw_authority(request), form=target_form(request), end_stream=end_stream(request),
+        malformed=flow.error.msg if flow.error is not None else None)
 
 
 def _drop_hop_by_hop(request: http.Request) -> None:
@@ -75,24 +68,16 @@ class RequestGuard:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
         scope = engine.policy.scope_for(conn.address)
-        destination: tuple[str | None, int | None] = (None, None)
         if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
-            decision, pin = gated, None
-        elif flow.request.method == "CONNECT":
-            decision, pin = Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), conn.tunnel
-        elif flow.error is not None:
-            # mitmproxy found the request invalid (e.g. smuggling-prone framing) and will refuse it;
-            # it still fires this hook, so the audit log records the refusal.
-            decision, pin = Decision.deny("malformed_request", f"malformed request: {flow.error.msg[:200]}"), None
-        elif conn.poisoned is not None:
-            decision, pin = conn.poisoned, conn.tunnel
-            destination = conn.named or destination
-        elif conn.tunnel is not None:
-            decision, pin = self._tunnelled(flow, conn.tunnel, scope, engine)
-        elif conn.mode == "transparent":
-            decision, pin, destination = await self._transparent_first(flow, conn, scope, engine)
+            step = Step(gated)
         else:
-            decision, pin, destination = await self._proxied(flow, scope, engine)
+            step = await drive(conn.request_head(_head(flow), engine, scope), engine, self.state,
+                               flow.client_conn.id, conn)
+        if step.facts is not None:
+            flow.metadata[FACTS] = step.facts
+        if step.upstream is not None:
+            flow.request.data.host, flow.request.data.port = step.upstream
+        decision, pin, destination = step.decision, step.pin, (step.host, step.port)
         # What the sandbox sent, read before any credential is injected or swapped in.
         sent = flow_fields(flow, conn, scope.sandbox)
         facts = flow.metadata.get(FACTS)  # the overrides the decision found (once), if it got that far
@@ -188,105 +173,6 @@ class RequestGuard:
 
         check = flow.metadata[BODY_CHECK] = BodyOverrideCheck(scanner, judge, record, bound, decision.rule, stale)
         return check
-
-    def _tunnelled(self, flow: http.HTTPFlow, pin: Pin, scope: Scope, engine: Engine) -> tuple[Decision, Pin | None]:
-        request = flow.request
-        if request.method == "CONNECT":
-            return Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), pin
-        if problem := check_headers(_header_pairs(request)):
-            return problem, pin
-        scheme = request.scheme
-        restated = [("host", v) for v in request.headers.get_all("host")]
-        if request.data.authority:
-            restated.append(("authority", request.data.authority.decode("utf-8", "surrogateescape")))
-        if not restated and request.http_version == "HTTP/1.1":
-            return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), pin
-        if problem := check_restated(restated, scheme, pin.host, pin.port):
-            return problem, pin
-        facts = _facts(pin.host, pin.port, scheme, request)
-        flow.metadata[FACTS] = facts
-        return engine.check_request(facts, scope), pin
-
-    async def _transparent_first(
-        self, flow: http.HTTPFlow, conn: ConnectionState, scope: Scope, engine: Engine
-    ) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
-        """Plain HTTP redirected transparently: the first request's Host names the destination, on
-        the port the sandbox dialled; the gateway resolves it (the dialled IP is never used)."""
-        request = flow.request
-        unknown = (None, None)
-        if problem := check_headers(_header_pairs(request)):
-            return problem, None, unknown
-        if conn.original_destination is None:
-            return Decision.deny("bad_host", "no original destination on a transparent connection"), None, unknown
-        original_ip, port = conn.original_destination
-        hosts = request.headers.get_all("host")
-        if request.data.authority:
-            hosts = [*hosts, request.data.authority.decode("utf-8", "surrogateescape")]
-        if not hosts:
-            return Decision.deny("bad_host_header", "a transparent HTTP request needs a Host header"), None, unknown
-        try:
-            host, host_port = parse_authority(hosts[0], port)
-        except HostError as exc:
-            return Decision.deny("bad_host_header", f"malformed Host: {exc}"), None, unknown
-        named = (host.value, port)
-        if conn.named is not None and conn.named != named:
-            message = f"this connection already named {conn.named[0]}:{conn.named[1]}"
-            return Decision.deny("host_mismatch", message), None, named
-        conn.named = named
-        if host_port != port:
-            return Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"), None, named
-        if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
-            return problem, None, named
-        facts = _facts(host, port, "http", request)
-        flow.metadata[FACTS] = facts
-        decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
-        if pin is None:
-            return decision, None, named
-        original = ipaddress.ip_address(original_ip)
-        if mismatch := engine.original_destination_refusal(original, host, pin.addresses, decision.rule):
-            return mismatch, None, named
-        conn.tunnel = pin
-        self.state.establish(flow.client_conn.id, conn,
-                             Established("http", pin, decision.rule, conn.address, engine.generation, original))
-        if conn.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
-            return conn.poisoned, None, named
-        request.data.host = pin.address.compressed
-        request.data.port = pin.port
-        return decision, pin, named
-
-    async def _proxied(
-        self, flow: http.HTTPFlow, scope: Scope, engine: Engine
-    ) -> tuple[Decision, Pin | None, tuple[str | None, int | None]]:
-        """Returns the decision, the pin when allowed, and the destination named (for the audit line)."""
-        request = flow.request
-        unknown = (None, None)
-        form = target_form(request)
-        if form != "absolute":
-            message = "this is a proxy: send absolute-form requests (http://host/path) or CONNECT"
-            return Decision.deny("origin_form", message), None, unknown
-        if request.scheme != "http":
-            return Decision.deny("https_absolute_form", "https:// URLs must be tunnelled with CONNECT"), None, unknown
-        if problem := check_headers(_header_pairs(request)):
-            return problem, None, unknown
-        try:
-            host, port = parse_authority(raw_authority(request) or "", DEFAULT_PORTS["http"])
-        except HostError as exc:
-            return Decision.deny("bad_host", f"bad URL authority: {exc}"), None, unknown
-        named = (host.value, port)
-        hosts = request.headers.get_all("host")
-        if not hosts and request.http_version == "HTTP/1.1":
-            return Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), None, named
-        if problem := check_restated([("host", v) for v in hosts], "http", host, port):
-            reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
-            return Decision.deny(reason, problem.message), None, named
-        facts = _facts(host, port, "http", request)
-        flow.metadata[FACTS] = facts
-        decision, pin = await engine.admit(engine.check_request(facts, scope), host, port)
-        if pin is None:
-            return decision, None, named
-        request.data.host = pin.address.compressed
-        request.data.port = pin.port
-        return decision, pin, named
 
     @fail_closed(lambda self, flow, error: flow.kill())
     def responseheaders(self, flow: http.HTTPFlow) -> None:

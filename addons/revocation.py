@@ -3,7 +3,7 @@ judged again by the new engine (gateway/revocation.py decides; this addon only k
 and closes), and the ones it no longer allows are closed at both ends, with one audit line
 (`event: connection`, `reason: revoked`) counted in `egress_revoked_connections_total{kind}`.
 
-The registry is `GatewayState.connections`: each ConnectionState lists what became long-lived on it
+The registry is `GatewayState.connections`: each ClientSession lists what became long-lived on it
 (`established`: pinned tunnels, passthrough and raw TCP relays, WebSockets), filled by the guards
 when they admit it, and the whole entry goes when the client disconnects (EgressCore): bounded by
 the open connections, nothing to leak. Nothing is done per request: a reload walks the open
@@ -33,7 +33,7 @@ from gateway.revocation import Established, failure, rejudge, revocation
 
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .state import ConnectionState, GatewayState
+from .state import ClientSession, GatewayState
 
 logger = logging.getLogger("egress")
 
@@ -119,7 +119,7 @@ class Revoker:
     def client_disconnected(self, client) -> None:
         self._flows.pop(client.id, None)
 
-    def _prune(self, client_id: str, conn: ConnectionState) -> None:
+    def _prune(self, client_id: str, conn: ClientSession) -> None:
         """Forget the registered requests whose streams are over, whichever way they ended."""
         flows = self._flows.get(client_id)
         if not flows:
@@ -171,7 +171,7 @@ class Revoker:
                     conn.established.clear()
                     self.closer(client_id)
 
-    def judge(self, client_id: str, conn: ConnectionState) -> bool:
+    def judge(self, client_id: str, conn: ClientSession) -> bool:
         """Judge one connection by the current engine; close it if anything on it is no longer
         allowed. True when it stays open."""
         engine = self.state.engine
@@ -203,7 +203,7 @@ class Revoker:
             self._record(conn, *reported, engine, _kind(conn, reported[0]), _request(conn))
         return True
 
-    def _revoke(self, client_id: str, conn: ConnectionState, established: Established, decision: Decision,
+    def _revoke(self, client_id: str, conn: ClientSession, established: Established, decision: Decision,
                 engine: Engine) -> None:
         kind = _kind(conn, established)
         request = _request(conn)
@@ -219,7 +219,7 @@ class Revoker:
             if not self.closer(client_id):
                 logger.info("egress gateway: revoked connection %s was already closing", conn.client)
 
-    def _record(self, conn: ConnectionState, established: Established, decision: Decision, engine: Engine,
+    def _record(self, conn: ClientSession, established: Established, decision: Decision, engine: Engine,
                 kind: str | None = None, request=None) -> None:
         """One `event: connection` line: the connection (client, sandbox, mode, kind), where it went
         (host, port, address; a WebSocket's upgrade request), the rule that used to allow it, the
@@ -239,12 +239,12 @@ class Revoker:
         self.state.record(event="connection", **fields)
 
 
-def _request(conn: ConnectionState):
+def _request(conn: ClientSession):
     """A WebSocket's upgrade request, for the line of the connection that carries it."""
     return next((e.request for e in conn.established if e.kind == "websocket"), None)
 
 
-def _kind(conn: ConnectionState, established: Established) -> str:
+def _kind(conn: ClientSession, established: Established) -> str:
     """A connection that carries a WebSocket is one, whichever of its parts the new policy refused."""
     return "websocket" if any(e.kind == "websocket" for e in conn.established) else established.kind
 

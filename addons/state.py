@@ -1,12 +1,10 @@
-"""Per-connection state shared by the guards: what the connection is pinned to, what it may dial.
+"""State shared by the guards: the engine, and each client connection's session
+(gateway/session.py ClientSession: what the connection is pinned to, what it may dial).
 
-Keyed by mitmproxy's client connection id, dropped when the client disconnects. Nothing here
-holds mitmproxy objects, so a stale entry can never keep a connection alive.
+Sessions are keyed by mitmproxy's client connection id, dropped when the client disconnects.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import ipaddress
 import logging
@@ -17,33 +15,14 @@ from gateway.audit import AuditLog
 from gateway.budget import Account, Ledger
 from gateway.decision import Decision
 from gateway.dnsmemory import DnsMemory
-from gateway.engine import Engine, Pin
+from gateway.engine import Engine
 from gateway.hostnames import IPAddress
-from gateway.policy import Rule, Scope
+from gateway.policy import Scope
 from gateway.redact import Redactor, SecretMemory
 from gateway.revocation import Established
+from gateway.session import ClientSession
 
 from .signals import SignalHub
-
-
-@dataclass
-class ConnectionState:
-    client: str
-    mode: str
-    address: IPAddress | None = None  # the client's IP: names its sandbox
-    tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
-    # The rule that allowed the tunnel's destination, when it is a passthrough (inspect: false) rule:
-    # the connection is relayed unread once its ClientHello passes (addons/passthrough.py).
-    passthrough_rule: Rule | None = None
-    poisoned: Decision | None = None  # set when the TLS SNI restated or named a refused destination
-    original_destination: tuple[str, int] | None = None  # transparent mode: what the sandbox dialled
-    named: tuple[str, int] | None = None  # transparent plain HTTP: the first request's Host, even if denied
-    # (address, port) -> TLS server name the gateway may dial for this client, added only
-    # when a request passed every check.
-    admitted: dict[tuple[str, int], str | None] = field(default_factory=dict)
-    # What became long-lived on this connection (a pinned tunnel, a passthrough or raw TCP relay, a
-    # WebSocket), as admitted: judged again on every policy change (addons/revocation.py).
-    established: list[Established] = field(default_factory=list)
 
 
 def _peer_address(peername: tuple | None):
@@ -62,7 +41,7 @@ class GatewayState:
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.audit: AuditLog = AuditLog(None)
-        self.connections: dict[str, ConnectionState] = {}
+        self.connections: dict[str, ClientSession] = {}
         self.dns_memory = DnsMemory()
         self.placeholder_key: bytes | None = None  # HMAC key for placeholders, from the confdir
         # Called with every recorded decision (the audit entry plus private keys starting with
@@ -74,7 +53,7 @@ class GatewayState:
         self.install_listeners: list[Callable[[Engine], None]] = []
         # Told (client id, connection) when a connection became long-lived under an engine that is no
         # longer the current one (decided while a reload happened): it must be judged again now.
-        self.stale_listeners: list[Callable[[str, ConnectionState], None]] = []
+        self.stale_listeners: list[Callable[[str, ClientSession], None]] = []
         # Called by RequestGuard for every allowed request before its audit line, with (flow, decision,
         # scope, engine, injected secret names): a refusal to answer instead, or None
         # (addons/rate_limits.py).
@@ -98,7 +77,7 @@ class GatewayState:
         # Bytes buffered per connection and per sandbox (limits set by addons/budget.py).
         self.buffers = Ledger()
 
-    def sandbox_key(self, conn: ConnectionState | None) -> str:
+    def sandbox_key(self, conn: ClientSession | None) -> str:
         """What a per-sandbox budget counts against: the sandbox, or the client address when the
         policy has no sandboxes section (as addons/limits.py does)."""
         if self.engine is not None and self.engine.policy.sandboxes is not None:
@@ -139,7 +118,7 @@ class GatewayState:
             except Exception:
                 logging.getLogger("egress").exception("egress gateway: install listener failed")
 
-    def establish(self, client_id: str, conn: ConnectionState, established: Established) -> None:
+    def establish(self, client_id: str, conn: ClientSession, established: Established) -> None:
         """A guard made something long-lived on this connection, judged by the engine of generation
         `established.generation`. If a reload installed another engine while that decision was under
         way (a CONNECT waiting for DNS, an upgrade waiting for its 101), it is judged again at once:
@@ -183,18 +162,18 @@ class GatewayState:
                     logging.getLogger("egress").exception("egress gateway: decision listener failed")
         return entry
 
-    def connection(self, client_id: str, peername: tuple | None = None, mode: str = "regular") -> ConnectionState:
+    def connection(self, client_id: str, peername: tuple | None = None, mode: str = "regular") -> ClientSession:
         state = self.connections.get(client_id)
         if state is None:
             peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-            state = self.connections[client_id] = ConnectionState(peer, mode, _peer_address(peername))
+            state = self.connections[client_id] = ClientSession(peer, mode, _peer_address(peername))
         return state
 
     def sandbox_key_of_peer(self, peername: tuple | None) -> str:
         """`sandbox_key` for a client known only by its peer address (a connection being accepted)."""
-        return self.sandbox_key(ConnectionState("?", "regular", _peer_address(peername)))
+        return self.sandbox_key(ClientSession("?", "regular", _peer_address(peername)))
 
-    def scope(self, conn: ConnectionState | None) -> Scope:
+    def scope(self, conn: ClientSession | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a
         reloaded policy applies at once)."""
         return self.require_engine().policy.scope_for(conn.address if conn else None)
@@ -202,7 +181,7 @@ class GatewayState:
     def forget(self, client_id: str) -> None:
         self.connections.pop(client_id, None)
 
-    def gate(self, conn: ConnectionState, scope: Scope) -> Decision | None:
+    def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """The first refusal of `request_gates` for a request head, or None."""
         for gate in self.request_gates:
             if (refusal := gate(conn, scope)) is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
@@ -284,21 +284,38 @@ class Engine:
         Returns the decision that stands (the address verdict wins a refusal) and the pin."""
         if not decision.allowed:
             return decision, None
-        addresses, pin = await self.pin(host, port)
+        return self.admit_resolved(decision, host, port, await self._resolved(host))
+
+    async def pin(self, host: Host, port: int) -> tuple[Decision, Pin | None]:
+        """Resolve once, check every address, choose the one to dial."""
+        return self.pin_resolved(host, port, await self._resolved(host))
+
+    async def _resolved(self, host: Host) -> Sequence[IPAddress] | ResolveError:
+        try:
+            return await self.resolver.resolve(host)
+        except ResolveError as exc:
+            return exc
+
+    def admit_resolved(self, decision: Decision, host: Host, port: int,
+                       resolved: Sequence[IPAddress] | ResolveError) -> tuple[Decision, Pin | None]:
+        """`admit` once the caller has resolved `host` (gateway/session.py asks for the addresses
+        instead of resolving: sans-I/O): the decision that stands, and the pin."""
+        if not decision.allowed:
+            return decision, None
+        addresses, pin = self.pin_resolved(host, port, resolved)
         if not addresses.allowed or pin is None:
             return Decision.deny(addresses.reason, addresses.message, decision.rule, addresses.notes), None
         return decision, pin
 
-    async def pin(self, host: Host, port: int) -> tuple[Decision, Pin | None]:
-        """Resolve once, check every address, choose the one to dial."""
-        try:
-            addresses = await self.resolver.resolve(host)
-        except ResolveError as exc:
-            return Decision.deny("resolve_failed", str(exc)), None
-        refusal = self.address_refusal(host, addresses, port)
+    def pin_resolved(self, host: Host, port: int,
+                     resolved: Sequence[IPAddress] | ResolveError) -> tuple[Decision, Pin | None]:
+        """Every address `host` resolved to checked, and the one to dial chosen."""
+        if isinstance(resolved, ResolveError):
+            return Decision.deny("resolve_failed", str(resolved)), None
+        refusal = self.address_refusal(host, resolved, port)
         if refusal is not None:
             return refusal, None
-        return Decision.allow("", "addresses checked"), Pin(host, port, addresses[0], tuple(addresses))
+        return Decision.allow("", "addresses checked"), Pin(host, port, resolved[0], tuple(resolved))
 
     def address_refusal(self, host: Host, addresses: Iterable[IPAddress], port: int) -> Decision | None:
         """Every address of a destination against the deny list (and the gateway's own sockets): the

@@ -88,9 +88,9 @@ class _ClientConn:
 def test_fallback_refusals_name_the_client_and_sandbox_when_known():
     from types import SimpleNamespace
 
-    from addons.state import ConnectionState
+    from addons.state import ClientSession
 
-    conn = ConnectionState(client="127.0.0.9:4242", mode="regular")
+    conn = ClientSession(client="127.0.0.9:4242", mode="regular")
     fields = fallback_fields(_State({"c1": conn}, engine=object(), scope=SimpleNamespace(sandbox="ci")), _ClientConn())
     assert (fields["client"], fields["sandbox"], fields["mode"]) == ("127.0.0.9:4242", "ci", "regular")
     # Nothing known but the socket: the client still; a failing lookup never raises.

@@ -1,0 +1,329 @@
+"""One client connection's decisions, as a pure state machine (h11's model): the adapters in
+addons/ read what the sandbox sent, feed it in as plain values, and apply what comes back.
+
+A connection is in one of four named phases (`ClientSession.phase`):
+- `unpinned`: no destination fixed yet (a proxy-port connection between absolute-form requests, or a
+  transparent one before its SNI or first Host);
+- `pinned`: `tunnel` holds the destination (an allowed CONNECT, or the SNI / first Host of a
+  transparent connection); every later request must name it again or is refused;
+- `passthrough`: pinned by a passthrough (inspect: false) rule: relayed unread once its ClientHello
+  passes;
+- `refused`: a TLS ClientHello or a reload's revocation refused the connection; every request on it
+  gets that refusal.
+
+Each event is a generator method (`connect`, `client_hello`, `request_head`). It never does I/O: where it needs a
+name's addresses it yields `NeedAddresses` and is sent back the addresses (or the ResolveError);
+where a request's decision makes something long-lived it yields `Establish`, which the adapter hands
+to the gateway's reload bookkeeping (which may refuse the connection at once: `phase == refused`).
+It returns a step value: the decision, the pin, what the sandbox named (for the audit line), the
+facts the rules judged, and where the upstream goes. `drive_now` runs one with a fixed answer for
+every name (tests, `explain`); addons/session_driver.py runs one on the event loop.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+from . import bodies
+from .decision import Decision
+from .engine import Engine, Pin, RequestFacts
+from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host, parse_authority
+from .policy import Rule, Scope
+from .requestcheck import DEFAULT_PORTS, check_headers, check_restated
+from .resolver import ResolveError
+from .revocation import Established
+
+UNPINNED, PINNED, PASSTHROUGH, REFUSED = "unpinned", "pinned", "passthrough", "refused"
+
+
+@dataclass(frozen=True)
+class NeedAddresses:
+    """The session needs `host` resolved: send back its addresses, or the ResolveError."""
+
+    host: Host
+
+
+@dataclass(frozen=True)
+class Establish:
+    """The decision made something long-lived on the connection: record it (addons/state.py
+    GatewayState.establish), then send back None."""
+
+    established: Established
+
+
+Resolved = Sequence[IPAddress] | ResolveError
+Steps = Generator[NeedAddresses | Establish, object, "Step"]
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    """A request head as the adapter read it, before anything is injected: plain values only."""
+
+    method: str
+    scheme: str
+    path: str  # the request target as sent (origin-form path and query)
+    http_version: str
+    headers: tuple[tuple[str, str], ...]
+    authority: str = ""  # HTTP/2's :authority, or an absolute-form request's authority as parsed
+    raw_authority: str | None = None  # an absolute-form request's authority exactly as sent
+    form: str | None = None  # the request target's form: origin | absolute | authority | asterisk
+    end_stream: bool | None = None  # whether the head ended the request (None: not known)
+    malformed: str | None = None  # the proxy found the request invalid, and will refuse it
+
+    def facts(self, host: Host, port: int, scheme: str) -> RequestFacts:
+        return RequestFacts(host, port, scheme, self.method, self.path, self.headers,
+                            bodies.request_framing(self.headers, self.end_stream))
+
+    def hosts(self) -> list[str]:
+        return [v for k, v in self.headers if k.lower() == "host"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one event decided, and what the adapter does about it."""
+
+    decision: Decision
+    pin: Pin | None = None  # the destination (also on a refusal inside a tunnel, for the audit line)
+    host: str | None = None  # the destination the sandbox named, when not pinned (audit line)
+    port: int | None = None
+    facts: RequestFacts | None = None  # what the rules judged (a reload judges a WebSocket by it again)
+    upstream: tuple[str, int] | None = None  # send the request to this address (proxied, transparent first)
+    establish: Established | None = None  # a CONNECT's or SNI's tunnel: recorded once the allow is audited
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision.allowed and self.pin is not None
+
+
+@dataclass
+class ClientSession:
+    """One client connection: what it is pinned to, what it may dial. Holds no proxy objects, so a
+    stale entry can never keep a connection alive."""
+
+    client: str
+    mode: str
+    address: IPAddress | None = None  # the client's IP: names its sandbox
+    tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
+    # The rule that allowed the tunnel's destination, when it is a passthrough (inspect: false) rule:
+    # the connection is relayed unread once its ClientHello passes (addons/passthrough.py).
+    passthrough_rule: Rule | None = None
+    poisoned: Decision | None = None  # set when the TLS SNI restated or named a refused destination
+    original_destination: tuple[str, int] | None = None  # transparent mode: what the sandbox dialled
+    named: tuple[str, int] | None = None  # transparent plain HTTP: the first request's Host, even if denied
+    # (address, port) -> TLS server name the gateway may dial for this client, added only
+    # when a request passed every check.
+    admitted: dict[tuple[str, int], str | None] = field(default_factory=dict)
+    # What became long-lived on this connection (a pinned tunnel, a passthrough or raw TCP relay, a
+    # WebSocket), as admitted: judged again on every policy change (addons/revocation.py).
+    established: list[Established] = field(default_factory=list)
+
+    @property
+    def phase(self) -> str:
+        if self.poisoned is not None:
+            return REFUSED
+        if self.tunnel is None:
+            return UNPINNED
+        return PASSTHROUGH if self.passthrough_rule is not None else PINNED
+
+    # --- CONNECT -----------------------------------------------------------------------------------
+
+    def connect(self, authority: str, engine: Engine, scope: Scope,
+                passthrough_rule: Callable[[Decision], Rule | None] = lambda decision: None) -> Steps:
+        """A CONNECT names the tunnel's destination, once: decided, resolved, every address checked,
+        pinned. `passthrough_rule` says which allowing rule, if any, relays unread."""
+        if self.tunnel is not None:
+            return Step(Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"))
+        try:
+            host, port = parse_authority(authority)
+        except HostError as exc:
+            return Step(Decision.deny("bad_host", f"bad CONNECT authority: {exc}"))
+        decision, pin = yield from _admit(engine, engine.check_destination(host, port, scope), host, port)
+        if not decision.allowed or pin is None:
+            return Step(decision, None, host.value, port)
+        self.tunnel = pin
+        self.passthrough_rule = passthrough_rule(decision)
+        kind = "passthrough" if self.passthrough_rule is not None else "tunnel"
+        # Established after the allow is audited (`Step.establish`): a reload that revoked it meanwhile
+        # then logs its revocation after the allow, and the adapter refuses the tunnel (phase refused).
+        return Step(decision, pin, host.value, port,
+                    establish=Established(kind, pin, decision.rule, self.address, engine.generation))
+
+    # --- a TLS ClientHello -------------------------------------------------------------------------
+
+    def pins_by_sni(self) -> bool:
+        """Whether a ClientHello now names the destination: a transparent connection not yet pinned."""
+        return self.mode == "transparent" and self.tunnel is None and self.poisoned is None
+
+    def client_hello(self, sni: str | None, dialled: tuple[str, int], engine: Engine, scope: Scope,
+                     passthrough_rule: Callable[[Decision], Rule | None] = lambda decision: None) -> Steps:
+        """On a pinned connection the SNI may only repeat the pinned name (else `sni_mismatch`, and
+        the connection is refused). On a transparent connection not yet pinned it names the
+        destination (the dialled IP when there is none), decided, resolved and pinned here; the
+        dialled IP is recorded, never dialled. The step's pin is the connection's after the hello."""
+        if not self.pins_by_sni():
+            return self._sni_restated(sni)
+        original_host, port = self.original_destination or dialled
+        original = ipaddress.ip_address(original_host)
+        try:
+            host = canonical_host(sni) if sni else ip_host(original)
+        except HostError as exc:
+            return self._refused(Decision.deny("bad_host", f"bad TLS SNI: {exc}"), None, port)
+        decision, pin = yield from _admit(engine, engine.check_destination(host, port, scope), host, port)
+        if pin is not None and sni and (
+                mismatch := engine.original_destination_refusal(original, host, pin.addresses, decision.rule)):
+            decision, pin = mismatch, None
+        if pin is None:
+            return self._refused(decision, host, port)
+        self.tunnel = pin
+        self.passthrough_rule = passthrough_rule(decision)
+        kind = "passthrough" if self.passthrough_rule is not None else "tunnel"
+        return Step(decision, pin, host.value, port, upstream=(pin.address.compressed, pin.port),
+                    establish=Established(kind, pin, decision.rule, self.address, engine.generation,
+                                          original if sni else None))
+
+    def _sni_restated(self, sni: str | None) -> Step:
+        pin = self.tunnel
+        if pin is None or not sni:
+            return Step(Decision.allow(None, "the SNI restates nothing"), pin)
+        try:
+            same = canonical_host(sni).value == pin.host.value
+        except HostError:
+            same = False
+        if same:
+            return Step(Decision.allow(None, "the SNI names the pinned destination"), pin)
+        self.poisoned = Decision.deny(
+            "sni_mismatch", f"TLS SNI {sni[:100]!r} is not the pinned destination {pin.host.authority(pin.port)}")
+        return Step(self.poisoned, pin)
+
+    def _refused(self, decision: Decision, host: Host | None, port: int) -> Step:
+        """The ClientHello named a refused destination: so is every request on the connection."""
+        self.poisoned = decision
+        self.named = (host.value, port) if host is not None else None  # for the requests' audit lines
+        return Step(decision, None, host.value if host is not None else None, port)
+
+    # --- a request head ----------------------------------------------------------------------------
+
+    def request_head(self, head: RequestHead, engine: Engine, scope: Scope) -> Steps:
+        """Every HTTP request, before any upstream byte. Three shapes:
+        - on a pinned connection, Host, :authority and any absolute-form authority must name the pin
+          (421 otherwise), then method, path and scheme go to the rules;
+        - the first request of a transparent plain-HTTP connection: its Host names the destination,
+          decided, resolved and pinned for the rest of the connection;
+        - an absolute-form request on the proxy port: the URL names the destination (per request),
+          the Host header must agree with it (400), then the rules, resolution and address checks,
+          and the request goes to the checked address."""
+        if head.method == "CONNECT":
+            return Step(Decision.deny("nested_connect", "CONNECT inside a tunnel is refused"), self.tunnel)
+        if head.malformed is not None:
+            return Step(Decision.deny("malformed_request", f"malformed request: {head.malformed[:200]}"))
+        if self.poisoned is not None:
+            named = self.named or (None, None)
+            return Step(self.poisoned, self.tunnel, *named)
+        if self.tunnel is not None:
+            return self._tunnelled(head, self.tunnel, engine, scope)
+        if self.mode == "transparent":
+            return (yield from self._transparent_first(head, engine, scope))
+        return (yield from self._proxied(head, engine, scope))
+
+    def _tunnelled(self, head: RequestHead, pin: Pin, engine: Engine, scope: Scope) -> Step:
+        if problem := check_headers(head.headers):
+            return Step(problem, pin)
+        restated = [("host", v) for v in head.hosts()]
+        if head.authority:
+            restated.append(("authority", head.authority))
+        if not restated and head.http_version == "HTTP/1.1":
+            return Step(Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), pin)
+        if problem := check_restated(restated, head.scheme, pin.host, pin.port):
+            return Step(problem, pin)
+        facts = head.facts(pin.host, pin.port, head.scheme)
+        return Step(engine.check_request(facts, scope), pin, facts=facts)
+
+    def _transparent_first(self, head: RequestHead, engine: Engine, scope: Scope) -> Steps:
+        """Plain HTTP redirected transparently: the first request's Host names the destination, on
+        the port the sandbox dialled; the gateway resolves it (the dialled IP is never used)."""
+        if problem := check_headers(head.headers):
+            return Step(problem)
+        if self.original_destination is None:
+            return Step(Decision.deny("bad_host", "no original destination on a transparent connection"))
+        original_ip, port = self.original_destination
+        hosts = head.hosts() + ([head.authority] if head.authority else [])
+        if not hosts:
+            return Step(Decision.deny("bad_host_header", "a transparent HTTP request needs a Host header"))
+        try:
+            host, host_port = parse_authority(hosts[0], port)
+        except HostError as exc:
+            return Step(Decision.deny("bad_host_header", f"malformed Host: {exc}"))
+        named = (host.value, port)
+        if self.named is not None and self.named != named:
+            message = f"this connection already named {self.named[0]}:{self.named[1]}"
+            return Step(Decision.deny("host_mismatch", message), None, *named)
+        self.named = named
+        if host_port != port:
+            return Step(Decision.deny("host_mismatch", f"Host names port {host_port} but the connection is to port {port}"),
+                        None, *named)
+        if problem := check_restated([("host", v) for v in hosts[1:]], "http", host, port):
+            return Step(problem, None, *named)
+        facts = head.facts(host, port, "http")
+        decision, pin = yield from _admit(engine, engine.check_request(facts, scope), host, port)
+        if pin is None:
+            return Step(decision, None, *named, facts=facts)
+        original = ipaddress.ip_address(original_ip)
+        if mismatch := engine.original_destination_refusal(original, host, pin.addresses, decision.rule):
+            return Step(mismatch, None, *named, facts=facts)
+        self.tunnel = pin
+        yield Establish(Established("http", pin, decision.rule, self.address, engine.generation, original))
+        if self.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
+            return Step(self.poisoned, None, *named, facts=facts)
+        return Step(decision, pin, *named, facts=facts, upstream=(pin.address.compressed, pin.port))
+
+    def _proxied(self, head: RequestHead, engine: Engine, scope: Scope) -> Steps:
+        if head.form != "absolute":
+            message = "this is a proxy: send absolute-form requests (http://host/path) or CONNECT"
+            return Step(Decision.deny("origin_form", message))
+        if head.scheme != "http":
+            return Step(Decision.deny("https_absolute_form", "https:// URLs must be tunnelled with CONNECT"))
+        if problem := check_headers(head.headers):
+            return Step(problem)
+        try:
+            host, port = parse_authority(head.raw_authority or "", DEFAULT_PORTS["http"])
+        except HostError as exc:
+            return Step(Decision.deny("bad_host", f"bad URL authority: {exc}"))
+        named = (host.value, port)
+        hosts = head.hosts()
+        if not hosts and head.http_version == "HTTP/1.1":
+            return Step(Decision.deny("bad_host_header", "HTTP/1.1 request without a Host header"), None, *named)
+        if problem := check_restated([("host", v) for v in hosts], "http", host, port):
+            reason = "host_url_mismatch" if problem.reason == "host_mismatch" else problem.reason
+            return Step(Decision.deny(reason, problem.message), None, *named)
+        facts = head.facts(host, port, "http")
+        decision, pin = yield from _admit(engine, engine.check_request(facts, scope), host, port)
+        if pin is None:
+            return Step(decision, None, *named, facts=facts)
+        return Step(decision, pin, *named, facts=facts, upstream=(pin.address.compressed, pin.port))
+
+
+def _admit(engine: Engine, decision: Decision, host: Host, port: int):
+    """Engine.admit, asking for the addresses instead of resolving them."""
+    if not decision.allowed:
+        return decision, None
+    resolved = yield NeedAddresses(host)
+    return engine.admit_resolved(decision, host, port, resolved)
+
+
+def drive_now(steps: Steps, resolve: Callable[[Host], Resolved],
+              establish: Callable[[Established], None] = lambda established: None) -> Step:
+    """Run an event to its step here and now, every name answered by `resolve` (which returns
+    the addresses or a ResolveError)."""
+    value: object = None
+    while True:
+        try:
+            need = steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(need, NeedAddresses):
+            value = resolve(need.host)
+        else:
+            establish(need.established)
+            value = None
