@@ -312,6 +312,8 @@ class Engine:
         """Every address `host` resolved to checked, and the one to dial chosen."""
         if isinstance(resolved, ResolveError):
             return Decision.deny("resolve_failed", str(resolved)), None
+        if not resolved:  # (no resolver returns this; fail closed if one ever does)
+            return Decision.deny("resolve_failed", f"{host} resolved to no address"), None
         refusal = self.address_refusal(host, resolved, port)
         if refusal is not None:
             return refusal, None

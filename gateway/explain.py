@@ -1,7 +1,8 @@
 """`explain`: one request through the policy, every step shown. Pure, given how to resolve names.
 
-The decision is the engine's own (`check_request`, or `check_tcp` for `tcp://IP:PORT`), so explain
-and the gateway cannot disagree about rules. Around it, explain shows what the gateway logs only in
+The decision is the live walk's own (gateway/session.py: a CONNECT then the request for https, an
+absolute-form request for http; the engine's `check_tcp` for `tcp://IP:PORT`), so explain and the
+gateway cannot disagree. Around it, explain shows what the gateway logs only in
 part: each candidate rule and why it did or did not match, the addresses the name resolves to and
 the deny list's verdict on each, and the names of the secrets the deciding rule would inject
 (never a value: explain does not read secrets at all).
@@ -27,6 +28,7 @@ from .paths import PathError, normalise_path
 from .placeholders import ShapeTokens
 from .policy import DEFAULT_PORTS, LIMIT_KEYS, Policy, Rule, Scope
 from .resolver import ResolveError
+from .session import UNCHECKED, decide_request
 
 Resolve = Callable[[Host], Sequence[IPAddress]]  # raises ResolveError
 
@@ -264,29 +266,27 @@ def explain(
     host, port = target.host, target.port
 
     resolution, found, resolve_error = _resolve(policy, host, addresses, resolve)
+    verdicts = engine.check_addresses(found or (), port)
+    notes: list[str] = []
     if target.scheme == "tcp":
         policy_decision, candidates, path = _tcp(engine, policy, host, port, found, scope)
+        decision = _address_verdict(policy_decision, host, verdicts, resolve_error)
     else:
+        # The live walk itself (gateway/session.py), as a sandbox sends this request: once as if every
+        # address passed (the rules' verdict), once with the addresses explain has.
+        answer = ResolveError(resolve_error) if resolve_error is not None else (found or None)  # none given: unchecked
+        ask = (engine, scope, target.scheme, host, port, method, target.target, headers)
+        policy_decision = decide_request(*ask, answer=UNCHECKED)
+        decision = decide_request(*ask, answer=UNCHECKED if answer is None else answer)
+        if decision.allowed and answer is None:
+            notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
         facts = RequestFacts(host, port, target.scheme, method, target.target, tuple(headers))
-        policy_decision = engine.check_request(facts, scope)
         candidates = _http_candidates(engine, policy, facts, scope, policy_decision)
         try:
             path = normalise_path(target.target)
         except PathError:
             path = None
-    verdicts = engine.check_addresses(found or (), port)
-
-    decision, notes = policy_decision, []
     rule = policy.rules_by_id.get(policy_decision.rule or "")
-    if decision.allowed:
-        refused = [v for v in verdicts if not v.allowed]
-        if resolve_error is not None:
-            decision = Decision.deny("resolve_failed", resolve_error, decision.rule)
-        elif refused:
-            decision = Decision.deny(refused[0].reason, f"{host} resolves to {refused[0].describe()}",
-                                     decision.rule, [v.describe() for v in verdicts])
-        elif found is None:
-            notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
     credentials: list[Credential] = []
     # explain has no placeholder key (and only the headers given with -H): the URL's own query and
     # path and those headers are checked, and any well-formed placeholder of a secret the rule is
@@ -344,6 +344,20 @@ def explain(
     return Explanation(target, method, scope, scope_text, policy_decision, decision, candidates, path,
                        resolution, verdicts, resolve_error, credentials, mode, notes, tuple(headers), overrides,
                        limits)
+
+
+def _address_verdict(decision: Decision, host: Host, verdicts: list[AddressVerdict],
+                     resolve_error: str | None) -> Decision:
+    """tcp://: the rules' decision, unless an address (or the lookup) refuses it."""
+    if not decision.allowed:
+        return decision
+    refused = [v for v in verdicts if not v.allowed]
+    if resolve_error is not None:
+        return Decision.deny("resolve_failed", resolve_error, decision.rule)
+    if refused:
+        return Decision.deny(refused[0].reason, f"{host} resolves to {refused[0].describe()}",
+                             decision.rule, [v.describe() for v in verdicts])
+    return decision
 
 
 def _resolve(policy: Policy, host: Host, given: Sequence[IPAddress] | None, resolve: Resolve | None):

@@ -26,11 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .decision import Decision
-from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine, RequestFacts
+from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine
 from .engine import check_bound_request, credential_refusal
 from .hostnames import Host, HostError, IPAddress, canonical_host
 from .methods import Override, described_query_overrides, parse_described
 from .placeholders import ShapeTokens
+from .session import UNCHECKED, decide_destination, decide_request
 from .policy import Policy, Scope
 
 REPLAYED_EVENTS = ("request", "connect", "tls", "dns")
@@ -241,6 +242,23 @@ def _recorded_addresses(record: Record) -> tuple[IPAddress, ...]:
     return tuple(found)
 
 
+def _answer(engine: Engine, record: Record, host: Host):
+    """What the walk is told `host` resolves to: itself (an IP), static_hosts, the addresses the audit
+    line recorded, or UNCHECKED when none is known (the rules' verdict stands; see _unknown_address)."""
+    if host.ip is not None:
+        return (host.ip,)
+    if host.value in engine.policy.static_hosts:
+        return engine.policy.static_hosts[host.value]
+    return _recorded_addresses(record) or UNCHECKED
+
+
+def _unknown_address(record: Record, decision: Decision, answer) -> Decision:
+    """No address known, and the line recorded an address refusal: that refusal stands."""
+    if decision.allowed and answer is UNCHECKED and record.reason == "denied_address":
+        return Decision.deny("denied_address", "address unknown: the recorded refusal stands", decision.rule)
+    return decision
+
+
 def _check_addresses(engine: Engine, record: Record, host: Host, decision: Decision, port: int | None) -> Decision:
     if host.ip is not None:
         addresses: tuple[IPAddress, ...] = (host.ip,)
@@ -269,23 +287,24 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
     if record.event == "dns":
         decision = _dns(engine, record, host, scope)
     elif record.event == "request":
-        facts = RequestFacts(host, record.port, record.scheme.lower(), record.method, record.path, record.headers,
-                             recorded=record.query_overrides)
-        decision = engine.check_request(facts, scope)
-        if decision.allowed:
-            decision = _check_addresses(engine, record, host, decision, record.port)
+        scheme = record.scheme.lower()
+        # the live walk (gateway/session.py): for https the CONNECT is judged first, as it was
+        answer = _answer(engine, record, host)
+        decision = decide_request(engine, scope, scheme, host, record.port, record.method, record.path,
+                                  record.headers, answer, record.query_overrides)
+        decision = _unknown_address(record, decision, answer)
         rule = policy.rules_by_id.get(decision.rule or "")
         if decision.allowed and not decision.would_deny and rule is not None:  # report mode injects nothing
-            decision = credential_refusal(rule, facts.scheme, host) or decision
+            decision = credential_refusal(rule, scheme, host) or decision
             if decision.allowed and rule.secrets:  # the recorded path only: no headers are recorded
                 decision = check_bound_request(rule, (), record.path or "/", ShapeTokens(rule.secrets)).refusal \
                     or decision
             if decision.allowed:
                 injected = rule.secrets
     else:  # connect, tls: the destination before any request
-        decision = engine.check_destination(host, record.port, scope)
-        if decision.allowed:
-            decision = _check_addresses(engine, record, host, decision, record.port)
+        answer = _answer(engine, record, host)
+        decision = _unknown_address(record, decide_destination(engine, scope, host, record.port, answer).decision,
+                                    answer)
     return Verdict(decision.verdict, decision.reason, decision.rule, injected, decision.message), scope
 
 

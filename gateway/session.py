@@ -53,7 +53,7 @@ class Establish:
     established: Established
 
 
-Resolved = Sequence[IPAddress] | ResolveError
+Resolved = "Sequence[IPAddress] | ResolveError | _Unchecked"
 Steps = Generator[NeedAddresses | Establish, object, "Step"]
 
 
@@ -71,10 +71,11 @@ class RequestHead:
     form: str | None = None  # the request target's form: origin | absolute | authority | asterisk
     end_stream: bool | None = None  # whether the head ended the request (None: not known)
     malformed: str | None = None  # the proxy found the request invalid, and will refuse it
+    recorded: tuple = ()  # replay: method overrides an audit line recorded (its path may have lost them)
 
     def facts(self, host: Host, port: int, scheme: str) -> RequestFacts:
         return RequestFacts(host, port, scheme, self.method, self.path, self.headers,
-                            bodies.request_framing(self.headers, self.end_stream))
+                            bodies.request_framing(self.headers, self.end_stream), self.recorded)
 
     def hosts(self) -> list[str]:
         return [v for k, v in self.headers if k.lower() == "host"]
@@ -179,7 +180,7 @@ class ClientSession:
         self.tunnel = pin
         self.passthrough_rule = passthrough_rule(decision)
         kind = "passthrough" if self.passthrough_rule is not None else "tunnel"
-        return Step(decision, pin, host.value, port, upstream=(pin.address.compressed, pin.port),
+        return Step(decision, pin, host.value, port, upstream=_upstream(pin),
                     establish=Established(kind, pin, decision.rule, self.address, engine.generation,
                                           original if sni else None))
 
@@ -276,7 +277,7 @@ class ClientSession:
         yield Establish(Established("http", pin, decision.rule, self.address, engine.generation, original))
         if self.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
             return Step(self.poisoned, None, *named, facts=facts)
-        return Step(decision, pin, *named, facts=facts, upstream=(pin.address.compressed, pin.port))
+        return Step(decision, pin, *named, facts=facts, upstream=_upstream(pin))
 
     def _proxied(self, head: RequestHead, engine: Engine, scope: Scope) -> Steps:
         if head.form != "absolute":
@@ -301,7 +302,19 @@ class ClientSession:
         decision, pin = yield from _admit(engine, engine.check_request(facts, scope), host, port)
         if pin is None:
             return Step(decision, None, *named, facts=facts)
-        return Step(decision, pin, *named, facts=facts, upstream=(pin.address.compressed, pin.port))
+        return Step(decision, pin, *named, facts=facts, upstream=_upstream(pin))
+
+
+class _Unchecked:
+    """Sent back for NeedAddresses by a caller that cannot resolve (`explain` without DNS): the walk
+    goes on as if every address passed, with a pin that has no address (never dialled: no
+    `upstream`). The live driver (addons/session_driver.py) only ever sends what its resolver said."""
+
+    def __repr__(self) -> str:
+        return "UNCHECKED"
+
+
+UNCHECKED = _Unchecked()
 
 
 def _admit(engine: Engine, decision: Decision, host: Host, port: int):
@@ -309,7 +322,13 @@ def _admit(engine: Engine, decision: Decision, host: Host, port: int):
     if not decision.allowed:
         return decision, None
     resolved = yield NeedAddresses(host)
+    if resolved is UNCHECKED:
+        return decision, Pin(host, port, None, ())
     return engine.admit_resolved(decision, host, port, resolved)
+
+
+def _upstream(pin: Pin) -> tuple[str, int] | None:
+    return (pin.address.compressed, pin.port) if pin.address is not None else None
 
 
 def drive_now(steps: Steps, resolve: Callable[[Host], Resolved],
@@ -327,3 +346,32 @@ def drive_now(steps: Steps, resolve: Callable[[Host], Resolved],
         else:
             establish(need.established)
             value = None
+
+
+# --- a request as a sandbox sends it: what explain, replay and policy tests ask ------------------------
+
+
+def decide_destination(engine: Engine, scope: Scope, host: Host, port: int, answer: Resolved = UNCHECKED) -> Step:
+    """The CONNECT (or transparent SNI) decision for host:port, every name resolving to `answer`."""
+    return drive_now(ClientSession("offline", "regular").connect(host.authority(port), engine, scope),
+                     lambda name: answer)
+
+
+def decide_request(engine: Engine, scope: Scope, scheme: str, host: Host, port: int, method: str, target: str,
+                   headers: Sequence[tuple[str, str]] = (), answer: Resolved = UNCHECKED,
+                   recorded: tuple = ()) -> Decision:
+    """The decision live traffic gets for this request sent through the proxy port: https as a
+    CONNECT and then the request in its tunnel, http as an absolute-form request; every name the
+    walk asks about resolves to `answer` (addresses, a ResolveError, or UNCHECKED)."""
+    authority = host.authority(port)
+    fields = tuple(headers) if any(k.lower() == "host" for k, _ in headers) else (("Host", authority), *headers)
+    session = ClientSession("offline", "regular")
+    if scheme == "https":
+        connect = drive_now(session.connect(authority, engine, scope), lambda name: answer)
+        if not connect.admitted:
+            return connect.decision
+        head = RequestHead(method, "https", target, "HTTP/1.1", fields, form="origin", recorded=recorded)
+    else:
+        head = RequestHead(method, scheme, target, "HTTP/1.1", fields, authority, authority, "absolute",
+                           recorded=recorded)
+    return drive_now(session.request_head(head, engine, scope), lambda name: answer).decision
