@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import policy_text
 from tests.e2e.helpers import assert_untouched, curl, get, tls_tunnel
+from tests.support import waiting
 from tests.support.gateway import GatewayProcess
 
 ALLOW_ALLOWED = """
@@ -31,14 +32,9 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_for(predicate, timeout: float = 8.0, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
+def wait_for(predicate, timeout: float = 8.0):
+    """A policy reload polls its file: up to a poll interval later than the write."""
+    return waiting.wait_for(predicate, timeout, "the reload's effect", interval=0.2)
 
 
 def reloads(gateway: GatewayProcess, result: str) -> list[dict]:

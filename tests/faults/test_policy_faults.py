@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import policy_text
 from tests.e2e.helpers import connect_proxy, get
+from tests.support.waiting import wait_for
 
 from .harness import make_gateway
 
@@ -37,15 +38,6 @@ def status(gateway, host: str) -> int:
 
 def reload_errors(gateway) -> list[dict]:
     return [a for a in gateway.audit() if a["event"] == "policy_reload" and a.get("result") == "error"]
-
-
-def wait_for(predicate, timeout: float = 6.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +98,7 @@ def test_broken_policy_keeps_the_old_one(reloading, upstreams, how):
     try:
         BREAKAGES[how](path)
         gateway.process.send_signal(signal.SIGHUP)  # polling would find it too; this is quicker
-        assert wait_for(lambda: len(reload_errors(gateway)) > before), gateway.log()[-2000:]
+        wait_for(lambda: len(reload_errors(gateway)) > before, 6.0, "a reload error", detail=lambda: gateway.log()[-2000:])
         error = reload_errors(gateway)[-1]
         assert error["decision"] == "deny" and error["reason"] == "policy_invalid"
         assert gateway.process.poll() is None
@@ -128,7 +120,7 @@ def test_a_valid_policy_after_a_broken_one_is_installed(reloading, upstreams):
     time.sleep(0.3)
     _replace(gateway.policy, policy_text(upstreams, ALLOW_OTHER))
     gateway.process.send_signal(signal.SIGHUP)
-    assert wait_for(lambda: status(gateway, "other.test") == 200)
+    wait_for(lambda: status(gateway, "other.test") == 200, 6.0, "other.test to be allowed")
     assert status(gateway, "allowed.test") == 403
     ok = [a for a in gateway.audit() if a["event"] == "policy_reload" and a.get("result") == "ok"]
     assert ok, gateway.audit()[-5:]

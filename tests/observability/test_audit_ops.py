@@ -7,10 +7,11 @@ import collections
 import http.client
 import json
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway.audit import verify_chain
+
+from tests.support.waiting import wait_for
 
 from .conftest import gateway_with_metrics, proxy_get, scrape, value
 
@@ -24,14 +25,6 @@ RULES = """
   methods: [GET]
   paths: ["/ok/**"]
 """
-
-
-def wait_for(check, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
 
 
 def test_one_line_per_decision_under_concurrent_load(tmp_path, upstreams, pki):

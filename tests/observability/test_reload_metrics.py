@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import signal
-import time
 
 from tests.conftest import policy_text
+from tests.support.waiting import wait_for
 
 from .conftest import connect_status, gateway_with_metrics, scrape, value
 
@@ -14,14 +14,6 @@ RULES = """
   hosts: [127.0.0.1]
   ports: [{metrics_port}]
 """
-
-
-def wait_for(check, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return result
 
 
 def test_reloads_update_policy_metrics_and_keep_the_port_guarded(tmp_path, upstreams, pki):

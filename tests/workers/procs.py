@@ -17,6 +17,8 @@ import struct
 import time
 from pathlib import Path
 
+from tests.support.waiting import wait_for  # noqa: F401  (the worker suites call procs.wait_for)
+
 LISTEN = "0A"
 
 
@@ -145,15 +147,3 @@ def owner(sock: socket.socket, server_port: int, pids, timeout: float = 5.0) -> 
             raise AssertionError(f"no process among {candidates()} holds the server side of {client} -> :{server_port} "
                                  f"(inodes {inodes})")
         time.sleep(0.02)
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll until predicate() is truthy; return its value, or raise after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
