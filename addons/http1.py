@@ -82,6 +82,9 @@ class HeadLines:
 
     def count(self, buf: ReceiveBuffer) -> int:
         data = buf._data  # only appended to until the section is extracted (then `reset`)
+        if data[:1] == b"\n" or data[:2] == b"\r\n":
+            self.__init__()  # an empty section (h11 extracts it as no lines): what follows is not in it
+            return 0
         if len(data) < self.scanned:
             self.__init__()
         # a blank line ends with up to three bytes ("\n\r\n"): one that began in the last read

@@ -71,3 +71,32 @@ def test_a_trailer_section_over_the_limit_is_refused_before_h11_decodes_it(monke
         assert refused and decoded == []
         return
     assert not refused and len(events[-1].headers) == fields and decoded == [fields]
+
+
+@pytest.mark.parametrize("empty", [b"\r\n", b"\n"])
+def test_an_empty_section_counts_nothing_of_what_follows_it(empty):
+    """A chunked body without trailers ends with an empty trailer section; the next pipelined
+    request's head (257 lines) was counted as its trailers and refused 431."""
+    counter = HeadLines()
+    buf = ReceiveBuffer()
+    buf += empty + b"GET / HTTP/1.1\r\n" + b"".join(b"f%d: 0\r\n" % n for n in range(256)) + b"\r\n"
+    assert counter.count(buf) == 0
+    reader = count_trailer_fields(h11._readers.ChunkedReader(), 256)
+    body = ReceiveBuffer()
+    body += b"3\r\nabc\r\n0\r\n" + bytes(buf)
+    events = []
+    while (event := reader(body)) is not None:
+        events.append(event)
+        if isinstance(event, h11.EndOfMessage):
+            break
+    assert isinstance(events[-1], h11.EndOfMessage) and list(events[-1].headers) == []
+    assert bytes(body).startswith(b"GET / HTTP/1.1\r\n")  # the next head, untouched
+
+
+def test_a_section_split_inside_its_leading_cr_is_still_empty():
+    counter = HeadLines()
+    buf = ReceiveBuffer()
+    buf += b"\r"
+    assert counter.count(buf) == 0
+    buf += b"\nGET / HTTP/1.1\r\na: 0\r\n\r\n"
+    assert counter.count(buf) == 0
