@@ -76,6 +76,7 @@ REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mit
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30.0
 PIPELINE_HEADS = 2  # bytes sent ahead of a response (HTTP/1 pipelining) are bounded by this many max heads
+MAX_EMPTY_LINES = 8  # empty lines ignored before a request line (RFC 9112 2.2: at least one)
 # (context, decision, request, method, *, status_sent=True, **audit fields)
 OnRefusal = Callable[..., "Decision | None"]
 
@@ -386,6 +387,16 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
                 self._head_wakeup = commands.RequestWakeup(self.head_timeout)
                 yield self._head_wakeup
         request_head = self.buf.maybe_extract_lines()
+        skipped = 0
+        while request_head == [] and skipped < MAX_EMPTY_LINES:
+            # An empty line before the request line (h11 extracts it as an empty head): ignored, as
+            # RFC 9112 2.2 asks (clients send a CRLF after a POST body); the head behind it is read now.
+            skipped += 1
+            request_head = self.buf.maybe_extract_lines()
+        if request_head == []:
+            yield from self._refuse(Decision.deny(
+                "malformed_request", f"more than {MAX_EMPTY_LINES} empty lines before a request line"))
+            return
         if not request_head:
             if len(self.buf) > self.max_head_bytes:
                 yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))
@@ -546,15 +557,16 @@ class GatewayHttp2Server(Http2Server):
         else:
             h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
         if (self._block_wakeup is None and self.limits.head_timeout
-                and self.h2_conn.incoming_buffer.block_started is not None):
+                and self.h2_conn.incoming_buffer.pending_since is not None):
             self._block_wakeup = commands.RequestWakeup(self.limits.head_timeout)
             yield self._block_wakeup
 
     def _block_deadline(self) -> layer.CommandGenerator[None]:
         """A header block started and did not end in time (HEADERS without END_HEADERS, then silence
-        or a trickle of CONTINUATION frames): the HTTP/1 head timeout's counterpart. No stream can
-        be answered (its block is not decoded): GOAWAY and close, as a flood."""
-        started = self.h2_conn.incoming_buffer.block_started
+        or a trickle of CONTINUATION frames), or a frame other than DATA did not arrive whole in time
+        (a 128 KiB HEADERS frame trickled): the HTTP/1 head timeout's counterpart. No stream can be
+        answered (its block is not decoded): GOAWAY and close, as a flood."""
+        started = self.h2_conn.incoming_buffer.pending_since
         if started is None or self._closing:
             return  # the block ended, or the connection is already closing
         waited = time.monotonic() - started
@@ -563,9 +575,9 @@ class GatewayHttp2Server(Http2Server):
             yield self._block_wakeup
             return
         self.h2_conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-        decision = Decision.deny("request_head_timeout", f"an HTTP/2 header block took more than "
+        decision = Decision.deny("request_head_timeout", f"an HTTP/2 header block (or frame) took more than "
                                                          f"{self.limits.head_timeout:g}s; the connection was closed (GOAWAY)")
-        yield from self._goaway(decision, bytes=self.h2_conn.incoming_buffer.block_bytes)
+        yield from self._goaway(decision, bytes=self.h2_conn.incoming_buffer.pending_bytes)
 
     # --- budgets ------------------------------------------------------------------------------
 

@@ -38,6 +38,31 @@ def test_plain_http_with_httpx(gateway, upstreams):
     assert_untouched(upstreams, "other.test")
 
 
+@pytest.mark.parametrize("between", [b"\r\n", b"\n", b"\r\n" * 8])
+def test_empty_lines_before_a_request_line_are_ignored(gateway, upstreams, between):
+    """RFC 9112 2.2: a server SHOULD ignore at least one empty line before a request line (clients
+    send a CRLF after a POST body). The request behind it waited for the 30 s head timeout (408)."""
+    body = b"x=1"
+    with connect_proxy(gateway) as conn:
+        conn.send(b"POST http://allowed.test/a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 3\r\n\r\n" + body
+                  + between + b"GET http://allowed.test/b HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        first = conn.read_response()
+        second = conn.read_response()  # the connection's timeout (3 s) fails this long before 30 s
+    assert (first.status, second.status) == (200, 200)
+    assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/a", "/b"]
+
+
+def test_a_run_of_empty_lines_is_refused(gateway, upstreams):
+    with connect_proxy(gateway) as conn:
+        conn.send(b"GET http://allowed.test/a HTTP/1.1\r\nHost: allowed.test\r\n\r\n" + b"\r\n" * 9
+                  + b"GET http://allowed.test/b HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        first = conn.read_response()
+        refused = conn.read_response()
+    assert first.status == 200
+    assert_refused(refused, 400, "malformed_request")
+    assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/a"]
+
+
 def test_destination_is_decided_per_request_on_a_kept_alive_connection(gateway, upstreams):
     with connect_proxy(gateway) as conn:
         first = conn.request("GET", "http://allowed.test/a", [("Host", "allowed.test")])
