@@ -56,6 +56,7 @@ from .http1 import DEFAULT_MAX_HEADER_FIELDS, max_header_fields
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
 _HEADER_BLOCK_FRAMES = (HeadersFrame, ContinuationFrame, PushPromiseFrame)
+_HEADER_BLOCK_TYPES = frozenset(f.type for f in _HEADER_BLOCK_FRAMES)
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # egress_max_head_bytes (addons/core.py)
 DEFAULT_HEAD_TIMEOUT = 30.0  # egress_head_timeout
 
@@ -146,25 +147,54 @@ class FrameTooLarge(ControlFlood):
 class BoundedFrameBuffer(FrameBuffer):
     """h2's frame buffer, with the bytes of the header block being joined summed frame by frame:
     past `max_block_bytes` it raises HeaderBlockTooLarge, before the block is joined or decoded.
-    `block_started` is when the unfinished block's first frame arrived (None: none is pending)."""
+    `pending_since` is when what is still arriving of a head began: an unfinished header block's
+    first frame, or an incomplete frame other than DATA (None: nothing of a head is pending)."""
 
     def __init__(self, server: bool, max_block_bytes: int) -> None:
         super().__init__(server=server)
         self.max_block_bytes = max_block_bytes
         self.block_bytes = 0
         self.block_started: float | None = None
+        self.partial_started: float | None = None  # an incomplete non-DATA frame's first bytes
+
+    @property
+    def pending_since(self) -> float | None:
+        started = [t for t in (self.block_started, self.partial_started) if t is not None]
+        return min(started) if started else None
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.block_bytes + len(self._data)
 
     def __next__(self):
         """h2 waits for a whole frame before it checks its length against the maximum: a header
         claiming 16 MiB (the gateway advertises 128 KiB) held 15 MiB sent of it per connection
-        (95 connections: 2 GiB) with no refusal. Here the length is checked from the header."""
+        (95 connections: 2 GiB) with no refusal. Here the length is checked from the header, and a
+        header-block frame's against what is left of the head's budget (padding included)."""
         if len(self._data) >= 9:
-            length = int.from_bytes(self._data[:3], "big")
+            length, kind = int.from_bytes(self._data[:3], "big"), self._data[3]
             if length > self.max_frame_size:
                 self._data = bytearray()
                 raise FrameTooLarge(f"an HTTP/2 frame declared {length} bytes, more than the "
                                     f"{self.max_frame_size} advertised")
-        return super().__next__()
+            if kind in _HEADER_BLOCK_TYPES:
+                joined = self.block_bytes if kind == ContinuationFrame.type and self._headers_buffer else 0
+                if joined + length > self.max_block_bytes:
+                    self._data = bytearray()
+                    self.block_bytes = joined + length
+                    raise self._too_large(f"an HTTP/2 header block frame declared {length} bytes, past the "
+                                          f"{self.max_block_bytes} of a head")
+        try:
+            frame = super().__next__()
+        except StopIteration:
+            if self._data and (len(self._data) < 4 or self._data[3] != DataFrame.type):
+                if self.partial_started is None:
+                    self.partial_started = time.monotonic()
+            else:
+                self.partial_started = None
+            raise
+        self.partial_started = None
+        return frame
 
     def _update_header_buffer(self, f):
         if isinstance(f, _HEADER_BLOCK_FRAMES):
@@ -305,8 +335,9 @@ class GatewayHttp2Client(Http2Client):
         self.h2_conn.incoming_buffer = BoundedFrameBuffer(False, self.h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE)
 
     def handle_h2_event(self, event):
-        if isinstance(event, (HeaderBlockTooLarge, h2.exceptions.DenialOfServiceError)):
-            message = f"the upstream's HTTP/2 header block passed {self.h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE} bytes"
+        if isinstance(event, (HeaderBlockTooLarge, FrameTooLarge, h2.exceptions.DenialOfServiceError)):
+            message = (f"the upstream's HTTP/2 header block passed {self.h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE} bytes"
+                       if not isinstance(event, FrameTooLarge) else f"the upstream's {event}"[:300])
             yield Log(f"{human.format_address(self.conn.peername)}: egress gateway: {message}")
             yield SendData(self.conn, self.h2_conn.data_to_send())  # the GOAWAY h2 queued as it raised
             yield CloseConnection(self.conn)

@@ -79,6 +79,10 @@ class HeadsH2Origin:
                 frame = (HeadersFrame if n == 0 else ContinuationFrame)(stream_id, block[at:at + 16384])
                 sock.sendall(frame.serialize())
             return
+        if path == "/big-frame":  # a frame header declaring 1 MiB, more than any frame size agreed
+            sock.sendall(conn.data_to_send() + (1 << 20).to_bytes(3, "big") + b"\0\0" + stream_id.to_bytes(4, "big")
+                         + b"x" * 1000)
+            return
         headers = [(":status", "200")]
         if path == "/fields":
             headers += [(f"x-f{n}", "0") for n in range(MANY)]
@@ -155,7 +159,7 @@ def gateway(tmp_path_factory, upstreams, pki, origins):
     process.stop()
 
 
-@pytest.mark.parametrize("path", ["/block", "/fields", "/trailers"])
+@pytest.mark.parametrize("path", ["/block", "/fields", "/trailers", "/big-frame"])
 def test_an_upstream_h2_head_past_its_limits_is_502_and_the_gateway_goes_on(gateway, origins, path):
     """A 1 MiB header block (never ended) was joined and decoded whole before any check; 300
     response or trailer fields went to every hook. Now 502 response_too_large (a trailer section

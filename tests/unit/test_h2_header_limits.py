@@ -258,3 +258,64 @@ def test_a_protocol_error_is_audited():
     promise.flags = {"END_HEADERS"}
     _send(layer, client, h2c.data_to_send() + promise.serialize())
     assert [reason for reason, _ in refused] == ["malformed_request"]
+
+
+def _frame_header(length: int, kind: int, flags: int = 0, stream_id: int = 1) -> bytes:
+    return length.to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big")
+
+
+def test_a_header_block_frame_declaring_more_than_a_head_is_refused_from_its_header():
+    """A HEADERS frame may declare up to the 128 KiB frame size, twice the head limit: it was kept
+    until whole (and with no deadline: 400 such connections held ~240 KB each, uncharged). Now its
+    9-byte header is enough to refuse it."""
+    layer, client, refused = _server()
+    h2c = _client()
+    commands = _send(layer, client, h2c.data_to_send() + _frame_header(LIMIT + 1, HeadersFrame.type, 0x4)
+                     + b"\0" * 1000)
+    assert [reason for reason, _ in refused] == ["request_head_too_large"] and refused[0][1]["bytes"] > LIMIT
+    ends = [e for e in _answer(h2c, commands) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert len(layer.h2_conn.incoming_buffer._data) == 0
+
+
+def test_a_continuation_is_judged_with_the_block_it_continues():
+    layer, client, refused = _server()
+    h2c = _client()
+    block = hpack.Encoder().encode(BASE, huffman=False)
+    first = HeadersFrame(1, block + b"\0" * 0)
+    first.flags = {"END_STREAM"}
+    _send(layer, client, h2c.data_to_send() + first.serialize())
+    assert refused == []
+    _send(layer, client, _frame_header(LIMIT - len(block) + 1, ContinuationFrame.type, 0x4))
+    assert [reason for reason, _ in refused] == ["request_head_too_large"]
+
+
+def test_an_incomplete_frame_other_than_data_has_the_head_deadline():
+    """A HEADERS frame within the limits, trickled: no block had started (h2 keeps the frame until
+    whole), so no deadline ran. Now the head timeout runs from its first byte."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(head_timeout=30.0)
+    h2c = _client()
+    commands = _send(layer, client, h2c.data_to_send() + _frame_header(60000, HeadersFrame.type, 0x4) + b"\0" * 10)
+    timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert len(timers) == 1 and timers[0].delay == 30.0
+    assert layer.h2_conn.incoming_buffer.pending_since is not None
+    _send(layer, client, b"\0" * 10)  # a trickle does not restart it
+    layer.h2_conn.incoming_buffer.partial_started -= 30
+    commands = list(layer.handle_event(events.Wakeup(timers[0])))
+    assert [reason for reason, _ in refused] == ["request_head_timeout"]
+    assert refused[0][1]["bytes"] >= 29
+    ends = [e for e in _answer(h2c, commands) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_an_incomplete_data_frame_is_a_body_not_a_head():
+    """A large DATA frame arriving slowly is an upload (the body's own timeouts apply), not a head."""
+    layer, client, refused = _server(head_timeout=30.0)
+    h2c = _client()
+    h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
+    commands = _send(layer, client, h2c.data_to_send() + _frame_header(16000, 0x0) + b"x" * 100)
+    assert _opened(commands) == [1] and refused == []
+    assert layer.h2_conn.incoming_buffer.pending_since is None
