@@ -19,9 +19,10 @@ from __future__ import annotations
 from mitmproxy import ctx, http
 
 from gateway.budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
+from gateway.decision import Decision
 from gateway.decompress import REQUEST_LIMIT
 
-from . import write_backlog
+from . import h2_backpressure, write_backlog
 from .layers import DEFAULT_BODY_IDLE_TIMEOUT
 from .state import GatewayState
 
@@ -30,6 +31,22 @@ class BufferBudget:
     def __init__(self, state: GatewayState):
         self.state = state
         write_backlog.install(state)
+        h2_backpressure.ledger_account = state.buffer_account_of
+        state.request_limiters.append(self.sandbox_full)
+
+    def sandbox_full(self, flow: http.HTTPFlow, decision: Decision, *args) -> Decision | None:
+        """A sandbox whose buffers hold its whole budget (charges that cannot be refused: what its
+        clients do not read, what gated upstream readers hold) gets no new request until they
+        drain; other sandboxes are not affected."""
+        ledger = self.state.buffers
+        if ledger.per_sandbox is None:
+            return None
+        key = self.state.sandbox_key(self.state.connections.get(flow.client_conn.id))
+        if ledger.held(sandbox=key) < ledger.per_sandbox:
+            return None
+        return Decision.deny("buffer_budget", f"this sandbox's buffers hold its whole budget "
+                                              f"({ledger.per_sandbox} bytes); no new request until they drain",
+                             decision.rule)
 
     def load(self, loader):
         loader.add_option(

@@ -84,6 +84,10 @@ class GatewayState:
             return f"sandbox:{self.scope(conn).sandbox}"
         return f"address:{conn.address if conn is not None else None}"
 
+    def buffer_account_of(self, client) -> Account:
+        """A new share of the buffer ledger for a buffer of this mitmproxy client."""
+        return self.buffers.account(client.id, self.sandbox_key(self.connections.get(client.id)))
+
     def buffer_account(self, context) -> Account:
         """A new share of the buffer ledger for a buffer of this layer context's client."""
         client = context.client
