@@ -50,6 +50,7 @@ class ConnectGuard:
         flow.request.data.host = str(step.pin.address)
         flow.request.data.port = step.pin.port
         flow.server_conn.sni = step.pin.sni or str(step.pin.address)
+        session.commit(step)
         if step.establish is not None:
             self.state.establish(flow.client_conn.id, session, step.establish)
         if session.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked

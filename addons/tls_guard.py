@@ -54,7 +54,7 @@ class TlsGuard:
         step = await drive(events, engine, self.state, data.context.client.id, session)
         if step.pin is not None:
             data.context.server.sni = step.pin.sni or step.pin.address.compressed
-        if (pinning and session.passthrough_rule is None) or not step.decision.allowed:
+        if (pinning and step.passthrough is None) or not step.decision.allowed:
             # allow, deny, or (report mode) would_deny: from the decision, never by hand. A passthrough
             # connection gets its one line from _passthrough; a pinned one's allowed SNI none.
             self.state.record(
@@ -69,6 +69,8 @@ class TlsGuard:
             return
         if step.upstream is not None:
             data.context.server.address = step.upstream
+        if pinning:
+            session.commit(step)
         if step.establish is not None:
             self.state.establish(data.context.client.id, session, step.establish)
         if session.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked

@@ -11,7 +11,8 @@ A connection is in one of four named phases (`ClientSession.phase`):
 - `refused`: a TLS ClientHello or a reload's revocation refused the connection; every request on it
   gets that refusal.
 
-Each event is a generator method (`connect`, `client_hello`, `request_head`). It never does I/O: where it needs a
+Each event is a generator method (`connect`, `client_hello`, `request_head`); an allowed CONNECT or
+SNI pins the connection when the adapter has audited it (`commit`). It never does I/O: where it needs a
 name's addresses it yields `NeedAddresses` and is sent back the addresses (or the ResolveError);
 where a request's decision makes something long-lived it yields `Establish`, which the adapter hands
 to the gateway's reload bookkeeping (which may refuse the connection at once: `phase == refused`).
@@ -92,6 +93,7 @@ class Step:
     facts: RequestFacts | None = None  # what the rules judged (a reload judges a WebSocket by it again)
     upstream: tuple[str, int] | None = None  # send the request to this address (proxied, transparent first)
     establish: Established | None = None  # a CONNECT's or SNI's tunnel: recorded once the allow is audited
+    passthrough: Rule | None = None  # a CONNECT's or SNI's pin: the inspect: false rule that relays it unread
 
     @property
     def admitted(self) -> bool:
@@ -143,13 +145,20 @@ class ClientSession:
         decision, pin = yield from _admit(engine, engine.check_destination(host, port, scope), host, port)
         if not decision.allowed or pin is None:
             return Step(decision, None, host.value, port)
-        self.tunnel = pin
-        self.passthrough_rule = passthrough_rule(decision)
-        kind = "passthrough" if self.passthrough_rule is not None else "tunnel"
-        # Established after the allow is audited (`Step.establish`): a reload that revoked it meanwhile
-        # then logs its revocation after the allow, and the adapter refuses the tunnel (phase refused).
-        return Step(decision, pin, host.value, port,
+        relay = passthrough_rule(decision)
+        kind = "passthrough" if relay is not None else "tunnel"
+        # Pinned once the allow is audited (`commit`): if that fails, the connection stays unpinned
+        # (and refused). A reload that revoked it meanwhile logs its revocation after the allow,
+        # and the adapter refuses the tunnel (phase refused).
+        return Step(decision, pin, host.value, port, passthrough=relay,
                     establish=Established(kind, pin, decision.rule, self.address, engine.generation))
+
+    def commit(self, step: "Step") -> None:
+        """A CONNECT's or SNI's allowed step takes effect: the connection is pinned to its pin."""
+        if not step.admitted:
+            raise ValueError("only an allowed step pins a connection")
+        self.tunnel = step.pin
+        self.passthrough_rule = step.passthrough
 
     # --- a TLS ClientHello -------------------------------------------------------------------------
 
@@ -177,10 +186,9 @@ class ClientSession:
             decision, pin = mismatch, None
         if pin is None:
             return self._refused(decision, host, port)
-        self.tunnel = pin
-        self.passthrough_rule = passthrough_rule(decision)
-        kind = "passthrough" if self.passthrough_rule is not None else "tunnel"
-        return Step(decision, pin, host.value, port, upstream=_upstream(pin),
+        relay = passthrough_rule(decision)
+        kind = "passthrough" if relay is not None else "tunnel"
+        return Step(decision, pin, host.value, port, upstream=_upstream(pin), passthrough=relay,
                     establish=Established(kind, pin, decision.rule, self.address, engine.generation,
                                           original if sni else None))
 
@@ -367,9 +375,12 @@ def decide_request(engine: Engine, scope: Scope, scheme: str, host: Host, port: 
     fields = tuple(headers) if any(k.lower() == "host" for k, _ in headers) else (("Host", authority), *headers)
     session = ClientSession("offline", "regular")
     if scheme == "https":
-        connect = drive_now(session.connect(authority, engine, scope), lambda name: answer)
+        connect = drive_now(session.connect(authority, engine, scope, engine.passthrough_rule), lambda name: answer)
         if not connect.admitted:
             return connect.decision
+        session.commit(connect)
+        if session.phase == PASSTHROUGH:
+            return connect.decision  # relayed unread once its ClientHello passes: no head is ever judged
         head = RequestHead(method, "https", target, "HTTP/1.1", fields, form="origin", recorded=recorded)
     else:
         head = RequestHead(method, scheme, target, "HTTP/1.1", fields, authority, authority, "absolute",

@@ -16,7 +16,7 @@ from gateway.engine import Engine
 from gateway.explain import explain, scope_for
 from gateway.policy import compile_policy
 from gateway.resolver import ResolveError
-from gateway.session import ClientSession, RequestHead, drive_now
+from gateway.session import PASSTHROUGH, ClientSession, RequestHead, drive_now
 
 NAMES = ["a.test", "b.a.test", "c.test", "meta.test", "gone.test"]
 ADDRESSES = {"a.test": ["203.0.113.1"], "b.a.test": ["203.0.113.2", "203.0.113.3"], "c.test": ["198.51.100.7"],
@@ -40,6 +40,9 @@ def rules(draw, index):
                                       unique=True))
     if draw(st.booleans()):
         rule["mode"] = draw(st.sampled_from(["report", "enforce"]))
+    if draw(st.integers(0, 5)) == 0 and set(rule.get("schemes", ["https"])) == {"https"} and not {
+            "methods", "paths"} & set(rule) and not any(h[0].isdigit() for h in rule["hosts"]):
+        rule["inspect"] = False  # passthrough: https, names, no method or path (what the loader accepts)
     return rule
 
 
@@ -54,7 +57,8 @@ def policies(draw):
     }
     if draw(st.booleans()):
         document["mode"] = "report"
-    return yaml.safe_dump(document, sort_keys=False)
+    headers = draw(st.sampled_from([(), (("Host", "evil.test"),), (("X-HTTP-Method-Override", "DELETE"),)]))
+    return yaml.safe_dump(document, sort_keys=False), headers
 
 
 @st.composite
@@ -67,6 +71,12 @@ def requests(draw):
     return scheme, host, port, path, method
 
 
+def _fields(authority: str, headers) -> tuple:
+    """The head a client sends: its own Host if it gives one (-H Host), else the URL's authority."""
+    given = tuple(headers)
+    return given if any(k.lower() == "host" for k, _ in given) else (("Host", authority), *given)
+
+
 def _addresses(host):
     if host.is_ip:
         return [host.ip]
@@ -75,31 +85,37 @@ def _addresses(host):
     return [ipaddress.ip_address(a) for a in ADDRESSES[host.value]]
 
 
-def live(engine: Engine, scheme: str, host: str, port: int | None, path: str, method: str):
+def live(engine: Engine, scheme: str, host: str, port: int | None, path: str, method: str, headers=()):
     """The session's verdict for the request as a sandbox sends it through the proxy port."""
     scope, _ = scope_for(engine.policy)
     session = ClientSession("10.0.0.2:5000", "regular", ipaddress.ip_address("10.0.0.2"))
     authority = host if port is None else f"{host}:{port}"
     if scheme == "https":
-        connect = drive_now(session.connect(f"{host}:{port or 443}", engine, scope), _addresses)
+        connect = drive_now(session.connect(f"{host}:{port or 443}", engine, scope, engine.passthrough_rule),
+                            _addresses)
         if not connect.admitted:
             return connect.decision
-        head = RequestHead(method, "https", path, "HTTP/1.1", (("Host", authority),), form="origin", end_stream=True)
+        session.commit(connect)  # as ConnectGuard does, once the allow is audited
+        if session.phase == PASSTHROUGH:
+            return connect.decision  # relayed unread after its ClientHello (TlsGuard): no head is judged
+        head = RequestHead(method, "https", path, "HTTP/1.1", _fields(authority, headers), form="origin",
+                           end_stream=True)
     else:
-        head = RequestHead(method, "http", path, "HTTP/1.1", (("Host", authority),), authority, authority,
+        head = RequestHead(method, "http", path, "HTTP/1.1", _fields(authority, headers), authority, authority,
                            "absolute", True)
     return drive_now(session.request_head(head, engine, scope), _addresses).decision
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policies(), requests())
-def test_explain_gives_the_verdict_live_traffic_gets(text, request):
+def test_explain_gives_the_verdict_live_traffic_gets(drawn, request):
+    text, headers = drawn
     scheme, host, port, path, method = request
     policy = compile_policy(text, "random.yaml")
     engine = Engine.build(policy)
     url = f"{scheme}://{host}{'' if port is None else f':{port}'}{path}"
-    explained = explain(policy, url, method, engine=engine, resolve=_addresses_of_name).decision
-    got = live(engine, scheme, host, port, path, method)
+    explained = explain(policy, url, method, engine=engine, resolve=_addresses_of_name, headers=headers).decision
+    got = live(engine, scheme, host, port, path, method, headers)
     assert (explained.allowed, explained.reason, explained.rule, explained.would_deny) == \
         (got.allowed, got.reason, got.rule, got.would_deny), (url, method, text)
 
@@ -110,3 +126,28 @@ def _addresses_of_name(host):
     if isinstance(found, ResolveError):
         raise found
     return found
+
+
+PASSTHROUGH_POLICY = """\
+version: 1
+network:
+  allow_ip_ranges: [203.0.113.0/24]
+resolver:
+  static_hosts:
+    pt.test: [203.0.113.5]
+rules:
+  - id: relayed
+    hosts: [pt.test]
+    inspect: false
+"""
+
+
+def test_a_passthrough_tunnel_is_explained_as_relayed_unread():
+    """Review 8: explain judged the request inside a passthrough (inspect: false) tunnel as if it
+    were inspected (-H 'Host: evil.test' said 421 host_mismatch); live traffic relays it unread
+    once the ClientHello passes, so no head check protects it, and explain must say so."""
+    policy = compile_policy(PASSTHROUGH_POLICY, "pt.yaml")
+    for method, headers in [("GET", [("Host", "evil.test")]), ("TRACE", []), ("GET", [("Upgrade", "h2c")])]:
+        e = explain(policy, "https://pt.test/", method, headers=headers)
+        assert (e.decision.allowed, e.decision.rule) == (True, "relayed"), (method, headers, e.decision)
+        assert any(n.startswith("passthrough:") for n in e.notes)

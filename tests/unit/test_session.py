@@ -75,7 +75,11 @@ def head(method="GET", path="/v1/models", *, host: str | None = "api.test", sche
 
 
 def connect(session: ClientSession, authority: str, names: Names | None = None, **kw) -> Step:
-    return drive_now(session.connect(authority, ENGINE, EVERY_RULE, **kw), names or Names())
+    """As ConnectGuard does: the step, and the pin committed once the allow is audited."""
+    step = drive_now(session.connect(authority, ENGINE, EVERY_RULE, **kw), names or Names())
+    if step.admitted:
+        session.commit(step)
+    return step
 
 
 def request(session: ClientSession, request_head: RequestHead, names: Names | None = None, establish=None) -> Step:
@@ -128,6 +132,18 @@ def test_a_name_that_does_not_resolve_is_refused_with_its_rule():
     session = ClientSession("10.0.0.2:5000", "regular")
     step = connect(session, "gone.test:443")
     assert (step.decision.reason, step.decision.rule) == ("resolve_failed", "gone") and session.phase == UNPINNED
+
+
+def test_an_allowed_connect_pins_nothing_until_it_is_committed():
+    """Review 8: the pin was set inside the walk, before the adapter audited the allow; when that
+    failed (audit log on a full disk: 500), the connection stayed pinned with nothing established,
+    so a reload never judged it again and its requests skipped the address checks."""
+    session = ClientSession("10.0.0.2:5000", "regular")
+    step = drive_now(session.connect("api.test:443", ENGINE, EVERY_RULE), Names())
+    assert step.admitted and session.phase == UNPINNED and session.tunnel is None
+    refused = drive_now(session.connect("nobody.test:443", ENGINE, EVERY_RULE), Names())
+    with pytest.raises(ValueError):
+        session.commit(refused)
 
 
 def test_a_second_connect_is_nested():
@@ -302,7 +318,11 @@ def test_the_session_asks_for_addresses_and_establishment_as_values():
 
 def hello(session: ClientSession, sni: str | None, dialled=("203.0.113.10", 443), names: Names | None = None,
           **kw) -> Step:
-    return drive_now(session.client_hello(sni, dialled, ENGINE, EVERY_RULE, **kw), names or Names())
+    pinning = session.pins_by_sni()
+    step = drive_now(session.client_hello(sni, dialled, ENGINE, EVERY_RULE, **kw), names or Names())
+    if pinning and step.admitted:
+        session.commit(step)
+    return step
 
 
 @pytest.mark.parametrize("sni, allowed", [("api.test", True), ("API.test.", True), (None, True),
