@@ -1092,7 +1092,9 @@ class GatewayHttpStream(HttpStream):
         answered = self.server_state in (self.state_stream_response_body, self.state_done)
         if request_on and now - self._request_moved >= timeout:
             decision = Decision.deny("request_body_timeout",
-                                     f"the request body sent nothing for {timeout:g}s; the request was abandoned")
+                                     f"the request body moved nothing for {timeout:g}s (the client sent nothing, or the "
+                                     f"upstream read nothing while the gateway held the client back); the request was "
+                                     f"abandoned")
             yield from self._abort(decision, upstream=self.client_state == self.state_stream_request_body
                                    or self.server_state != self.state_wait_for_response_headers,
                                    status_sent=not answered)

@@ -4,25 +4,20 @@ the gateway's reload bookkeeping."""
 
 from __future__ import annotations
 
+from gateway import session as sessions
 from gateway.engine import Engine
+from gateway.hostnames import Host
 from gateway.resolver import ResolveError
-from gateway.session import ClientSession, NeedAddresses, Step, Steps
+from gateway.session import ClientSession, Step, Steps
 
 from .state import GatewayState
 
 
 async def drive(steps: Steps, engine: Engine, state: GatewayState, client_id: str, session: ClientSession) -> Step:
-    value: object = None
-    while True:
+    async def resolve(host: Host):
         try:
-            need = steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        if isinstance(need, NeedAddresses):
-            try:
-                value = await engine.resolver.resolve(need.host)
-            except ResolveError as exc:
-                value = exc
-        else:
-            state.establish(client_id, session, need.established)
-            value = None
+            return await engine.resolver.resolve(host)
+        except ResolveError as exc:
+            return exc
+
+    return await sessions.drive(steps, resolve, lambda established: state.establish(client_id, session, established))

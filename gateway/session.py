@@ -23,6 +23,7 @@ every name (tests, `explain`); addons/session_driver.py runs one on the event lo
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -339,10 +340,11 @@ def _upstream(pin: Pin) -> tuple[str, int] | None:
     return (pin.address.compressed, pin.port) if pin.address is not None else None
 
 
-def drive_now(steps: Steps, resolve: Callable[[Host], Resolved],
-              establish: Callable[[Established], None] = lambda established: None) -> Step:
-    """Run an event to its step here and now, every name answered by `resolve` (which returns
-    the addresses or a ResolveError)."""
+async def drive(steps: Steps, resolve: Callable, establish: Callable[[Established], None]) -> Step:
+    """Run an event to its step: each NeedAddresses answered by `resolve(host)` (the addresses or a
+    ResolveError; awaited when it returns an awaitable: the live resolver), each Establish handed
+    to `establish`. The one driver loop: live traffic awaits it (addons/session_driver.py),
+    `drive_now` runs it without an event loop."""
     value: object = None
     while True:
         try:
@@ -351,9 +353,24 @@ def drive_now(steps: Steps, resolve: Callable[[Host], Resolved],
             return stop.value
         if isinstance(need, NeedAddresses):
             value = resolve(need.host)
+            if inspect.isawaitable(value):
+                value = await value
         else:
             establish(need.established)
             value = None
+
+
+def drive_now(steps: Steps, resolve: Callable[[Host], Resolved],
+              establish: Callable[[Established], None] = lambda established: None) -> Step:
+    """`drive` here and now, with answers that are not awaitable (tests, explain, replay): the
+    coroutine never suspends, so one send runs it to its end."""
+    run = drive(steps, resolve, establish)
+    try:
+        run.send(None)
+    except StopIteration as stop:
+        return stop.value
+    run.close()
+    raise RuntimeError("drive_now: an answer had to be awaited")
 
 
 # --- a request as a sandbox sends it: what explain, replay and policy tests ask ------------------------
