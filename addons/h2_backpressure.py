@@ -23,6 +23,7 @@ each may overshoot by one read. Only that sandbox's own downloads wait.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections import Counter
 
@@ -110,6 +111,27 @@ def held(sandbox: str) -> int:
     return _sandbox_unread[sandbox]
 
 
+# Per client connection: [seconds its reader spent waiting for writers, when the current wait began,
+# how deep the current wait is nested].
+_not_reading: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
+
+
+def reading_clock(client):
+    """A clock that stops while the gateway is not reading this client (its reader waits for an
+    upstream to take what the client sent): a deadline on what the client sends (an HTTP/2 frame
+    that must arrive whole) counts only time the client could have sent in (review 9: an upload
+    whose upstream stalled for 30 s lost its connection to the frame deadline)."""
+    def clock() -> float:
+        now = time.monotonic()
+        entry = _not_reading.get(client)
+        if entry is None:
+            return now
+        waited, since = entry[0], entry[1]
+        return now - waited - (now - since if since is not None else 0.0)
+
+    return clock
+
+
 # Makes a buffer-ledger account for a client connection (set by addons/budget.py): what a gated
 # upstream reader holds is charged to the client's sandbox while it waits.
 ledger_account = None
@@ -152,14 +174,30 @@ def install() -> None:
         return
 
     async def drain_writers(self) -> None:
+        task = asyncio.current_task()
+        client_io = self.transports.get(self.client)
+        if client_io is not None and task is client_io.handler:
+            # The client's own reader: it waits only for writers (an upstream that does not read
+            # its upload), never for the gate (it brings the WINDOW_UPDATEs that open it). While it
+            # waits the gateway reads nothing of the client: that time is not the client's.
+            entry = _not_reading.get(self.client)
+            if entry is None:
+                entry = _not_reading[self.client] = [0.0, None, 0]
+            if not entry[2]:  # (the wait may be entered again from within: the outermost one counts)
+                entry[1] = time.monotonic()
+            entry[2] += 1
+            try:
+                await original(self)
+            finally:
+                entry[2] -= 1
+                if not entry[2] and entry[1] is not None:
+                    entry[0] += time.monotonic() - entry[1]
+                    entry[1] = None
+            return
         await original(self)
         gate = _gates.get(self.client)
         if gate is None or gate.is_set():
             return
-        task = asyncio.current_task()
-        client_io = self.transports.get(self.client)
-        if client_io is not None and task is client_io.handler:
-            return  # the client's own reader: it brings the WINDOW_UPDATEs that open the gate
         upstream_io = next((io for io in list(self.transports.values()) if io.handler is task), None)
         held = _hold_while_gated(self.client, upstream_io)
         try:

@@ -59,6 +59,7 @@ _HEADER_BLOCK_FRAMES = (HeadersFrame, ContinuationFrame, PushPromiseFrame)
 _HEADER_BLOCK_TYPES = frozenset(f.type for f in _HEADER_BLOCK_FRAMES)
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # egress_max_head_bytes (addons/core.py)
 DEFAULT_HEAD_TIMEOUT = 30.0  # egress_head_timeout
+DEFAULT_DATA_FRAME_TIMEOUT = 120.0  # egress_body_idle_timeout (addons/layers.py DEFAULT_BODY_IDLE_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Limits:
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     head_timeout: float = DEFAULT_HEAD_TIMEOUT
     max_header_fields: int = DEFAULT_MAX_HEADER_FIELDS
+    data_frame_timeout: float = DEFAULT_DATA_FRAME_TIMEOUT  # egress_body_idle_timeout
 
     @classmethod
     def from_options(cls, options) -> "Limits":
@@ -85,7 +87,8 @@ class Limits:
                    max(0, int(get("egress_h2_max_control_frames", cls.max_control_frames))),
                    max(1024, int(get("egress_max_head_bytes", cls.max_head_bytes))),
                    max(0.0, float(get("egress_head_timeout", cls.head_timeout))),
-                   max(0, int(get("egress_max_header_fields", cls.max_header_fields))))
+                   max(0, int(get("egress_max_header_fields", cls.max_header_fields))),
+                   max(0.0, float(get("egress_body_idle_timeout", cls.data_frame_timeout))))
 
 
 class StreamRefused(h2.events.Event):
@@ -154,13 +157,28 @@ class BoundedFrameBuffer(FrameBuffer):
         super().__init__(server=server)
         self.max_block_bytes = max_block_bytes
         self.block_bytes = 0
+        self.clock: Callable[[], float] = time.monotonic  # (the server layer's stops while it does not read)
         self.block_started: float | None = None
-        self.partial_started: float | None = None  # an incomplete non-DATA frame's first bytes
+        self.partial_started: float | None = None  # the first bytes of an incomplete frame, its type known
+        self.partial_data = False  # ... which is a DATA frame
 
     @property
     def pending_since(self) -> float | None:
         started = [t for t in (self.block_started, self.partial_started) if t is not None]
         return min(started) if started else None
+
+    def deadline(self, head_timeout: float, data_timeout: float) -> float | None:
+        """When what is pending must have arrived, on `clock` (None: nothing pending, or no limit):
+        a header block or a frame other than DATA within `head_timeout`, a DATA frame within
+        `data_timeout` (a body's idle limit: a slow upload is not a slow head). 0: no limit."""
+        deadlines = []
+        if self.block_started is not None and head_timeout:
+            deadlines.append(self.block_started + head_timeout)
+        if self.partial_started is not None:
+            timeout = data_timeout if self.partial_data else head_timeout
+            if timeout:
+                deadlines.append(self.partial_started + timeout)
+        return min(deadlines) if deadlines else None
 
     @property
     def pending_bytes(self) -> int:
@@ -187,9 +205,10 @@ class BoundedFrameBuffer(FrameBuffer):
         try:
             frame = super().__next__()
         except StopIteration:
-            if self._data and (len(self._data) < 4 or self._data[3] != DataFrame.type):
+            if len(self._data) >= 4:  # an incomplete frame whose type is known (a split header waits)
                 if self.partial_started is None:
-                    self.partial_started = time.monotonic()
+                    self.partial_started = self.clock()
+                    self.partial_data = self._data[3] == DataFrame.type
             else:
                 self.partial_started = None
             raise
@@ -207,7 +226,7 @@ class BoundedFrameBuffer(FrameBuffer):
         if not self._headers_buffer:
             self.block_started = None
         elif self.block_started is None:
-            self.block_started = time.monotonic()
+            self.block_started = self.clock()
         return f
 
     def _too_large(self, message: str) -> HeaderBlockTooLarge:

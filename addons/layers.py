@@ -523,6 +523,7 @@ class GatewayHttp2Server(Http2Server):
         self._backlog: deque = deque()  # h2 events parsed and not handled yet, in order
         self._backlog_wakeup: commands.RequestWakeup | None = None
         self._block_wakeup: commands.RequestWakeup | None = None  # the deadline of an unfinished header block
+        self.h2_conn.incoming_buffer.clock = h2_backpressure.reading_clock(context.client)
 
     def _unread(self) -> int:
         unread = 0
@@ -556,27 +557,39 @@ class GatewayHttp2Server(Http2Server):
             h2_backpressure.release(self.context.client)
         else:
             h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
-        if (self._block_wakeup is None and self.limits.head_timeout
-                and self.h2_conn.incoming_buffer.pending_since is not None):
-            self._block_wakeup = commands.RequestWakeup(self.limits.head_timeout)
+        if self._block_wakeup is None and (wait := self._pending_wait()) is not None:
+            self._block_wakeup = commands.RequestWakeup(wait)
             yield self._block_wakeup
+
+    def _pending_wait(self) -> float | None:
+        """Seconds (of the time the gateway reads this client) until what is pending of a frame or
+        header block must have arrived; None when nothing is pending."""
+        buffer = self.h2_conn.incoming_buffer
+        deadline = buffer.deadline(self.limits.head_timeout, self.limits.data_frame_timeout)
+        return None if deadline is None else max(deadline - buffer.clock(), 0.0)
 
     def _block_deadline(self) -> layer.CommandGenerator[None]:
         """A header block started and did not end in time (HEADERS without END_HEADERS, then silence
         or a trickle of CONTINUATION frames), or a frame other than DATA did not arrive whole in time
         (a 128 KiB HEADERS frame trickled): the HTTP/1 head timeout's counterpart. No stream can be
         answered (its block is not decoded): GOAWAY and close, as a flood."""
-        started = self.h2_conn.incoming_buffer.pending_since
-        if started is None or self._closing:
-            return  # the block ended, or the connection is already closing
-        waited = time.monotonic() - started
-        if waited < self.limits.head_timeout:
-            self._block_wakeup = commands.RequestWakeup(self.limits.head_timeout - waited)
+        wait = self._pending_wait()
+        if wait is None or self._closing:
+            return  # the block or frame ended, or the connection is already closing
+        if wait > 0:  # woken early, or the gateway stopped reading the client meanwhile
+            self._block_wakeup = commands.RequestWakeup(wait)
             yield self._block_wakeup
             return
+        buffer = self.h2_conn.incoming_buffer
         self.h2_conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-        decision = Decision.deny("request_head_timeout", f"an HTTP/2 header block (or frame) took more than "
-                                                         f"{self.limits.head_timeout:g}s; the connection was closed (GOAWAY)")
+        if buffer.partial_data and buffer.block_started is None:  # a DATA frame: a body that stopped moving
+            decision = Decision.deny("request_body_timeout", f"an HTTP/2 DATA frame took more than "
+                                                             f"{self.limits.data_frame_timeout:g}s to arrive; the "
+                                                             f"connection was closed (GOAWAY)")
+        else:
+            decision = Decision.deny("request_head_timeout", f"an HTTP/2 header block (or frame) took more than "
+                                                             f"{self.limits.head_timeout:g}s to arrive; the "
+                                                             f"connection was closed (GOAWAY)")
         yield from self._goaway(decision, bytes=self.h2_conn.incoming_buffer.pending_bytes)
 
     # --- budgets ------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def test_an_unfinished_header_block_has_a_deadline():
     first = _block_frames(block, 50)[:-1]  # every frame but the one that ends the block
     commands = _send(layer, client, h2c.data_to_send() + b"".join(first))
     timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
-    assert len(timers) == 1 and timers[0].delay == 30.0
+    assert len(timers) == 1 and 29.9 < timers[0].delay <= 30.0
     # Woken early (the block has waited 10 s): the timer is set again for what is left.
     layer.h2_conn.incoming_buffer.block_started -= 10
     commands = list(layer.handle_event(events.Wakeup(timers[0])))
@@ -300,7 +300,7 @@ def test_an_incomplete_frame_other_than_data_has_the_head_deadline():
     h2c = _client()
     commands = _send(layer, client, h2c.data_to_send() + _frame_header(60000, HeadersFrame.type, 0x4) + b"\0" * 10)
     timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
-    assert len(timers) == 1 and timers[0].delay == 30.0
+    assert len(timers) == 1 and 29.9 < timers[0].delay <= 30.0
     assert layer.h2_conn.incoming_buffer.pending_since is not None
     _send(layer, client, b"\0" * 10)  # a trickle does not restart it
     layer.h2_conn.incoming_buffer.partial_started -= 30
@@ -311,11 +311,54 @@ def test_an_incomplete_frame_other_than_data_has_the_head_deadline():
     assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 
 
-def test_an_incomplete_data_frame_is_a_body_not_a_head():
-    """A large DATA frame arriving slowly is an upload (the body's own timeouts apply), not a head."""
-    layer, client, refused = _server(head_timeout=30.0)
+def test_an_incomplete_data_frame_has_the_body_idle_deadline_not_the_head_one():
+    """A large DATA frame arriving slowly is an upload: it has the body's idle limit (120 s), not
+    the head's 30 s; past it, the connection ends (review 9: 400 connections each trickling a
+    128 KiB DATA frame held ~100 MB with no deadline)."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(head_timeout=30.0, data_frame_timeout=120.0)
     h2c = _client()
     h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
     commands = _send(layer, client, h2c.data_to_send() + _frame_header(16000, 0x0) + b"x" * 100)
     assert _opened(commands) == [1] and refused == []
-    assert layer.h2_conn.incoming_buffer.pending_since is None
+    timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert layer.h2_conn.incoming_buffer.partial_data and len(timers) == 1 and 119.9 < timers[0].delay <= 120
+    layer.h2_conn.incoming_buffer.partial_started -= 120
+    list(layer.handle_event(events.Wakeup(timers[0])))
+    assert [reason for reason, _ in refused] == ["request_body_timeout"]
+
+
+def test_a_frame_header_split_before_its_type_is_not_pending():
+    """Review 9: a read ending two bytes into a DATA frame's header (TLS records do) made it a
+    pending 'non-DATA' frame with the 30 s head deadline."""
+    layer, client, refused = _server(head_timeout=30.0)
+    h2c = _client()
+    h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
+    _send(layer, client, h2c.data_to_send() + _frame_header(16000, 0x0)[:2])
+    assert layer.h2_conn.incoming_buffer.pending_since is None and refused == []
+
+
+def test_time_the_gateway_does_not_read_the_client_does_not_count():
+    """Review 9: an upload whose upstream stalled made the gateway stop reading the client (its
+    reader waits for the upstream's writer); a frame caught half-read then 'took' 30 s and the
+    whole connection was closed. The deadline runs on a clock that stops while the reader waits."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    from addons import h2_backpressure
+
+    layer, client, refused = _server(head_timeout=30.0)
+    h2c = _client()
+    commands = _send(layer, client, h2c.data_to_send() + _frame_header(8, 0x8) + b"\0\0")  # half a WINDOW_UPDATE
+    timer = [c for c in commands if isinstance(c, mc.RequestWakeup)][0]
+    buffer = layer.h2_conn.incoming_buffer
+    buffer.partial_started -= 40  # 40 s have passed...
+    h2_backpressure._not_reading[client] = [35.0, None, 0]  # ... 35 of them with the gateway not reading it
+    commands = list(layer.handle_event(events.Wakeup(timer)))
+    again = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert refused == [] and len(again) == 1 and 24 < again[0].delay <= 25
+    h2_backpressure._not_reading[client] = [5.0, None, 0]
+    list(layer.handle_event(events.Wakeup(again[0])))
+    assert [reason for reason, _ in refused] == ["request_head_timeout"]
