@@ -397,6 +397,9 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
             yield from self._refuse(Decision.deny(
                 "malformed_request", f"more than {MAX_EMPTY_LINES} empty lines before a request line"))
             return
+        if skipped and request_head is None and not self.buf:
+            self._head_started = None  # only empty lines came: no head has begun (review 9: an idle
+            return  # keep-alive connection after a POST's CRLF got an unsolicited 408 at 30 s)
         if not request_head:
             if len(self.buf) > self.max_head_bytes:
                 yield from self._refuse(Decision.deny("request_head_too_large", "the request head is too large"))

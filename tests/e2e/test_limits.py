@@ -3,6 +3,8 @@
 import socket
 import time
 
+import pytest
+
 from tests.e2e.helpers import audit_for, connect_proxy, curl
 
 RULES = """
@@ -48,6 +50,23 @@ def test_slowloris_head_is_cut_off_with_408(start_gateway, upstreams):
     assert time.monotonic() - started < 5
     assert upstreams.untouched("allowed.test")
     assert audit_for(gateway, conn.client)[0]["reason"] == "request_head_timeout"
+
+
+def test_an_empty_line_after_a_request_does_not_start_the_next_heads_clock(start_gateway, upstreams):
+    """Review 9: a POST body followed by a CRLF (as clients send), then an idle keep-alive
+    connection, got an unsolicited 408 request_head_timeout at egress_head_timeout: the skipped
+    empty line had started the next head's clock. Now only a head's own bytes start it; the idle
+    connection hears nothing (checked for twice the timeout) and its next request is served."""
+    gateway = start_gateway(RULES, args=["--set", "egress_head_timeout=1"])
+    conn = connect_proxy(gateway, timeout=10)
+    conn.send(b"POST http://allowed.test/a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 3\r\n\r\nx=1\r\n")
+    assert conn.read_response().status == 200
+    conn.sock.settimeout(2.0)  # twice the head timeout: an unsolicited 408 would have come by then
+    with pytest.raises((TimeoutError, socket.timeout)):
+        conn.sock.recv(1)
+    conn.sock.settimeout(10)
+    assert conn.request("GET", "http://allowed.test/b", [("Host", "allowed.test")]).status == 200
+    assert [a["reason"] for a in audit_for(gateway, conn.client, 2)] == ["allowed", "allowed"]
 
 
 def test_connections_per_client_are_capped(start_gateway, upstreams):
