@@ -116,6 +116,21 @@ def held(sandbox: str) -> int:
 _not_reading: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
 
 
+def _upstream_backed_up(handler, client_io) -> bool:
+    """Whether an upstream's write buffer is over its high-water mark: what the client's reader
+    would wait for, if it waits, is then (also) an upstream that does not read."""
+    for io in list(handler.transports.values()):
+        transport = getattr(getattr(io, "writer", None), "transport", None)
+        if io is client_io or transport is None:
+            continue
+        try:
+            if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+                return True
+        except Exception:  # a transport being torn down
+            continue
+    return False
+
+
 def reading_clock(client):
     """A clock that stops while the gateway is not reading this client (its reader waits for an
     upstream to take what the client sent): a deadline on what the client sends (an HTTP/2 frame
@@ -177,9 +192,13 @@ def install() -> None:
         task = asyncio.current_task()
         client_io = self.transports.get(self.client)
         if client_io is not None and task is client_io.handler:
-            # The client's own reader: it waits only for writers (an upstream that does not read
-            # its upload), never for the gate (it brings the WINDOW_UPDATEs that open it). While it
-            # waits the gateway reads nothing of the client: that time is not the client's.
+            # The client's own reader: it waits only for writers, never for the gate (it brings the
+            # WINDOW_UPDATEs that open it). A wait for an upstream that does not read the client's
+            # upload is not the client's time; a wait for the client's own socket (it does not read
+            # its download) is (review 10: counting that let a client stop its own clock).
+            if not _upstream_backed_up(self, client_io):
+                await original(self)
+                return
             entry = _not_reading.get(self.client)
             if entry is None:
                 entry = _not_reading[self.client] = [0.0, None, 0]

@@ -160,7 +160,9 @@ class BoundedFrameBuffer(FrameBuffer):
         self.clock: Callable[[], float] = time.monotonic  # (the server layer's stops while it does not read)
         self.block_started: float | None = None
         self.partial_started: float | None = None  # the first bytes of an incomplete frame, its type known
-        self.partial_data = False  # ... which is a DATA frame
+        self.partial_data = False  # ... which is a DATA frame (its deadline moves as its bytes arrive)
+        self._partial_seen = 0  # bytes of it seen so far
+        self.pending_wall: float | None = None  # when what is pending began, on the wall clock (the cap)
 
     @property
     def pending_since(self) -> float | None:
@@ -169,8 +171,9 @@ class BoundedFrameBuffer(FrameBuffer):
 
     def deadline(self, head_timeout: float, data_timeout: float) -> float | None:
         """When what is pending must have arrived, on `clock` (None: nothing pending, or no limit):
-        a header block or a frame other than DATA within `head_timeout`, a DATA frame within
-        `data_timeout` (a body's idle limit: a slow upload is not a slow head). 0: no limit."""
+        a header block or a frame other than DATA within `head_timeout`; a DATA frame may go
+        `data_timeout` without a byte (a body's idle limit: a slow upload is not a slow head).
+        0: no limit. (The caller also caps the whole wait on the wall clock: `pending_wall`.)"""
         deadlines = []
         if self.block_started is not None and head_timeout:
             deadlines.append(self.block_started + head_timeout)
@@ -209,11 +212,23 @@ class BoundedFrameBuffer(FrameBuffer):
                 if self.partial_started is None:
                     self.partial_started = self.clock()
                     self.partial_data = self._data[3] == DataFrame.type
+                    self._partial_seen = len(self._data)
+                elif self.partial_data and len(self._data) > self._partial_seen:
+                    self.partial_started = self.clock()  # a DATA frame's bytes are moving
+                    self._partial_seen = len(self._data)
             else:
                 self.partial_started = None
+            self._note_pending()
             raise
         self.partial_started = None
+        self._note_pending()
         return frame
+
+    def _note_pending(self) -> None:
+        if self.block_started is None and self.partial_started is None:
+            self.pending_wall = None
+        elif self.pending_wall is None:
+            self.pending_wall = time.monotonic()
 
     def _update_header_buffer(self, f):
         if isinstance(f, _HEADER_BLOCK_FRAMES):

@@ -565,11 +565,18 @@ class GatewayHttp2Server(Http2Server):
             yield self._block_wakeup
 
     def _pending_wait(self) -> float | None:
-        """Seconds (of the time the gateway reads this client) until what is pending of a frame or
-        header block must have arrived; None when nothing is pending."""
+        """Seconds until what is pending of a frame or header block must have arrived (None: nothing
+        is): its deadline counts the time the gateway reads this client, capped on the wall clock at
+        tcp_timeout, which the deadline's own wakeups would otherwise keep from ever firing."""
         buffer = self.h2_conn.incoming_buffer
         deadline = buffer.deadline(self.limits.head_timeout, self.limits.data_frame_timeout)
-        return None if deadline is None else max(deadline - buffer.clock(), 0.0)
+        if deadline is None:
+            return None
+        wait = deadline - buffer.clock()
+        cap = float(getattr(self.context.options, "tcp_timeout", 0) or 0)
+        if cap and buffer.pending_wall is not None:
+            wait = min(wait, buffer.pending_wall + cap - time.monotonic())
+        return max(wait, 0.0)
 
     def _block_deadline(self) -> layer.CommandGenerator[None]:
         """A header block started and did not end in time (HEADERS without END_HEADERS, then silence
@@ -580,7 +587,8 @@ class GatewayHttp2Server(Http2Server):
         if wait is None or self._closing:
             return  # the block or frame ended, or the connection is already closing
         if wait > 0:  # woken early, or the gateway stopped reading the client meanwhile
-            self._block_wakeup = commands.RequestWakeup(wait)
+            # (at most once a second: a clock stopped with a few ms left polled ~300 times a second)
+            self._block_wakeup = commands.RequestWakeup(max(wait, 1.0))
             yield self._block_wakeup
             return
         buffer = self.h2_conn.incoming_buffer

@@ -362,3 +362,56 @@ def test_time_the_gateway_does_not_read_the_client_does_not_count():
     h2_backpressure._not_reading[client] = [5.0, None, 0]
     list(layer.handle_event(events.Wakeup(again[0])))
     assert [reason for reason, _ in refused] == ["request_head_timeout"]
+
+
+def test_a_data_frame_that_keeps_moving_keeps_its_deadline_moving():
+    """Review 10: a steady 1 KB/s upload in the advertised 128 KiB frames lost its connection at
+    120 s with bytes arriving every second: the body idle limit means no byte for 120 s."""
+    layer, client, refused = _server(head_timeout=30.0, data_frame_timeout=120.0)
+    h2c = _client()
+    h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
+    _send(layer, client, h2c.data_to_send() + _frame_header(100_000, 0x0) + b"x" * 100)
+    buffer = layer.h2_conn.incoming_buffer
+    first = buffer.partial_started
+    buffer.partial_started -= 100  # 100 s have passed...
+    _send(layer, client, b"x" * 100)  # ... and more of it arrives
+    assert buffer.partial_started >= first and layer._pending_wait() > 119
+
+
+def test_the_wall_clock_caps_a_deadline_the_client_keeps_from_running():
+    """Review 10: while the clock was stopped its re-armed wakeups kept tcp_timeout from firing,
+    and the connection lived for ever. tcp_timeout caps the wait on the wall clock."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    from addons import h2_backpressure
+
+    layer, client, refused = _server(head_timeout=30.0)
+    layer.context.options.tcp_timeout = 600
+    h2c = _client()
+    commands = _send(layer, client, h2c.data_to_send() + _frame_header(100, HeadersFrame.type, 0x4) + b"\0" * 20)
+    timer = [c for c in commands if isinstance(c, mc.RequestWakeup)][0]
+    buffer = layer.h2_conn.incoming_buffer
+    h2_backpressure._not_reading[client] = [0.0, __import__("time").monotonic(), 1]  # the clock is stopped
+    commands = list(layer.handle_event(events.Wakeup(timer)))
+    again = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert refused == [] and again and again[0].delay >= 1.0  # re-armed, never sooner than a second
+    buffer.pending_wall -= 600
+    list(layer.handle_event(events.Wakeup(again[0])))
+    assert [reason for reason, _ in refused] == ["request_head_timeout"]
+
+
+def test_only_an_upstream_that_does_not_read_stops_the_clients_clock():
+    from types import SimpleNamespace
+
+    from addons import h2_backpressure
+
+    def io(size, high=65536):
+        transport = SimpleNamespace(get_write_buffer_size=lambda: size, get_write_buffer_limits=lambda: (high // 4, high))
+        return SimpleNamespace(writer=SimpleNamespace(transport=transport))
+
+    client_io = io(10_000_000)  # the client does not read its download: its own writer is full
+    handler = SimpleNamespace(transports={"client": client_io, "up": io(0)})
+    assert not h2_backpressure._upstream_backed_up(handler, client_io)
+    handler.transports["up2"] = io(200_000)  # an upstream that does not read the client's upload
+    assert h2_backpressure._upstream_backed_up(handler, client_io)
