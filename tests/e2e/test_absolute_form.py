@@ -52,6 +52,18 @@ def test_empty_lines_before_a_request_line_are_ignored(gateway, upstreams, betwe
     assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/a", "/b"]
 
 
+def test_empty_lines_are_counted_across_reads(gateway, upstreams):
+    """Review 10: the limit was per read; 7 empty lines a read, 200 times, then a GET, was served."""
+    with connect_proxy(gateway) as conn:
+        conn.send(b"GET http://allowed.test/a HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        assert conn.read_response().status == 200
+        conn.send(b"\r\n" * 5)  # 5 + 5: within the limit per read, past it in all
+        conn.send(b"\r\n" * 5 + b"GET http://allowed.test/b HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        refused = conn.read_response()
+    assert_refused(refused, 400, "malformed_request")
+    assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/a"]
+
+
 def test_a_run_of_empty_lines_is_refused(gateway, upstreams):
     with connect_proxy(gateway) as conn:
         conn.send(b"GET http://allowed.test/a HTTP/1.1\r\nHost: allowed.test\r\n\r\n" + b"\r\n" * 9
