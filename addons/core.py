@@ -14,7 +14,6 @@ import os
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import mode_specs
 
-from gateway.audit import open_audit_log
 from gateway.credentials import load_placeholder_key
 from gateway.engine import Engine
 from gateway.localaddrs import local_addresses
@@ -53,10 +52,6 @@ class EgressCore:
         loader.add_option(
             "egress_policy", str, "",
             "Path of the egress policy YAML file. Empty: the embedded default policy.",
-        )
-        loader.add_option(
-            "egress_audit_log", str, "",
-            "Where to append audit lines (JSON, one per decision): a path, '-' for stdout, empty for none.",
         )
         loader.add_option(
             "egress_dns_timeout", int, 5, "Seconds to wait for DNS when the gateway resolves a destination.",
@@ -99,13 +94,6 @@ class EgressCore:
             self._load_policy()
         if "confdir" in updated or self.state.placeholder_key is None:
             self._load_placeholder_key()
-        if "egress_audit_log" in updated:
-            self.state.audit.close()
-            target = ctx.options.egress_audit_log or None
-            try:
-                self.state.audit = open_audit_log(target)
-            except OSError as exc:
-                raise exceptions.OptionsError(f"cannot open audit log {target}: {exc.strerror}") from None
 
     def _force_safe_options(self, updated: set[str]) -> None:
         changes = {}
@@ -187,6 +175,3 @@ class EgressCore:
 
     def client_disconnected(self, client):
         self.state.forget(client.id)
-
-    def done(self):
-        self.state.audit.close()

@@ -25,7 +25,10 @@ from addons.gc_freeze import CollectorFreeze  # noqa: E402
 from addons.h2_limits import Http2Limits  # noqa: E402
 from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.limits import ConnectionLimiter  # noqa: E402
-from addons.metrics import Observability  # noqa: E402
+from addons.audit_log import AuditLogOwner  # noqa: E402
+from addons.health import HealthEndpoint  # noqa: E402
+from addons.lifecycle import Lifecycle  # noqa: E402
+from addons.metrics import MetricsFeed  # noqa: E402
 from addons.output_guard import OutputGuard  # noqa: E402
 from addons.rate_limits import ConnectionRate, DownloadMeter, Limiter, RequestLimits  # noqa: E402
 from addons.decode_pool import DecodePool  # noqa: E402
@@ -45,8 +48,11 @@ def make_addons(state: GatewayState | None = None) -> list:
     core = EgressCore(state)
     redactor = ResponseRedactor(state)
     limiter = Limiter(state)
+    feed = MetricsFeed(state)
+    lifecycle = Lifecycle(state)
     return [
         core,
+        AuditLogOwner(state),  # opened before any decision can be written
         OutputGuard(redactor.redactor),  # early: mitmproxy's flow writers are off before any flow exists
         PolicyReloader(state, core.build_engine),
         ConnectionLimiter(state),
@@ -71,7 +77,9 @@ def make_addons(state: GatewayState | None = None) -> list:
         Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
         DnsGuard(state),
         CollectorFreeze(state),  # once running: full collections skip what start-up made; one after many freed buffers
-        Observability(state),  # last: configures the audit log EgressCore opened, sees every decision
+        feed,  # late: counts what the guards decided
+        HealthEndpoint(state, feed, lifecycle),
+        lifecycle,  # last: "ready" once every other addon is running
     ]
 
 

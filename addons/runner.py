@@ -27,7 +27,7 @@ from mitmproxy.addons import block, core, errorcheck, proxyauth, proxyserver, tl
 
 from .egress import make_addons
 from .layer_guard import LayerGuard
-from .metrics import Observability
+from .lifecycle import Lifecycle
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -84,22 +84,22 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
     # the guards then decide first (next layer, DNS answers) and never race a built-in default.
     chain = gateway_master.addons.chain
     chain[:] = [a for a in chain if a in ours] + [a for a in chain if a not in ours]
-    observability = next((a for a in ours if isinstance(a, Observability)), None)
+    lifecycle = next((a for a in ours if isinstance(a, Lifecycle)), None)
 
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
 
     async def drain_then_stop() -> None:
-        timeout = opts.egress_drain_timeout if observability is not None else 0
+        timeout = opts.egress_drain_timeout if lifecycle is not None else 0
         try:
-            if observability is not None:
+            if lifecycle is not None:
                 logger.info("egress gateway: stopping: no new connections; draining %d in-flight request(s) "
-                            "(up to %gs)", observability.in_flight, timeout)
-                if await observability.drain(timeout):
+                            "(up to %gs)", lifecycle.in_flight, timeout)
+                if await lifecycle.drain(timeout):
                     logger.info("egress gateway: drained")
                 else:
                     logger.warning("egress gateway: drain timeout: %d request(s) still in flight are cut",
-                                   observability.in_flight)
+                                   lifecycle.in_flight)
         except Exception:
             logger.exception("egress gateway: draining failed")
         finally:
@@ -107,7 +107,7 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
 
     def stop() -> None:
         """SIGTERM/SIGINT: drain, then exit 0. A second signal exits at once."""
-        if stopping or observability is None:
+        if stopping or lifecycle is None:
             gateway_master.shutdown()
             return
         stopping.append(loop.create_task(drain_then_stop(), name="egress drain"))

@@ -77,7 +77,7 @@ def test_caller_cannot_forge_the_chain_key(tmp_path):
 
 
 def test_chain_can_be_turned_on_after_opening(tmp_path):
-    # the gateway opens the log first (EgressCore), then applies --audit-chain (Observability)
+    # the gateway opens the log (AuditLogOwner) and may then turn the chain on (a later configure)
     path = tmp_path / "audit.jsonl"
     log = AuditLog(str(path))
     log.configure(chain=True, max_bytes=0, backups=3)

@@ -8,7 +8,7 @@ import types
 import pytest
 from prometheus_client import generate_latest
 
-from addons.metrics import parse_listen
+from addons.health import parse_listen
 from addons.signals import SignalHub
 from gateway.metrics import GatewayMetrics
 
