@@ -30,6 +30,7 @@ from addons.health import HealthEndpoint  # noqa: E402
 from addons.lifecycle import Lifecycle  # noqa: E402
 from addons.metrics import MetricsFeed  # noqa: E402
 from addons.output_guard import OutputGuard  # noqa: E402
+from addons.patches import check_mitmproxy_version  # noqa: E402
 from addons.rate_limits import ConnectionRate, DownloadMeter, Limiter, RequestLimits  # noqa: E402
 from addons.decode_pool import DecodePool  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
@@ -44,6 +45,7 @@ from addons.websocket_limits import WebsocketLimits  # noqa: E402
 
 
 def make_addons(state: GatewayState | None = None) -> list:
+    check_mitmproxy_version()  # before any of them patches mitmproxy
     state = state or GatewayState()
     core = EgressCore(state)
     redactor = ResponseRedactor(state)

@@ -1,0 +1,94 @@
+"""Every change the gateway makes to mitmproxy's (and asyncio's) own code, in one table, and the
+check that refuses to start on a mitmproxy these changes were not tested against.
+
+The gateway needs hooks mitmproxy does not offer (a connection's socket closed on every path, an
+upstream HTTP client that keeps framing the gateway checked, reads that wait for a sandbox's
+share of the loop...), so a few of its classes and functions are wrapped or replaced. Each
+wrapper is installed by the module named in `owner`, where the reason is written out; this table
+is where a reviewer (or the person upgrading mitmproxy) sees all of them at once.
+`tests/unit/test_patches.py` diffs mitmproxy and asyncio before and after the addons are made:
+a change missing from this table, or a row that changes nothing, fails it.
+
+Not in the table because they change no code: the layer guard is registered under mitmproxy's
+addon name "nextlayer" (addons/runner.py), and addons/output_guard.py switches mitmproxy's flow
+writers off through their options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mitmproxy.version import VERSION as MITMPROXY_VERSION
+
+# The mitmproxy releases (major, minor) the patches below were tested against: each wraps private
+# code that a minor release may change without notice.
+TESTED_MITMPROXY = ((12, 3),)
+UNTESTED_ENV = "EGRESS_ALLOW_UNTESTED_MITMPROXY"  # "1": start anyway (to test an upgrade)
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # module:attribute
+    owner: str  # the addons module that installs it (and explains it)
+    why: str
+    when: str = "always"  # or the command that installs it
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("mitmproxy.proxy.server:ConnectionHandler.handle_connection", "addons.conn_close",
+          "close the socket on every path, cancellation too (a refused burst leaked a descriptor each)"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.server_event", "addons.write_backlog",
+          "charge what waits in a connection's write buffers to its sandbox's buffer budget"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.drain_writers", "addons.read_ahead, addons.h2_backpressure",
+          "readers wait at a closed gate; upstream readers wait while their HTTP/2 client does not read"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.handle_client", "addons.fair_share",
+          "mark the handler's context with its sandbox, so the loop time it uses is charged to it"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.hook_task", "addons.fair_share",
+          "hook tasks inherit the sandbox's mark"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.wakeup", "addons.fair_share",
+          "timers inherit the sandbox's mark"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.egress_turn", "addons.fair_share",
+          "added: awaited between a read and its event, a sandbox over its share waits there"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.egress_read_size", "addons.fair_share",
+          "added: how much one read may take for that sandbox"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler._egress_spent", "addons.fair_share",
+          "added: loop time of the handler not charged yet"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler._egress_light", "addons.fair_share",
+          "added: the sandbox was within its share at its last turn"),
+    Patch("asyncio.events:Handle._run", "addons.fair_share",
+          "time every callback the loop runs, to charge it to a sandbox"),
+    Patch("asyncio.selector_events:BaseSelectorEventLoop._process_events", "addons.fair_share",
+          "count the loop's turns for the share's clock"),
+    Patch("asyncio.selector_events:BaseSelectorEventLoop._accept_connection2", "addons.fair_share",
+          "an accepted connection's setup is charged to its sandbox"),
+    Patch("mitmproxy.proxy.layers.http:Http1Client", "addons.http1",
+          "the upstream HTTP/1 client keeps the framing the gateway checked (empty pieces, trailers, limits)"),
+    Patch("mitmproxy.proxy.layers.http:Http2Client", "addons.h2_limits",
+          "the upstream HTTP/2 client bounds frames and header blocks and drains its queue in a loop"),
+    Patch("mitmproxy.proxy.layers.websocket:WebsocketLayer", "addons.websocket_limits, addons.credentials",
+          "WebSocket messages bounded and charged; control frames sent to the client redacted"),
+    Patch("mitmproxy.proxy.mode_servers:asyncio", "addons.runner",
+          "listen with SO_REUSEPORT so N workers share each port", when="run --workers N"),
+)
+
+
+class UntestedMitmproxy(RuntimeError):
+    pass
+
+
+def check_mitmproxy_version(version: str = MITMPROXY_VERSION) -> None:
+    """Refuse to start on a mitmproxy whose private code the patches were not tested against: a
+    wrapper that silently stops applying is a limit that silently stops holding."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major, minor = -1, -1
+    if (major, minor) in TESTED_MITMPROXY or os.environ.get(UNTESTED_ENV) == "1":
+        return
+    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_MITMPROXY)
+    raise UntestedMitmproxy(
+        f"mitmproxy {version} is not a version the egress gateway was tested with ({tested}): it patches "
+        f"{len(PATCHES)} private parts of mitmproxy (addons/patches.py), which may no longer hold. Install a "
+        f"tested version, or set {UNTESTED_ENV}=1 to start anyway while testing an upgrade."
+    )
