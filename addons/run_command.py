@@ -1,4 +1,10 @@
-"""`egress-gateway run`: the gateway itself (mitmproxy embedded with the egress addons)."""
+"""`egress-gateway run`: the gateway itself (mitmproxy embedded with the egress addons).
+
+This is the composition root, the one place where the pure core (`gateway/`) meets mitmproxy and
+the adapters, so it lives here and not in `gateway/`: the CLI finds it through the
+`egress_gateway.commands` entry point (pyproject.toml). Importing this module imports no
+mitmproxy: a `run --workers N` supervisor never needs it (~70 MiB for its whole life).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,10 @@ import socket
 import subprocess
 import sys
 
-from ..audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, AuditLog
-from ..policy import PolicyError, load_default_policy, load_policy
-from ..workers import MAX_WORKERS, WORKERS_ENV, Supervisor, default_workers, log_to_stderr, worker_index
-from . import EXIT_INVALID
+from gateway.audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, AuditLog
+from gateway.commands import EXIT_INVALID
+from gateway.policy import PolicyError, load_default_policy, load_policy
+from gateway.workers import MAX_WORKERS, WORKERS_ENV, Supervisor, default_workers, log_to_stderr, worker_index
 
 DEFAULT_MODE = "regular@127.0.0.1:8080"
 DEFAULT_CONFDIR = "~/.mitmproxy"
@@ -126,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
             workers = 1  # DNS mode is UDP and runs in one worker only: nothing to share
         else:
             return supervise(args, modes, workers)
-    from addons.runner import run_gateway  # mitmproxy is imported only when running
+    from .runner import run_gateway  # mitmproxy is imported only when running
 
     return run_gateway(
         policy_path=args.policy or "",
@@ -208,9 +214,12 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
     # The CA is made by a short-lived child: importing mitmproxy would cost the supervisor, which
     # serves nothing, ~70 MiB for its whole life.
     prepare = subprocess.run(
-        [sys.executable, "-c", "import sys; from addons.runner import prepare_confdir; prepare_confdir(sys.argv[1])",
+        [sys.executable, "-c", "import sys; from addons.runner import prepare_confdir; sys.exit(prepare_confdir(sys.argv[1]))",
          args.confdir], capture_output=True, text=True,
     )
+    if prepare.returncode == EXIT_INVALID:  # an untested mitmproxy: the child said why
+        print(prepare.stderr.strip(), file=sys.stderr)
+        return EXIT_INVALID
     if prepare.returncode != 0:
         why = (prepare.stderr.strip().splitlines() or ["unknown error"])[-1]
         print(f"egress-gateway: cannot prepare the CA in {args.confdir}: {why}", file=sys.stderr)

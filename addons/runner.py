@@ -27,6 +27,7 @@ from mitmproxy.addons import block, core, errorcheck, proxyauth, proxyserver, tl
 
 from .egress import make_addons
 from .layer_guard import LayerGuard
+from .patches import UntestedMitmproxy, check_mitmproxy_version
 from .lifecycle import Lifecycle
 from .state import GatewayState
 
@@ -154,16 +155,33 @@ def share_listen_ports() -> None:
     mode_servers.asyncio = shim
 
 
-def prepare_confdir(confdir: str) -> None:
+def refuse_untested_mitmproxy() -> int | None:
+    """2, said on stderr, on a mitmproxy the patches were not tested against (addons/patches.py)."""
+    try:
+        check_mitmproxy_version()
+    except UntestedMitmproxy as exc:
+        print(f"egress-gateway: {exc}", file=sys.stderr)
+        return 2
+    return None
+
+
+def prepare_confdir(confdir: str) -> int:
     """Create the CA (and the placeholder key) once, before N workers would each create their own."""
+    refused = refuse_untested_mitmproxy()
+    if refused is not None:
+        return refused
     path = os.path.expanduser(confdir)
     certs.CertStore.from_store(path, "mitmproxy", 2048)
     load_placeholder_key(path)
+    return 0
 
 
 def run_gateway(*, policy_path: str, modes: list[str], confdir: str, audit_log: str | None,
                 set_options: list[str], quiet: bool, policy_sha256: str, extra=None) -> int:
     """`extra` is the parsed command line, for options that later subcommand flags add."""
+    refused = refuse_untested_mitmproxy()
+    if refused is not None:
+        return refused
     if worker_index() is not None:
         if not bind_to_supervisor():
             return 1

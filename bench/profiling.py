@@ -38,7 +38,7 @@ OTHER = "other (interpreter, imports, generic library code)"
 # message fields, its strutils, ...), so they match no group and pass the sample up.
 GENERIC = re.compile(r"^mitmproxy/utils/")
 # The gateway's entry point: on every stack, so not worth listing by inclusive time.
-ENTRY = re.compile(r"^(gateway/__main__\.py|gateway/cli\.py|gateway/commands/run\.py|addons/runner\.py)")
+ENTRY = re.compile(r"^(gateway/__main__\.py|gateway/cli\.py|addons/run_command\.py|addons/runner\.py)")
 
 # Leaf frames of threads that wait (py-spy's record mode sometimes counts them as active, although
 # their CPU time stays 0): an idle executor worker, a selector or a lock wait. Not CPU: left out.

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from gateway.audit import AuditLog, PipeAuditLog, open_audit_log, verify_chain
-from gateway.commands.run import _with_port, worker_command
+from addons.run_command import _with_port, worker_command
 from gateway.workers import default_workers, usable_cpus
 
 
