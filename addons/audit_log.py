@@ -19,11 +19,11 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions
 
-from gateway.audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, MAX_LINE_BYTES, PipeAuditLog, open_audit_log
-from gateway.auditrate import DEFAULT_PER_KEY, DEFAULT_PER_SOURCE, DEFAULT_TOTAL
+from gateway.audit import PipeAuditLog, open_audit_log
 from gateway.workers import worker_index
 
 from .heartbeat import every_second
+from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -70,43 +70,16 @@ class AuditLogOwner:
         self._task: asyncio.Task | None = None
 
     def load(self, loader):
-        loader.add_option(
-            "egress_audit_log", str, "",
-            "Where to append audit lines (JSON, one per decision): a path, '-' for stdout, empty for none.",
-        )
-        loader.add_option(
-            "egress_audit_chain", bool, False,
-            "Hash-chain the audit log: every line carries 'prev', the SHA-256 of the previous line.",
-        )
-        loader.add_option(
-            "egress_audit_max_bytes", int, DEFAULT_MAX_BYTES,
-            "Rotate the audit log file before it would exceed this many bytes (0: never; the default is "
-            "ignored for stdout, which cannot rotate).",
-        )
-        loader.add_option(
-            "egress_audit_backups", int, DEFAULT_BACKUPS, "Rotated audit log files to keep (PATH.1 ... PATH.N).",
-        )
-        loader.add_option(
-            "egress_audit_max_refusals_per_second_per_sandbox", int, DEFAULT_PER_SOURCE,
-            "Refusal lines written one by one per second per sandbox (or client address without one); the "
-            "refusals over it are counted in one 'suppressed' summary line per kind (0: every refusal its "
-            "line). Allowed requests always get their own line.",
-        )
-        loader.add_option(
-            "egress_audit_max_refusals_per_second_per_key", int, DEFAULT_PER_KEY,
-            "Of those, refusal lines written one by one per second for one (event, reason, rule, host); 0: no "
-            "budget of its own per kind.",
-        )
-        loader.add_option(
-            "egress_audit_max_line_bytes", int, MAX_LINE_BYTES,
-            "The longest audit line (bytes, with its chain hash): past it the longest client-controlled "
-            "values are shortened and named in 'truncated'. At least 2048.",
-        )
-        loader.add_option(
-            "egress_audit_max_refusals_per_second", int, DEFAULT_TOTAL,
-            "Refusal lines written one by one per second by the whole gateway, every sandbox and client "
-            "together (cycling client addresses buy no more); the refusals over it are counted in "
-            "'suppressed' summary lines too. 0: no gateway-wide budget.",
+        declare(
+            loader,
+            "egress_audit_log",
+            "egress_audit_chain",
+            "egress_audit_max_bytes",
+            "egress_audit_backups",
+            "egress_audit_max_refusals_per_second_per_sandbox",
+            "egress_audit_max_refusals_per_second_per_key",
+            "egress_audit_max_line_bytes",
+            "egress_audit_max_refusals_per_second",
         )
 
     def configure(self, updated: set[str]):

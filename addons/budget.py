@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from mitmproxy import ctx, http
 
-from gateway.budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
 from gateway.decision import Decision
-from gateway.decompress import REQUEST_LIMIT
 
 from . import h2_backpressure, write_backlog
-from .layers import DEFAULT_BODY_IDLE_TIMEOUT
+from .options import declare
 from .state import GatewayState
 
 
@@ -49,28 +47,12 @@ class BufferBudget:
                              decision.rule)
 
     def load(self, loader):
-        loader.add_option(
-            "egress_max_buffered_bytes_per_connection", int, DEFAULT_PER_CONNECTION,
-            "Bytes of bodies one client connection may have buffered at once (request and response "
-            "bodies, bound responses decoded for redaction); over it a body streams, or is refused "
-            "with 503 buffer_budget when it must stay whole. 0: no limit.",
-        )
-        loader.add_option(
-            "egress_max_buffered_bytes_per_sandbox", int, DEFAULT_PER_SANDBOX,
-            "The same, for all connections of one sandbox (one client address without a sandboxes "
-            "section). 0: no limit.",
-        )
-        loader.add_option(
-            "egress_body_idle_timeout", int, int(DEFAULT_BODY_IDLE_TIMEOUT),
-            "Seconds a request or response body may go without a byte before its stream ends "
-            "(408 request_body_timeout / 504 or cut off response_body_timeout). 0: no limit.",
-        )
-
-        loader.add_option(
-            "egress_max_decoded_request_bytes", int, REQUEST_LIMIT,
-            "Decoded bytes of a compressed request body the method-override scan reads (all its "
-            "Content-Encodings); past them the body cannot be checked: 413 request_too_large. "
-            "0: only the 100:1 ratio bounds it.",
+        declare(
+            loader,
+            "egress_max_buffered_bytes_per_connection",
+            "egress_max_buffered_bytes_per_sandbox",
+            "egress_body_idle_timeout",
+            "egress_max_decoded_request_bytes",
         )
 
     def configure(self, updated: set[str]):

@@ -20,6 +20,7 @@ from gateway.localaddrs import local_addresses
 from gateway.policy import Policy, PolicyError, load_default_policy, load_policy
 from gateway.resolver import Resolver
 
+from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -49,27 +50,13 @@ class EgressCore:
         self._configuring = False
 
     def load(self, loader):
-        loader.add_option(
-            "egress_policy", str, "",
-            "Path of the egress policy YAML file. Empty: the embedded default policy.",
-        )
-        loader.add_option(
-            "egress_dns_timeout", int, 5, "Seconds to wait for DNS when the gateway resolves a destination.",
-        )
-        loader.add_option(
-            "egress_max_head_bytes", int, 64 * 1024,
-            "Largest request head accepted, in bytes: an HTTP/1 request line and headers (431 above), an "
-            "HTTP/2 header block, encoded or decoded (GOAWAY above; reason request_head_too_large).",
-        )
-        loader.add_option(
-            "egress_max_header_fields", int, 256,
-            "Most header fields a request head (or HTTP/2 trailer section) may carry; more: 431, reason "
-            "too_many_header_fields (0: no limit).",
-        )
-        loader.add_option(
-            "egress_head_timeout", int, 30,
-            "Seconds a client may take to send one request head: HTTP/1 (408 after), or an HTTP/2 "
-            "header block (GOAWAY after); 0: no limit.",
+        declare(
+            loader,
+            "egress_policy",
+            "egress_dns_timeout",
+            "egress_max_head_bytes",
+            "egress_max_header_fields",
+            "egress_head_timeout",
         )
 
     def configure(self, updated: set[str]):

@@ -38,9 +38,9 @@ from asyncio import selector_events
 from mitmproxy import ctx, exceptions
 from mitmproxy.proxy import commands
 
-from gateway.fairshare import (
-    DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, MAX_WAIT, LoopShare, ReadyOrder, yields_to,
-)
+from gateway.fairshare import MAX_WAIT, LoopShare, ReadyOrder, yields_to
+
+from .options import declare
 
 ATTR = "_egress_share_key"
 _step = [0.0]  # when the loop's current callback began, or was last charged (one callback at a time)
@@ -478,20 +478,11 @@ class FairShare:
         install(state)
 
     def load(self, loader) -> None:
-        loader.add_option(
-            "egress_max_loop_share_per_sandbox", str, f"{DEFAULT_MAX_SHARE:g}",
-            "Share of a worker's event loop one sandbox may take while another sandbox is active: at "
-            "most this, and 1/N with N active; over it, its connections' next reads wait (back-pressure, "
-            "nothing refused). 0: off.",
-        )
-        loader.add_option(
-            "egress_loop_share_burst", str, f"{DEFAULT_BURST:g}",
-            "Seconds of loop time a sandbox may use at once above its share.",
-        )
-        loader.add_option(
-            "egress_loop_share_busy", str, f"{DEFAULT_BUSY:g}",
-            "The loop counts as contended (shares apply) once the work of about the last second fills this "
-            "fraction of it; below it nobody is slowed. 0: always contended.",
+        declare(
+            loader,
+            "egress_max_loop_share_per_sandbox",
+            "egress_loop_share_burst",
+            "egress_loop_share_busy",
         )
 
     def configure(self, updated: set[str]) -> None:

@@ -28,11 +28,11 @@ from collections.abc import Hashable
 
 from mitmproxy import ctx, exceptions
 
+from gateway.options import DEFAULT_SMALL_FRAMES_PER_SECOND, DEFAULT_SMALL_FRAME_BURST, DEFAULT_SMALL_FRAME_BYTES
 from gateway.ratelimit import BucketTable, parse_rate
 
-DEFAULT_SMALL_FRAME_BYTES = 4096  # mitmproxy's own WebSocket fragments are 4,000 bytes
-DEFAULT_SMALL_FRAMES_PER_SECOND = 5000.0
-DEFAULT_SMALL_FRAME_BURST = 20000
+from .options import declare
+
 # A token is about 15 µs of a worker's time, measured per unit on one worker: an HTTP/1 chunk or a
 # WebSocket continuation frame ~15 µs, an HTTP/2 DATA frame ~30 µs, a WebSocket ping ~150 µs (relayed,
 # and its pong relayed back), a whole WebSocket message ~600 µs (every addon's websocket_message
@@ -66,20 +66,11 @@ class FrameLimits:
     """Declares the options; the layers (addons/layers.py, addons/websocket_limits.py) ask `take`."""
 
     def load(self, loader) -> None:
-        loader.add_option(
-            "egress_max_small_frames_per_second_per_sandbox", str, f"{DEFAULT_SMALL_FRAMES_PER_SECOND:g}",
-            "Frames under egress_small_frame_bytes (HTTP/2 DATA frames, HTTP/1 chunks, WebSocket frames and "
-            "pings) one sandbox may send per second, sustained; the frame that finds none left ends its "
-            "connection (small_frame_flood). 0: no limit.",
-        )
-        loader.add_option(
-            "egress_small_frame_burst_per_sandbox", int, DEFAULT_SMALL_FRAME_BURST,
-            "Small frames a sandbox may send at once above its per-second rate (token bucket size).",
-        )
-        loader.add_option(
-            "egress_small_frame_bytes", int, DEFAULT_SMALL_FRAME_BYTES,
-            "Payload size under which a frame, chunk or WebSocket message counts against "
-            "egress_max_small_frames_per_second_per_sandbox.",
+        declare(
+            loader,
+            "egress_max_small_frames_per_second_per_sandbox",
+            "egress_small_frame_burst_per_sandbox",
+            "egress_small_frame_bytes",
         )
 
     def configure(self, updated: set[str]) -> None:

@@ -27,10 +27,11 @@ import time
 import weakref
 from collections import Counter
 
+from gateway.options import DEFAULT_SANDBOX_HIGH_WATER
+
 HIGH_WATER = 4 * 1024 * 1024
 LOW_WATER = 1 * 1024 * 1024
 
-DEFAULT_SANDBOX_HIGH_WATER = 16 * 1024 * 1024
 
 _gates: "weakref.WeakKeyDictionary[object, asyncio.Event]" = weakref.WeakKeyDictionary()
 _unread: "weakref.WeakKeyDictionary[object, tuple[str | None, int]]" = weakref.WeakKeyDictionary()

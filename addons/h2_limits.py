@@ -49,17 +49,17 @@ from mitmproxy.proxy.layers.http._http2 import Http2Client
 from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
 
 from gateway import h2budget
+from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
 from . import frame_limits, h2_backpressure
 from .http1 import DEFAULT_MAX_HEADER_FIELDS, max_header_fields
+from .options import declare
 
 
 _CONTROL_FRAMES = (PingFrame, SettingsFrame, PriorityFrame, ExtensionFrame)
 _HEADER_BLOCK_FRAMES = (HeadersFrame, ContinuationFrame, PushPromiseFrame)
 _HEADER_BLOCK_TYPES = frozenset(f.type for f in _HEADER_BLOCK_FRAMES)
-DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # egress_max_head_bytes (addons/core.py)
-DEFAULT_HEAD_TIMEOUT = 30.0  # egress_head_timeout
-DEFAULT_DATA_FRAME_TIMEOUT = 120.0  # egress_body_idle_timeout (addons/layers.py DEFAULT_BODY_IDLE_TIMEOUT)
+DEFAULT_DATA_FRAME_TIMEOUT = DEFAULT_BODY_IDLE_TIMEOUT  # an incomplete DATA frame is a body that stopped
 
 
 @dataclass(frozen=True)
@@ -444,38 +444,14 @@ class Http2Limits:
         install()
 
     def load(self, loader) -> None:
-        loader.add_option(
-            "egress_h2_max_concurrent_streams", int, h2budget.DEFAULT_MAX_CONCURRENT_STREAMS,
-            "HTTP/2: streams one client connection may have open at once (advertised in SETTINGS; "
-            "a stream over it is refused with RST_STREAM REFUSED_STREAM, reason too_many_streams).",
-        )
-        loader.add_option(
-            "egress_h2_max_resets", int, h2budget.DEFAULT_MAX_RESETS,
-            "HTTP/2: streams reset on one connection (by the client, or refused by the gateway) within "
-            "egress_h2_reset_window seconds before it is closed with GOAWAY ENHANCE_YOUR_CALM "
-            "(reason reset_flood; 0: no limit).",
-        )
-        loader.add_option(
-            "egress_h2_reset_window", int, int(h2budget.DEFAULT_RESET_WINDOW),
-            "HTTP/2: the sliding window of egress_h2_max_resets, in seconds.",
-        )
-        loader.add_option(
-            "egress_h2_max_control_frames", int, h2budget.DEFAULT_MAX_CONTROL_FRAMES,
-            f"HTTP/2: frames that carry no request (PING, SETTINGS, PRIORITY, unknown types, empty DATA, "
-            f"WINDOW_UPDATE beyond two per DATA frame sent) one client connection may send within "
-            f"{h2budget.CONTROL_WINDOW:g} seconds before it is closed with GOAWAY ENHANCE_YOUR_CALM "
-            f"(reason control_frame_flood; 0: no limit).",
-        )
-        loader.add_option(
-            "egress_h2_max_unread_bytes_per_sandbox", int, h2_backpressure.DEFAULT_SANDBOX_HIGH_WATER,
-            "HTTP/2: response bytes waiting for the flow-control windows of one sandbox's clients, summed "
-            "over its connections; while over it, the upstreams of all its HTTP/2 connections wait "
-            "(back-pressure, no refusal) until it is under half (0: per connection only, 4 MiB each).",
-        )
-        loader.add_option(
-            "egress_h2_max_buffered_bytes", int, h2budget.DEFAULT_MAX_BUFFERED_BYTES,
-            "HTTP/2: request-body bytes one client connection may have buffered in the gateway at once "
-            "(a stream that would pass it gets 503, reason buffer_budget; 0: no limit).",
+        declare(
+            loader,
+            "egress_h2_max_concurrent_streams",
+            "egress_h2_max_resets",
+            "egress_h2_reset_window",
+            "egress_h2_max_control_frames",
+            "egress_h2_max_unread_bytes_per_sandbox",
+            "egress_h2_max_buffered_bytes",
         )
 
     def configure(self, updated) -> None:

@@ -25,6 +25,7 @@ from gateway.workers import worker_index
 
 from .lifecycle import Lifecycle
 from .metrics import MetricsFeed
+from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -134,11 +135,7 @@ class HealthEndpoint:
         return self.server.url if self.server is not None else None
 
     def load(self, loader):
-        loader.add_option(
-            "egress_metrics", str, "",
-            "Serve /metrics, /healthz and /readyz on HOST:PORT (an IP address); empty: off. The address is "
-            "one of the gateway's own listeners, never reachable through the proxy.",
-        )
+        declare(loader, "egress_metrics")
 
     def configure(self, updated: set[str]):
         if "egress_metrics" not in updated:

@@ -45,6 +45,7 @@ from mitmproxy.proxy.layers.http._events import (
 from mitmproxy.proxy.layers.http._http1 import Http1Client, should_make_pipe
 
 from gateway.bodies import MAX_INTERIM_RESPONSES, UpstreamExchange, request_framing
+from gateway.options import DEFAULT_MAX_HEADER_FIELDS
 from gateway.streaming import FORBIDDEN_TRAILERS
 
 from . import frame_limits
@@ -257,7 +258,6 @@ def _interim_status(buf) -> int | None:
 
 
 MAX_RESPONSE_HEAD_BYTES = 256 * 1024  # an upstream's response head, or bytes it sends with no response due
-DEFAULT_MAX_HEADER_FIELDS = 256  # egress_max_header_fields (addons/core.py)
 
 
 def max_header_fields(context) -> int:

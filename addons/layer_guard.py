@@ -30,8 +30,7 @@ from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TC
 from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
 from mitmproxy.tls import ClientHello
 
-from gateway.clienthello import COMPLETE, DEFAULT_MAX_CLIENT_HELLO_BYTES, NEED_MORE, TOO_LARGE, ClientHelloReader
-
+from gateway.clienthello import COMPLETE, NEED_MORE, TOO_LARGE, ClientHelloReader
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
 from gateway.hostnames import ip_host
@@ -42,6 +41,7 @@ from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, GatewayTcpLayer, HoldLayer,
                      RefusalLayer, TargetFormHttpLayer)
+from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -117,7 +117,6 @@ def _refuse_on_error(self, nextlayer: layer.NextLayer, error: Exception) -> None
     )
 
 
-DEFAULT_CLIENT_HELLO_TIMEOUT = 10
 
 
 class LayerGuard:
@@ -125,16 +124,7 @@ class LayerGuard:
         self.state = state
 
     def load(self, loader):
-        loader.add_option(
-            "egress_max_client_hello_bytes", int, DEFAULT_MAX_CLIENT_HELLO_BYTES,
-            "Largest TLS ClientHello accepted, in bytes (its declared handshake length; the connection is "
-            "closed above, as client_hello_too_large, before any of it is buffered).",
-        )
-        loader.add_option(
-            "egress_client_hello_timeout", int, DEFAULT_CLIENT_HELLO_TIMEOUT,
-            "Seconds a client may take to send its whole TLS ClientHello, from its first byte (closed "
-            "after, as client_hello_timeout; 0: no limit).",
-        )
+        declare(loader, "egress_max_client_hello_bytes", "egress_client_hello_timeout")
 
     @fail_closed(_refuse_on_error)
     def next_layer(self, nextlayer: layer.NextLayer) -> None:

@@ -63,6 +63,7 @@ from gateway.budget import Account
 from gateway.decision import Decision
 from gateway.failure import failure_detail
 from gateway.hostnames import HostError, parse_authority
+from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
 from . import frame_limits, h2_backpressure, h2_limits, read_ahead
 from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood, TooManyFields, max_header_fields
@@ -73,8 +74,6 @@ from .method_body import BODY_CHECK
 from .respond import COUNTS_AS_RESET, raw_http_refusal, refusal_headers
 
 REFUSAL_ATTR = "_egress_refusal"  # a request's refusal decision, for errors mitmproxy sends itself
-DEFAULT_MAX_HEAD_BYTES = 64 * 1024
-DEFAULT_HEAD_TIMEOUT = 30.0
 PIPELINE_HEADS = 2  # bytes sent ahead of a response (HTTP/1 pipelining) are bounded by this many max heads
 MAX_EMPTY_LINES = 8  # empty lines ignored before a request line (RFC 9112 2.2: at least one)
 # (context, decision, request, method, *, status_sent=True, **audit fields)
@@ -95,7 +94,6 @@ TARGET_FORM_ATTR = "_egress_target_form"  # "origin" | "absolute" | "authority" 
 RAW_AUTHORITY_ATTR = "_egress_raw_authority"
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
 HOLD_BODY = "egress_hold_body"  # flow.metadata key (addons/request_guard.py, which imports this module)
-DEFAULT_BODY_IDLE_TIMEOUT = 120.0
 QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
 _NOT_SCANNED = ("error", RuntimeError("the body check's step did not run"))  # no addon answered its hook: refused
 

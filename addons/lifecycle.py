@@ -22,6 +22,7 @@ from mitmproxy.utils import human
 from gateway.workers import notify_ready
 
 from .heartbeat import every_second
+from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -44,10 +45,7 @@ class Lifecycle:
         self._in_flight: dict[str, str] = {}  # flow id -> client id: requests not answered yet
 
     def load(self, loader):
-        loader.add_option(
-            "egress_drain_timeout", float, 10.0,
-            "On SIGTERM (egress-gateway run), seconds to wait for in-flight requests before exiting.",
-        )
+        declare(loader, "egress_drain_timeout")
 
     def configure(self, updated: set[str]):
         if "egress_drain_timeout" in updated and ctx.options.egress_drain_timeout < 0:

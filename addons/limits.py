@@ -21,6 +21,7 @@ from gateway.decision import Decision, verdict_fields
 
 from . import conn_close
 from .audit_fields import connection_fields
+from .options import declare
 from .state import GatewayState
 
 
@@ -32,11 +33,7 @@ class ConnectionLimiter:
         self._keys: dict[str, str] = {}
 
     def load(self, loader):
-        loader.add_option(
-            "egress_max_connections_per_sandbox", int, 1000,
-            "Concurrent client connections allowed per sandbox (per client address without a sandboxes "
-            "section); 0 for no limit.",
-        )
+        declare(loader, "egress_max_connections_per_sandbox")
 
     def _key(self, conn) -> str:
         if self.state.engine is not None and self.state.engine.policy.sandboxes is not None:

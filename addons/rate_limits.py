@@ -36,11 +36,13 @@ from mitmproxy import ctx, exceptions, http
 
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine
+from gateway.options import DEFAULT_CONNECTIONS_PER_SECOND, DEFAULT_CONNECTION_BURST, DEFAULT_REQUESTS_PER_SECOND, DEFAULT_REQUEST_BURST
 from gateway.policy import LIMIT_KEYS, Policy, Scope
 from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_rate
 
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
+from .options import declare
 from .respond import COUNTS_AS_RESET, refusal_headers
 from .revocation import close_client
 from .streaming import counting_stream
@@ -54,10 +56,6 @@ RESERVED = "egress_limits_reserved"  # flow.metadata key: response bytes counted
 # second at most), with bursts for a cold start. Not a fair share of a worker (the reference 2-core
 # machine serves ~330 keep-alive HTTPS requests and ~77 new TLS tunnels a second per worker,
 # docs/performance.md): deployments packing many sandboxes on few workers should lower them.
-DEFAULT_REQUESTS_PER_SECOND = 200.0
-DEFAULT_REQUEST_BURST = 400
-DEFAULT_CONNECTIONS_PER_SECOND = 50.0
-DEFAULT_CONNECTION_BURST = 100
 
 
 @dataclass
@@ -177,14 +175,10 @@ class ConnectionRate:
         self.state = limiter.state
 
     def load(self, loader):
-        loader.add_option(
-            "egress_max_new_connections_per_second_per_sandbox", str, f"{DEFAULT_CONNECTIONS_PER_SECOND:g}",
-            "New client connections accepted per second per sandbox (per client address without a sandboxes "
-            "section), sustained; over it a connection is closed at accept (connection_rate_limited). 0: no limit.",
-        )
-        loader.add_option(
-            "egress_new_connection_burst_per_sandbox", int, DEFAULT_CONNECTION_BURST,
-            "New connections a sandbox may open at once above its per-second rate (token bucket size).",
+        declare(
+            loader,
+            "egress_max_new_connections_per_second_per_sandbox",
+            "egress_new_connection_burst_per_sandbox",
         )
 
     def configure(self, updated: set[str]):
@@ -232,15 +226,7 @@ class RequestLimits:
         self.state.request_gates.append(self.gate)
 
     def load(self, loader):
-        loader.add_option(
-            "egress_max_requests_per_second_per_sandbox", str, f"{DEFAULT_REQUESTS_PER_SECOND:g}",
-            "Allowed HTTP requests per second per sandbox (per client address without a sandboxes section), "
-            "sustained; over it a request is answered 429 rate_limited with Retry-After. 0: no limit.",
-        )
-        loader.add_option(
-            "egress_request_burst_per_sandbox", int, DEFAULT_REQUEST_BURST,
-            "Requests a sandbox may send at once above its per-second rate (token bucket size).",
-        )
+        declare(loader, "egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox")
 
     def configure(self, updated: set[str]):
         if updated & {"egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox"}:

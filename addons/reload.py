@@ -24,6 +24,7 @@ from mitmproxy import ctx
 from gateway.decision import Decision, verdict_fields
 from gateway.policy import PolicyError, compile_policy
 
+from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -38,10 +39,7 @@ class PolicyReloader:
         self._lock = asyncio.Lock()
 
     def load(self, loader):
-        loader.add_option(
-            "egress_policy_poll", int, 2,
-            "Seconds between checks of the policy file for changes (0: only on SIGHUP).",
-        )
+        declare(loader, "egress_policy_poll")
 
     def running(self):
         path = ctx.options.egress_policy

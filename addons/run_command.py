@@ -14,8 +14,9 @@ import socket
 import subprocess
 import sys
 
-from gateway.audit import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, AuditLog
+from gateway.audit import DEFAULT_MAX_BYTES, AuditLog
 from gateway.commands import EXIT_INVALID
+from gateway.options import OPTIONS
 from gateway.policy import PolicyError, load_default_policy, load_policy
 from gateway.workers import MAX_WORKERS, WORKERS_ENV, Supervisor, default_workers, log_to_stderr, worker_index
 
@@ -70,11 +71,11 @@ def register(sub) -> None:
         f"(default: {DEFAULT_MAX_BYTES}, 100 MiB, for a file; stdout does not rotate)",
     )
     run.add_argument(
-        "--audit-backups", metavar="K", type=_positive_int, default=DEFAULT_BACKUPS,
+        "--audit-backups", metavar="K", type=_positive_int, default=OPTIONS["egress_audit_backups"].default,
         help="rotated audit log files to keep with --audit-max-bytes",
     )
     run.add_argument(
-        "--drain-timeout", metavar="SECONDS", type=_non_negative_float, default=10.0,
+        "--drain-timeout", metavar="SECONDS", type=_non_negative_float, default=OPTIONS["egress_drain_timeout"].default,
         help="on SIGTERM/SIGINT, stop accepting and wait up to SECONDS for in-flight requests, then exit 0",
     )
     run.add_argument(
@@ -144,6 +145,20 @@ def main(args: argparse.Namespace) -> int:
         policy_sha256=policy.sha256,
         extra=args,
     )
+
+
+def operational_options(extra) -> dict:
+    """The mitmproxy options behind `egress-gateway run`'s flags (gateway/options.py `flag`), for the
+    flags given; --policy and --audit-log are passed on by name."""
+    if extra is None:
+        return {}
+    found = {}
+    for option in OPTIONS.values():
+        if option.flag and option.name not in ("egress_policy", "egress_audit_log"):
+            value = getattr(extra, option.flag.removeprefix("--").replace("-", "_"), None)
+            if value is not None:
+                found[option.name] = value
+    return found
 
 
 # --- run --workers N (N > 1): the supervisor -------------------------------------------------------

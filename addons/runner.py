@@ -28,6 +28,7 @@ from mitmproxy.addons import block, core, errorcheck, proxyauth, proxyserver, tl
 from .egress import make_addons
 from .layer_guard import LayerGuard
 from .patches import UntestedMitmproxy, check_mitmproxy_version
+from .run_command import operational_options
 from .lifecycle import Lifecycle
 from .state import GatewayState
 
@@ -123,20 +124,6 @@ async def _serve(policy_path: str, modes: list[str], confdir: str, audit_log: st
     await gateway_master.run()
     errorcheck = gateway_master.addons.get("errorcheck")
     return 1 if errorcheck is not None and getattr(errorcheck, "has_errored", False) else 0
-
-
-def operational_options(extra) -> dict:
-    """The mitmproxy options behind `egress-gateway run`'s observability flags (absent: defaults)."""
-    if extra is None:
-        return {}
-    found = {
-        "egress_metrics": getattr(extra, "metrics", None),
-        "egress_audit_chain": getattr(extra, "audit_chain", None),
-        "egress_audit_max_bytes": getattr(extra, "audit_max_bytes", None),
-        "egress_audit_backups": getattr(extra, "audit_backups", None),
-        "egress_drain_timeout": getattr(extra, "drain_timeout", None),
-    }
-    return {name: value for name, value in found.items() if value is not None}
 
 
 def share_listen_ports() -> None:

@@ -34,12 +34,13 @@ from mitmproxy.proxy import events
 from wsproto.frame_protocol import Opcode
 
 from gateway.decision import Decision
+from gateway.options import DEFAULT_MAX_MESSAGE_BYTES
 
 from . import frame_limits, read_ahead
 from .audit_fields import connection_fields, decision_fields
+from .options import declare
 from .state import GatewayState
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MESSAGE_TOO_BIG = 1009  # RFC 6455 close codes
 MESSAGE_POLICY = 1008
 SMALL_FRAGMENT = 4000  # mitmproxy's Fragmentizer.FRAGMENT_SIZE
@@ -53,11 +54,7 @@ class WebsocketLimits:
         read_ahead.install()
 
     def load(self, loader):
-        loader.add_option(
-            "egress_max_websocket_message_bytes", int, DEFAULT_MAX_MESSAGE_BYTES,
-            "Bytes of one WebSocket message the gateway reassembles; past them both sides are closed "
-            "with 1009 (websocket_message_too_large). 0: no limit.",
-        )
+        declare(loader, "egress_max_websocket_message_bytes")
 
     def _refused(self, flow: http.HTTPFlow, reason: str, message: str, size: int) -> None:
         decision = Decision.deny(reason, message)
