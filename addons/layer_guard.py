@@ -39,7 +39,7 @@ from gateway.revocation import Established
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, GatewayTcpLayer, HoldLayer,
+from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, MAX_EMPTY_LINES, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, GatewayTcpLayer, HoldLayer,
                      RefusalLayer, TargetFormHttpLayer)
 from .options import declare
 from .state import GatewayState
@@ -50,6 +50,7 @@ H2_PREFACE = b"PRI * HTTP/2.0"
 MAX_FIRST_LINE = 8192
 _METHOD_PREFIX = re.compile(rb"^[A-Z][A-Z0-9_-]{0,19}(?: |\Z)")
 _REQUEST_LINE = re.compile(rb"^[A-Z][A-Z0-9_-]{0,19} [^ \r\n]+ HTTP/1\.[01]\r?\Z")
+_EMPTY_LINES = re.compile(rb"(?:\r?\n)*")
 
 TLS, HTTP, H2C, OTHER, WAIT = "tls", "http", "h2c", "other", "wait"
 
@@ -62,6 +63,8 @@ def classify(data: bytes) -> str:
     HTTP request line or a TLS record is OTHER at once (SSH, binary), without waiting."""
     if not data:
         return WAIT
+    if data[0] in b"\r\n":
+        return _after_empty_lines(data)
     if data[0] == 0x16:
         if len(data) < 3:
             return WAIT
@@ -74,6 +77,20 @@ def classify(data: bytes) -> str:
     if len(data) > MAX_FIRST_LINE or not _METHOD_PREFIX.match(data[:21]):
         return OTHER
     return WAIT
+
+
+def _after_empty_lines(data: bytes) -> str:
+    """Empty lines before a request line are skipped (RFC 9112 2.2), on a connection's first bytes
+    as after a request: up to MAX_EMPTY_LINES of them, then HTTP or nothing. Past that many it is
+    HTTP too, for the HTTP layer to refuse with its own reason (`malformed_request`)."""
+    blank = _EMPTY_LINES.match(data).group()
+    skipped, rest = blank.count(b"\n"), data[len(blank):]
+    if skipped > MAX_EMPTY_LINES:
+        return HTTP
+    if rest in (b"", b"\r"):
+        return WAIT
+    kind = classify(rest) if rest[0] not in b"\r\n" else OTHER  # a bare CR is not a line end
+    return kind if kind in (HTTP, WAIT) else OTHER
 
 
 # The layer stacks the gateway knows, by role: the explicit proxy port, a CONNECT tunnel before
@@ -98,6 +115,7 @@ def _no_wait_for_http(kind: str, data: bytes) -> str:
     start like a method are handed to the HTTP layer at once: its parser refuses a bad line, and
     its head timer also covers a client that goes silent half-way. Only transparent connections,
     where a raw TCP rule may apply, wait for the whole first line."""
+    data = data[len(_EMPTY_LINES.match(data).group()):]  # skipped before a request line (classify)
     if kind == WAIT and _METHOD_PREFIX.match(data[:21]) and not H2_PREFACE.startswith(data[: len(H2_PREFACE)]):
         return HTTP
     return kind

@@ -75,6 +75,41 @@ def test_a_run_of_empty_lines_is_refused(gateway, upstreams):
     assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/a"]
 
 
+@pytest.mark.parametrize("first", [b"\r\n", b"\n", b"\r\n\r\n", b"\r\n" * 8, b"\n\r\n"])
+@pytest.mark.parametrize("split", [False, True])
+def test_empty_lines_as_a_connections_first_bytes_are_ignored(gateway, upstreams, first, split):
+    """Review 11: the same empty lines as a connection's very first bytes got 400 `non_http`: the
+    proxy port's first look at a connection did not skip them. Sent with the request, or alone
+    first (the gateway then waits for more, as for any partial first line)."""
+    request = b"GET http://allowed.test/first HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    with connect_proxy(gateway) as conn:
+        if split:
+            conn.send(first)
+            conn.send(request)  # may arrive in the same read: both must work
+        else:
+            conn.send(first + request)
+        response = conn.read_response()
+    assert response.status == 200, response
+    assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/first"]
+
+
+@pytest.mark.parametrize("first", [b"\r\n" * 9, b"\n" * 40, b"\r\n" * 2000])
+def test_a_run_of_empty_lines_as_first_bytes_is_malformed_not_non_http(gateway, upstreams, first):
+    with connect_proxy(gateway) as conn:
+        conn.send(first + b"GET http://allowed.test/b HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        refused = conn.read_response()
+    assert_refused(refused, 400, "malformed_request")
+    assert not upstreams.plain["allowed.test"].requests
+
+
+@pytest.mark.parametrize("first", [b"\r\x16\x03\x01", b"\r\n\x16\x03\x01\x00\x05", b"\r\nSSH-2.0-x\r\n"])
+def test_empty_lines_before_something_other_than_http_are_refused(gateway, upstreams, first):
+    with connect_proxy(gateway) as conn:
+        conn.send(first)
+        refused = conn.read_response()
+    assert_refused(refused, 400, "non_http")
+
+
 def test_destination_is_decided_per_request_on_a_kept_alive_connection(gateway, upstreams):
     with connect_proxy(gateway) as conn:
         first = conn.request("GET", "http://allowed.test/a", [("Host", "allowed.test")])
