@@ -159,8 +159,8 @@ class BoundedFrameBuffer(FrameBuffer):
         self.block_bytes = 0
         self.clock: Callable[[], float] = time.monotonic  # (the server layer's stops while it does not read)
         self.block_started: float | None = None
-        self.partial_started: float | None = None  # the first bytes of an incomplete frame, its type known
-        self.partial_data = False  # ... which is a DATA frame (its deadline moves as its bytes arrive)
+        self.partial_started: float | None = None  # the first bytes of an incomplete frame
+        self.partial_data = False  # ... which is a DATA frame, or of a type not known yet (a body's deadline)
         self._partial_seen = 0  # bytes of it seen so far
         self.pending_wall: float | None = None  # when what is pending began, on the wall clock (the cap)
 
@@ -185,7 +185,8 @@ class BoundedFrameBuffer(FrameBuffer):
 
     @property
     def pending_bytes(self) -> int:
-        return self.block_bytes + len(self._data)
+        """Bytes held until they are whole: an incomplete frame, and a header block being joined."""
+        return (self.block_bytes if self._headers_buffer else 0) + len(self._data)
 
     def __next__(self):
         """h2 waits for a whole frame before it checks its length against the maximum: a header
@@ -208,14 +209,8 @@ class BoundedFrameBuffer(FrameBuffer):
         try:
             frame = super().__next__()
         except StopIteration:
-            if len(self._data) >= 4:  # an incomplete frame whose type is known (a split header waits)
-                if self.partial_started is None:
-                    self.partial_started = self.clock()
-                    self.partial_data = self._data[3] == DataFrame.type
-                    self._partial_seen = len(self._data)
-                elif self.partial_data and len(self._data) > self._partial_seen:
-                    self.partial_started = self.clock()  # a DATA frame's bytes are moving
-                    self._partial_seen = len(self._data)
+            if self._data:
+                self._note_partial()
             else:
                 self.partial_started = None
             self._note_pending()
@@ -223,6 +218,23 @@ class BoundedFrameBuffer(FrameBuffer):
         self.partial_started = None
         self._note_pending()
         return frame
+
+    def _note_partial(self) -> None:
+        """An incomplete frame's deadline. A DATA frame has a body's idle limit, renewed as its bytes
+        move; so do the first 1 to 3 bytes of a frame header, whose type is not known yet (a read
+        may end there mid-upload: review 9). Once the type says it is not DATA, the head's deadline
+        applies, counted from the frame's first byte (review 12: a header cut before its type
+        started no deadline at all, and only tcp_timeout ended the connection)."""
+        is_data = len(self._data) < 4 or self._data[3] == DataFrame.type
+        if self.partial_started is None:
+            self.partial_started = self.clock()
+            self.partial_data = is_data
+            self._partial_seen = len(self._data)
+        elif self.partial_data and not is_data:
+            self.partial_data = False
+        elif self.partial_data and len(self._data) > self._partial_seen:
+            self.partial_started = self.clock()  # a DATA frame's bytes are moving
+            self._partial_seen = len(self._data)
 
     def _note_pending(self) -> None:
         if self.block_started is None and self.partial_started is None:

@@ -330,14 +330,107 @@ def test_an_incomplete_data_frame_has_the_body_idle_deadline_not_the_head_one():
     assert [reason for reason, _ in refused] == ["request_body_timeout"]
 
 
-def test_a_frame_header_split_before_its_type_is_not_pending():
+def test_a_frame_header_split_before_its_type_has_a_bodys_deadline_not_a_heads():
     """Review 9: a read ending two bytes into a DATA frame's header (TLS records do) made it a
-    pending 'non-DATA' frame with the 30 s head deadline."""
-    layer, client, refused = _server(head_timeout=30.0)
+    pending 'non-DATA' frame with the 30 s head deadline. Review 12: but it had no deadline at
+    all, and 1 to 3 bytes then silence held the connection until tcp_timeout. Now the body's."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    for cut in (1, 2, 3):
+        layer, client, refused = _server(head_timeout=30.0, data_frame_timeout=120.0)
+        h2c = _client()
+        h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
+        commands = _send(layer, client, h2c.data_to_send() + _frame_header(16000, 0x0)[:cut])
+        buffer = layer.h2_conn.incoming_buffer
+        timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+        assert buffer.partial_data and timers and 119.9 < timers[-1].delay <= 120, cut
+        buffer.partial_started -= 120
+        list(layer.handle_event(events.Wakeup(timers[-1])))
+        assert [reason for reason, _ in refused] == ["request_body_timeout"], cut
+
+
+def test_a_header_cut_before_its_type_has_the_head_deadline_from_its_first_byte_once_known():
+    """The type arrives and says HEADERS: the head's 30 s count from the frame's first byte."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(head_timeout=30.0, data_frame_timeout=120.0)
+    h2c = _client()
+    header = _frame_header(100, HeadersFrame.type, 0x4)
+    _send(layer, client, h2c.data_to_send() + header[:2])
+    buffer = layer.h2_conn.incoming_buffer
+    buffer.partial_started -= 40  # the rest of the header comes 40 s later
+    commands = _send(layer, client, header[2:] + b"\0" * 5)
+    assert not buffer.partial_data
+    timers = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert timers and timers[-1].delay == 0.0  # due at once: a new, nearer deadline is armed
+    list(layer.handle_event(events.Wakeup(timers[-1])))
+    assert [reason for reason, _ in refused] == ["request_head_timeout"]
+
+
+def test_a_nearer_deadline_is_not_shadowed_by_a_later_timer():
+    """Review 12: a partial DATA frame armed its 120 s (here 30 s) timer; the frame completed and
+    a header block began, whose 3 s deadline then waited for that timer: GOAWAY at 29 s, not 3 s."""
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    layer, client, refused = _server(head_timeout=3.0, data_frame_timeout=30.0)
     h2c = _client()
     h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
-    _send(layer, client, h2c.data_to_send() + _frame_header(16000, 0x0)[:2])
-    assert layer.h2_conn.incoming_buffer.pending_since is None and refused == []
+    frame = _frame_header(100, 0x0) + b"x" * 100
+    first = _send(layer, client, h2c.data_to_send() + frame[:59])
+    long_timer = [c for c in first if isinstance(c, mc.RequestWakeup)]
+    assert long_timer and 29.9 < long_timer[-1].delay <= 30
+    commands = _send(layer, client, frame[59:] + _frame_header(50, HeadersFrame.type, 0x4, stream_id=3) + b"\0" * 5)
+    short = [c for c in commands if isinstance(c, mc.RequestWakeup)]
+    assert short and 2.9 < short[-1].delay <= 3.0
+    layer.h2_conn.incoming_buffer.partial_started -= 3
+    list(layer.handle_event(events.Wakeup(short[-1])))
+    assert [reason for reason, _ in refused] == ["request_head_timeout"]
+    list(layer.handle_event(events.Wakeup(long_timer[-1])))  # the old timer, when it fires, does nothing more
+    assert len(refused) == 1
+
+
+def test_a_later_deadline_arms_no_second_timer():
+    """No wakeup per read while an armed one fires first (a trickled frame: one timer)."""
+    from mitmproxy.proxy import commands as mc
+
+    layer, client, refused = _server(head_timeout=30.0)
+    h2c = _client()
+    commands = _send(layer, client, h2c.data_to_send() + _frame_header(60000, HeadersFrame.type, 0x4) + b"\0" * 10)
+    assert len([c for c in commands if isinstance(c, mc.RequestWakeup)]) == 1
+    for _ in range(5):
+        assert not [c for c in _send(layer, client, b"\0" * 10) if isinstance(c, mc.RequestWakeup)]
+
+
+def test_an_incomplete_frame_is_charged_to_the_buffer_budget():
+    """Review 12: 300 connections each holding a partial 128 KiB frame took 75 MiB past an 8 MiB
+    sandbox budget, uncharged. The frame's bytes are the connection's and the sandbox's; past the
+    budget, GOAWAY and `buffer_budget`; what a completed frame held is given back."""
+    from mitmproxy.proxy import events
+
+    from gateway.budget import Ledger
+
+    ledger = Ledger(per_connection=10_000, per_sandbox=25_000)
+    layers = []
+    for n in range(3):
+        layer, client, refused = _server()
+        layer._frames_account = ledger.account(f"c{n}", "sandbox:a")
+        h2c = _client()
+        h2c.send_headers(1, [(b":method", b"POST")] + BASE[1:], end_stream=False)
+        _send(layer, client, h2c.data_to_send() + _frame_header(16000, 0x0) + b"x" * 5000)
+        layers.append((layer, client, refused))
+    assert ledger.held(sandbox="sandbox:a") == 3 * (9 + 5000) and all(r == [] for *_, r in layers)
+    layer, client, refused = layers[0]
+    _send(layer, client, b"x" * 6000)  # past the connection's 10,000
+    assert [reason for reason, _ in refused] == ["buffer_budget"]
+    layer, client, refused = layers[1]
+    _send(layer, client, b"x" * 11000)  # the rest of its frame: whole, handed on, given back
+    assert refused == [] and ledger.held(connection="c1") == 0
+    layer, client, refused = layers[2]
+    list(layer.handle_event(events.ConnectionClosed(client)))
+    assert ledger.held(connection="c2") == 0
 
 
 def test_time_the_gateway_does_not_read_the_client_does_not_count():
