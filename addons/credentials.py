@@ -36,6 +36,7 @@ from gateway.streaming import Plan, codings, response_plan
 from . import decode_pool, fair_share
 from .audit_fields import connection_fields
 from .failclosed import QuietAuditFailures, fail_closed
+from .respond import replace_response
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
@@ -310,17 +311,6 @@ class _BodyRedactor:
         return b""
 
 
-class _Replacement:
-    """Stream callable that sends a fixed body instead of the upstream's (which is dropped)."""
-
-    def __init__(self, body: bytes):
-        self.body = body
-
-    def __call__(self, chunk: bytes) -> bytes:
-        body, self.body = self.body, b""
-        return body
-
-
 class ResponseRedactor:
     def __init__(self, state: GatewayState):
         self.state = state
@@ -393,15 +383,7 @@ class ResponseRedactor:
             self._count(flow, hits, where)
 
     def _refuse_body(self, flow: http.HTTPFlow, decision: Decision) -> None:
-        body = decision.body().encode()
-        response = flow.response
-        response.status_code = decision.status
-        response.reason = "Bad Gateway"
-        response.headers.clear()
-        response.headers["Content-Type"] = "text/plain; charset=utf-8"
-        response.headers["Content-Length"] = str(len(body))
-        response.headers["X-Egress-Reason"] = decision.reason
-        response.stream = _Replacement(body)
+        replace_response(flow.response, decision)
         self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
                           host=flow.request.pretty_host)
 

@@ -43,7 +43,7 @@ from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_r
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
 from .options import declare
-from .respond import COUNTS_AS_RESET, refusal_headers
+from .respond import COUNTS_AS_RESET, refusal_headers, replace_response
 from .revocation import close_client
 from .streaming import counting_stream
 from .state import ClientSession, GatewayState
@@ -434,17 +434,10 @@ class DownloadMeter:
     def _refuse(self, flow: http.HTTPFlow, charge: Charge, decision: Decision) -> None:
         """Replace the response's head with the refusal; its body is read from upstream and dropped."""
         response = flow.response
-        body = decision.body().encode()
-        response.status_code = decision.status
-        response.reason = "Too Many Requests"
-        response.headers.clear()
-        for name, value in refusal_headers(decision).items():
-            response.headers[name] = value
-        response.headers["Content-Length"] = str(len(body))
+        replace_response(response, decision)
         if not (flow.request.is_http2 or flow.request.is_http3):
             response.headers["Connection"] = "close"  # like every 429 (addons/respond.py refuse)
         setattr(response, COUNTS_AS_RESET, True)
-        response.stream = _Replacement(body)
         flow.metadata[CHARGE + "_streamed"] = True  # nothing of it counts
         conn = self.state.connections.get(flow.client_conn.id)
         self.state.record(event="response", **(flow_fields(flow, conn, charge.sandbox)
@@ -486,17 +479,6 @@ class DownloadMeter:
             window.add(size, now)
         if windows:
             self.state.count_usage(charge.sandbox, charge.rule, "upload" if message.from_client else "download", size)
-
-
-class _Replacement:
-    """Stream callable that sends a fixed body instead of the upstream's (which is dropped)."""
-
-    def __init__(self, body: bytes):
-        self.body = body
-
-    def __call__(self, chunk: bytes) -> bytes:
-        body, self.body = self.body, b""
-        return body
 
 
 def _declared_response_length(flow: http.HTTPFlow) -> int:

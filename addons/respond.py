@@ -43,15 +43,46 @@ def refuse(flow: http.HTTPFlow, decision: Decision) -> None:
     setattr(flow.request, "_egress_refusal", decision)
 
 
+_REASON_PHRASES = {
+    400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 413: "Content Too Large",
+    421: "Misdirected Request", 429: "Too Many Requests", 503: "Service Unavailable",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
+}
+
+
+def reason_phrase(status: int) -> str:
+    return _REASON_PHRASES.get(status, "Error")
+
+
+class _Replacement:
+    """Stream callable that sends a fixed body instead of the upstream's (which is dropped)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def __call__(self, chunk: bytes) -> bytes:
+        body, self.body = self.body, b""
+        return body
+
+
+def replace_response(response: http.Response, decision: Decision) -> None:
+    """Turn a response whose head came from upstream into the gateway's refusal, once its hooks saw it:
+    the head is replaced, and the upstream's body is still read (the connection stays usable) but
+    dropped, the refusal's body sent in its place."""
+    body = decision.body().encode()
+    response.status_code = decision.status
+    response.reason = reason_phrase(decision.status)
+    response.headers.clear()
+    for name, value in refusal_headers(decision).items():
+        response.headers[name] = value
+    response.headers["Content-Length"] = str(len(body))
+    response.stream = _Replacement(body)
+
+
 def raw_http_refusal(decision: Decision) -> bytes:
     """An HTTP/1.1 refusal as bytes, for connections refused before any HTTP parsing."""
     body = decision.body().encode("utf-8")
-    reason_phrase = {
-        400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 413: "Content Too Large",
-        421: "Misdirected Request", 429: "Too Many Requests", 503: "Service Unavailable",
-        431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
-    }.get(decision.status, "Error")
-    head = [f"HTTP/1.1 {decision.status} {reason_phrase}"]
+    head = [f"HTTP/1.1 {decision.status} {reason_phrase(decision.status)}"]
     head += [f"{k}: {v}" for k, v in refusal_headers(decision).items()]
     head += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
     return "\r\n".join(head).encode("ascii") + body
