@@ -167,6 +167,17 @@ def _rate(text: str, name: str) -> float:
         raise exceptions.OptionsError(f"{name}: {exc}") from None
 
 
+def _configure_bucket(table: BucketTable, updated: set[str], rate_option: str, burst_option: str) -> None:
+    """Set a bucket table from its rate and burst options, when either of them changed."""
+    if not updated & {rate_option, burst_option}:
+        return
+    rate = _rate(getattr(ctx.options, rate_option), rate_option)
+    burst = getattr(ctx.options, burst_option)
+    if burst < 0:
+        raise exceptions.OptionsError(f"{burst_option} must be >= 0")
+    table.configure(rate, burst)
+
+
 class ConnectionRate:
     """New connections per second per sandbox: over the bucket, closed at accept."""
 
@@ -182,14 +193,8 @@ class ConnectionRate:
         )
 
     def configure(self, updated: set[str]):
-        names = {"egress_max_new_connections_per_second_per_sandbox", "egress_new_connection_burst_per_sandbox"}
-        if updated & names:
-            rate = _rate(ctx.options.egress_max_new_connections_per_second_per_sandbox,
-                         "egress_max_new_connections_per_second_per_sandbox")
-            burst = ctx.options.egress_new_connection_burst_per_sandbox
-            if burst < 0:
-                raise exceptions.OptionsError("egress_new_connection_burst_per_sandbox must be >= 0")
-            self.limiter.connections.configure(rate, burst)
+        _configure_bucket(self.limiter.connections, updated, "egress_max_new_connections_per_second_per_sandbox",
+                          "egress_new_connection_burst_per_sandbox")
 
     def client_connected(self, client):
         if client.error:
@@ -229,13 +234,8 @@ class RequestLimits:
         declare(loader, "egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox")
 
     def configure(self, updated: set[str]):
-        if updated & {"egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox"}:
-            rate = _rate(ctx.options.egress_max_requests_per_second_per_sandbox,
-                         "egress_max_requests_per_second_per_sandbox")
-            burst = ctx.options.egress_request_burst_per_sandbox
-            if burst < 0:
-                raise exceptions.OptionsError("egress_request_burst_per_sandbox must be >= 0")
-            self.limiter.requests.configure(rate, burst)
+        _configure_bucket(self.limiter.requests, updated, "egress_max_requests_per_second_per_sandbox",
+                          "egress_request_burst_per_sandbox")
 
     def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """Called by RequestGuard and ConnectGuard for every request head and CONNECT, allowed or
