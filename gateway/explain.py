@@ -379,6 +379,15 @@ def _only(scope: Scope, rule: Rule) -> Scope:
     return Scope(scope.sandbox, frozenset({rule.id}))
 
 
+def _candidate(rule: Rule, alone: Decision, decided: Decision) -> Candidate:
+    """What one rule, checked alone, says next to the policy's decision."""
+    if _passes(alone) and _passes(decided) and rule.id == decided.rule:
+        return Candidate(rule.id, "decided", alone.message)
+    if _passes(alone):
+        return Candidate(rule.id, "matches", f"also matches, but rule {decided.rule} comes first")
+    return Candidate(rule.id, "no_match", _why(alone, rule))
+
+
 def _why(decision: Decision, rule: Rule) -> str:
     prefix = f"rule {rule.id}: "
     for note in reversed(decision.notes):
@@ -396,13 +405,7 @@ def _http_candidates(engine: Engine, policy: Policy, facts: RequestFacts, scope:
         elif not scope.grants(rule):
             out.append(Candidate(rule.id, "not_granted", f"not granted to {scope.sandbox or 'this client'}"))
         else:
-            alone = engine.check_request(facts, _only(scope, rule))
-            if _passes(alone) and _passes(decided) and rule.id == decided.rule:
-                out.append(Candidate(rule.id, "decided", alone.message))
-            elif _passes(alone):
-                out.append(Candidate(rule.id, "matches", f"also matches, but rule {decided.rule} comes first"))
-            else:
-                out.append(Candidate(rule.id, "no_match", _why(alone, rule)))
+            out.append(_candidate(rule, engine.check_request(facts, _only(scope, rule)), decided))
     return out
 
 
@@ -430,13 +433,7 @@ def _tcp(engine: Engine, policy: Policy, host: Host, port: int, found, scope: Sc
             elif not scope.grants(rule):
                 out.append(Candidate(rule.id, "not_granted", f"not granted to {scope.sandbox or 'this client'}"))
             else:
-                alone = engine.check_tcp(address, port, names, _only(scope, rule))
-                if _passes(alone) and _passes(decision) and rule.id == decision.rule:
-                    out.append(Candidate(rule.id, "decided", alone.message))
-                elif _passes(alone):
-                    out.append(Candidate(rule.id, "matches", f"also matches, but rule {decision.rule} comes first"))
-                else:
-                    out.append(Candidate(rule.id, "no_match", _why(alone, rule)))
+                out.append(_candidate(rule, engine.check_tcp(address, port, names, _only(scope, rule)), decision))
     return decision, out, None
 
 

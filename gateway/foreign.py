@@ -46,8 +46,8 @@ from urllib.parse import unquote_plus
 DEFAULT_HEADERS = ("Authorization", "Proxy-Authorization", "X-Api-Key", "Api-Key", "X-Goog-Api-Key")
 DEFAULT_QUERY = ("key", "api_key", "access_token")
 SCRUBBED = "[REDACTED]"
-_DECODE_ROUNDS = 4
-_QUERY_SPLIT = re.compile(r"[&;]")
+DECODE_ROUNDS = 4
+QUERY_SPLIT = re.compile(r"[&;]")
 # "Bearer <placeholder>": one auth-scheme word before the placeholder, from a closed list (the IANA
 # HTTP authentication schemes APIs use, and vendors' own), so that the sandbox cannot send its own
 # key as a "scheme" next to the platform's. Compared case-insensitively.
@@ -61,13 +61,19 @@ def header_key(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
-def query_key(name: str) -> str:
-    for _ in range(_DECODE_ROUNDS):
-        decoded = unquote_plus(name, errors="replace")
-        if decoded == name:
+def fully_unquoted(text: str) -> str:
+    """Percent and plus escapes decoded again and again (up to DECODE_ROUNDS), as servers that decode
+    twice read them: `%2541` is `A` to them."""
+    for _ in range(DECODE_ROUNDS):
+        decoded = unquote_plus(text, errors="replace")
+        if decoded == text:
             break
-        name = decoded
-    name = name.split("\0", 1)[0]  # PHP reads a name up to its first NUL
+        text = decoded
+    return text
+
+
+def query_key(name: str) -> str:
+    name = fully_unquoted(name).split("\0", 1)[0]  # PHP reads a name up to its first NUL
     name = name.strip().casefold().lstrip("[]")  # qs (Express) and Rack read "[api_key]" as api_key
     head = re.match(r"[^\[\]]*", name).group(0)
     rest = name[len(head):]
@@ -139,7 +145,7 @@ def find(headers: Sequence[tuple[str, str]], target: str, config: ForeignCredent
         name, _, value = pair.partition("=")
         if unquote_plus(name, errors="surrogateescape") in skipped_query:
             continue  # replaced whole by the rule's injection, ';' and all
-        for i, piece in enumerate(_QUERY_SPLIT.split(pair)):
+        for i, piece in enumerate(QUERY_SPLIT.split(pair)):
             piece_name, _, piece_value = piece.partition("=")
             if query_key(piece_name) not in query_names:
                 continue

@@ -43,9 +43,9 @@ import json
 import re
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote_plus, unquote_to_bytes
+from urllib.parse import unquote_to_bytes
 
-from .foreign import query_key
+from .foreign import DECODE_ROUNDS, QUERY_SPLIT, fully_unquoted, query_key
 from .steps import run_steps
 from .policy import FORBIDDEN_METHODS
 
@@ -83,8 +83,6 @@ KNOWN_METHODS = frozenset({
 
 NOT_A_METHOD = "(not a method name)"
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # RFC 9110 token: what a method is
-_DECODE_ROUNDS = 4
-_QUERY_SPLIT = re.compile(r"[&;]")
 # Distinct methods one override value may name: past it the value counts as naming no method (refused
 # whatever the rule allows; no client names 65 methods), so a sandbox cannot make the gateway build,
 # judge and describe thousands of them for one header.
@@ -155,15 +153,6 @@ def _elements(value: str) -> list[str | None]:
     return list(out)
 
 
-def _decoded(value: str) -> str:
-    for _ in range(_DECODE_ROUNDS):
-        decoded = unquote_plus(value, errors="replace")
-        if decoded == value:
-            break
-        value = decoded
-    return value
-
-
 def field_overrides(source: str, name: str, value: str, generic: bool = False) -> list[Override]:
     """Overrides one query/form/JSON field carries (none when its name is not an override name).
     `generic`: also the names that count only with a registered method as value (query only)."""
@@ -172,9 +161,9 @@ def field_overrides(source: str, name: str, value: str, generic: bool = False) -
     key = query_key(name)
     shown = name[:64]
     if key in FIELD_KEYS:
-        return [Override(source, shown, m) for m in _elements(_decoded(value))]
+        return [Override(source, shown, m) for m in _elements(fully_unquoted(value))]
     if generic and key in GENERIC_KEYS:
-        return [Override(source, shown, m) for m in _elements(_decoded(value)) if m in KNOWN_METHODS]
+        return [Override(source, shown, m) for m in _elements(fully_unquoted(value)) if m in KNOWN_METHODS]
     return []
 
 
@@ -199,7 +188,7 @@ def query_overrides(target: str) -> list[Override]:
     if not query:
         return []
     # Looser than any server: ';' splits too. A repeated field judges the same: read once.
-    for piece in dict.fromkeys(_QUERY_SPLIT.split(query)):
+    for piece in dict.fromkeys(QUERY_SPLIT.split(query)):
         name, equals, value = piece.partition("=")
         if equals:
             found.update(dict.fromkeys(field_overrides("query", name, value, generic=True)))
@@ -410,7 +399,7 @@ def plan_body(content_types: Sequence[str]) -> BodyPlan:
 
 def _unquoted_bytes(raw: bytes) -> bytes:
     raw = raw.replace(b"+", b" ")
-    for _ in range(_DECODE_ROUNDS):
+    for _ in range(DECODE_ROUNDS):
         decoded = unquote_to_bytes(raw)
         if decoded == raw:
             break
@@ -424,7 +413,7 @@ def _texts(raw: bytes, charsets: Sequence[str], percent: bool, value: bool = Fal
     query_key decodes it)."""
     texts = [raw.decode("utf-8", "replace")]
     if percent and value:
-        texts = [_decoded(texts[0])]
+        texts = [fully_unquoted(texts[0])]
     for charset in charsets:
         try:
             texts.append((_unquoted_bytes(raw) if percent else raw).decode(charset, "replace"))
@@ -559,7 +548,7 @@ class _NameFilter:
         if any(c not in _IDENTITY for c in charsets):
             return None
         # A charset's text is percent-decoded again by query_key: twice the rounds.
-        return cls(2 * _DECODE_ROUNDS if charsets else _DECODE_ROUNDS, b"".join(_IDENTITY[c] for c in charsets),
+        return cls(2 * DECODE_ROUNDS if charsets else DECODE_ROUNDS, b"".join(_IDENTITY[c] for c in charsets),
                    loose=any(c in _DOUBLE_BYTE for c in charsets))
 
     def candidates(self, fields: bytes) -> list[int]:

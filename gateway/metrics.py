@@ -59,6 +59,13 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir") or None
 
 
+def _known(value: Any, known: frozenset[str]) -> str:
+    """A label value from a bounded set, so no input can create a new time series."""
+    if value is None:
+        return NONE
+    return value if isinstance(value, str) and value in known else OTHER
+
+
 class GatewayMetrics:
     """All gateway metrics, in a registry of their own (so several gateways can live in one process)."""
 
@@ -194,21 +201,15 @@ class GatewayMetrics:
 
     @staticmethod
     def reason_label(reason: Any) -> str:
-        if reason is None:
-            return NONE
-        return reason if isinstance(reason, str) and reason in REASONS else OTHER
+        return _known(reason, REASONS)
 
     @staticmethod
     def decision_label(decision: Any) -> str:
-        if decision is None:
-            return NONE
-        return decision if decision in DECISIONS else OTHER
+        return _known(decision, DECISIONS)
 
     @staticmethod
     def mode_label(mode: Any) -> str:
-        if mode is None:
-            return NONE
-        return mode if mode in MODES else OTHER
+        return _known(mode, MODES)
 
     # --- feeds ---------------------------------------------------------------------------------
 
