@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 from tests.conftest import policy_text
 from tests.support.gateway import GatewayProcess, free_port
+from tests.support.tcp_origin import TcpOrigin, read_head
 
 TIMEOUT = 3.0  # refusals must arrive well within this
 
@@ -504,55 +506,33 @@ class H2Client:
 # a hostile upstream
 
 
-class ScriptedUpstream:
-    """A plain TCP server that answers every request head it reads with fixed bytes.
+class ScriptedUpstream(TcpOrigin):
+    """A plain TCP server that answers every connection's first request head with fixed bytes,
+    holds the connection for `HOLD` seconds (the peer reads the answer at its own pace), then closes.
 
     Used for upstream misbehaviour the recording servers never show, such as an unsolicited
     `101 Switching Protocols` followed by raw bytes."""
 
+    timeout = 5.0
+    HOLD = 1.0
+
     def __init__(self, host: str, answer: bytes, port: int = 0):
-        import threading
-
         self.answer = answer
-        self.connections = 0
-        self.heads: list[bytes] = []
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(16)
-        self.host, self.port = self._sock.getsockname()[:2]
-        self._stopped = False
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self._held = threading.Event()  # set by stop(): a held connection closes at once
+        super().__init__(host, port)
 
-    def _serve(self) -> None:
-        import threading
+    @property
+    def heads(self) -> list[bytes]:
+        return self.recorder.entries
 
-        while not self._stopped:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
-
-    def _handle(self, client: socket.socket) -> None:
-        client.settimeout(5)
-        data = b""
-        try:
-            while b"\r\n\r\n" not in data:
-                chunk = client.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            self.heads.append(data.split(b"\r\n\r\n", 1)[0])
-            client.sendall(self.answer)
-            time.sleep(1.0)
-        except OSError:
-            pass
-        finally:
-            client.close()
+    def handle(self, conn: socket.socket, number: int) -> None:
+        got = read_head(conn)
+        if got is None:
+            return
+        self.recorder.add(got[0])
+        conn.sendall(self.answer)
+        self._held.wait(self.HOLD)  # a hold window, not a synchronisation
 
     def stop(self) -> None:
-        self._stopped = True
-        self._sock.close()
+        self._held.set()
+        super().stop()

@@ -197,11 +197,7 @@ class RedTeam:
     def reset(self) -> None:
         self.upstreams.reset()
         for server in self.servers.values():
-            if hasattr(server, "reset"):
-                server.reset()
-            else:  # ScriptedUpstream
-                server.connections = 0
-                server.heads.clear()
+            server.reset()
 
 
 @pytest.fixture(scope="session")

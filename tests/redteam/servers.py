@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import socket
-import ssl
-import threading
 from pathlib import Path
 
 from cryptography import x509
@@ -21,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tests.support.pki import TestPKI
+from tests.support.tcp_origin import TcpOrigin, read_head, server_tls
 from tests.support.upstream import RecordingUpstream
 
 
@@ -73,7 +71,7 @@ def bad_tls_upstream(pki: TestPKI, kind: str, name: str, address: str) -> Record
     return RecordingUpstream(name, address, 443, cert, key)
 
 
-class ReflectingUpstream:
+class ReflectingUpstream(TcpOrigin):
     """TLS on address:443. Reads a request head, takes the credential from `Authorization:
     Bearer X` and answers by path:
 
@@ -83,58 +81,31 @@ class ReflectingUpstream:
     - anything else   200 "ok"
     """
 
+    timeout = 5.0
+
     def __init__(self, name: str, host: str, cert: Path, key: Path, port: int = 443):
-        self.name, self.host, self.port = name, host, port
-        self.connections = 0
-        self.heads: list[bytes] = []
-        self._lock = threading.Lock()
-        self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self._tls.load_cert_chain(str(cert), str(key))
-        self._tls.set_alpn_protocols(["http/1.1"])
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(16)
-        self._stopped = False
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.name = name
+        super().__init__(host, port, server_tls(cert, key, ["http/1.1"]))
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    @property
+    def heads(self) -> list[bytes]:
+        return self.recorder.entries
 
-    def _handle(self, raw: socket.socket) -> None:
-        raw.settimeout(5)
-        try:
-            with self._tls.wrap_socket(raw, server_side=True) as tls:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = tls.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head = data.split(b"\r\n\r\n", 1)[0]
-                with self._lock:
-                    self.heads.append(head)
-                lines = head.decode("latin-1").split("\r\n")
-                path = lines[0].split(" ")[1]
-                token = "no-token"
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "authorization":
-                        token = value.strip().split(" ", 1)[-1]
-                tls.sendall(self.answer(path, token))
-                try:
-                    tls.recv(1)  # let the gateway read everything before we close
-                except OSError:
-                    pass
-        except (OSError, ssl.SSLError):
-            pass
+    def handle(self, tls, number: int) -> None:
+        got = read_head(tls)
+        if got is None:
+            return
+        head = got[0]
+        self.recorder.add(head)
+        lines = head.decode("latin-1").split("\r\n")
+        path = lines[0].split(" ")[1]
+        token = "no-token"
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "authorization":
+                token = value.strip().split(" ", 1)[-1]
+        tls.sendall(self.answer(path, token))
+        tls.recv(1)  # let the gateway read everything before we close
 
     @staticmethod
     def answer(path: str, token: str) -> bytes:
@@ -158,16 +129,3 @@ class ReflectingUpstream:
     @property
     def requests(self) -> list[bytes]:
         return self.heads
-
-    def reset(self) -> None:
-        with self._lock:
-            self.connections = 0
-            self.heads.clear()
-
-    def stop(self) -> None:
-        self._stopped = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()

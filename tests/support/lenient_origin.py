@@ -21,9 +21,10 @@ Scripted paths misbehave on purpose:
 from __future__ import annotations
 
 import socket
-import ssl
-import threading
 from dataclasses import dataclass
+
+from tests.support.recorder import WAIT
+from tests.support.tcp_origin import TcpOrigin, server_tls
 
 IGNORED_BODY_METHODS = {"GET", "HEAD", "OPTIONS", "DELETE"}
 
@@ -37,131 +38,90 @@ class Executed:
     headers: dict[str, str]
 
 
-class LenientOrigin:
+class LenientOrigin(TcpOrigin):
+    timeout = 10.0
+
     def __init__(self, address: str, port: int, cert=None, key=None):
-        self.executed: list[Executed] = []
-        self.answered = 0  # responses sent, 400s to garbage included
-        self.connections = 0
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._tls = None
-        if cert is not None:
-            self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            self._tls.load_cert_chain(str(cert), str(key))
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((address, port))
-        self._sock.listen(32)
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(address, port, server_tls(cert, key) if cert is not None else None)
 
-    def reset(self) -> None:
-        with self._lock:
-            self.executed.clear()
-            self.connections = 0
+    @property
+    def executed(self) -> list[Executed]:
+        return self.recorder.entries
 
-    def wait_for(self, count: int, timeout: float = 10.0) -> list[Executed]:
+    @property
+    def answered(self) -> int:  # responses sent, 400s to garbage included
+        return self.recorder.get("answered")
+
+    def wait_for(self, count: int, timeout: float = WAIT) -> list[Executed]:
         """The executed requests, once there are at least `count` (or the timeout passed)."""
-        with self._changed:
-            self._changed.wait_for(lambda: len(self.executed) >= count, timeout)
-            return list(self.executed)
+        self.recorder.wait_count(count, timeout=timeout)
+        return self.executed
 
-    def wait_answered(self, count: int, timeout: float = 10.0) -> int:
-        with self._changed:
-            self._changed.wait_for(lambda: self.answered >= count, timeout)
-            return self.answered
+    def wait_answered(self, count: int, timeout: float = WAIT) -> int:
+        self.recorder.wait_count(count, "answered", timeout)
+        return self.answered
 
     def _answer(self, conn, data: bytes) -> None:
         conn.sendall(data)
-        with self._changed:
-            self.answered += 1
-            self._changed.notify_all()
+        self.recorder.count("answered")
 
-    def stop(self) -> None:
-        self._sock.close()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self._sock.accept()
-            except (ConnectionAbortedError, InterruptedError):
-                continue  # that one connection only (tests/support/watched.py accept_forever)
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-                number = self.connections
-            threading.Thread(target=self._handle, args=(client, number), daemon=True).start()
-
-    def _handle(self, raw: socket.socket, number: int) -> None:
-        raw.settimeout(10)
-        try:
-            conn = self._tls.wrap_socket(raw, server_side=True) if self._tls else raw
-        except (OSError, ssl.SSLError):
-            raw.close()
-            return
+    def handle(self, conn: socket.socket, number: int) -> None:
         buf = b""
         eof = False
         ignored = False  # the last request's body was left unread, in `buf`
-        try:
-            while True:
-                if ignored and buf and not eof:
-                    # Leftovers of the last request (a body it ignored) are acted on only once more
-                    # bytes arrive or the peer closes: the timing a desync attack aims for, made
-                    # deterministic. A proxy that reuses this connection gets the leftovers' answer.
-                    chunk = conn.recv(65536)
-                    eof = not chunk
-                    buf += chunk
-                ignored = False
-                while b"\r\n\r\n" not in buf:
-                    if eof:
-                        return
+        while True:
+            if ignored and buf and not eof:
+                # Leftovers of the last request (a body it ignored) are acted on only once more
+                # bytes arrive or the peer closes: the timing a desync attack aims for, made
+                # deterministic. A proxy that reuses this connection gets the leftovers' answer.
+                chunk = conn.recv(65536)
+                eof = not chunk
+                buf += chunk
+            ignored = False
+            while b"\r\n\r\n" not in buf:
+                if eof:
+                    return
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ")
+            if len(parts) != 3:
+                self._answer(conn, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                continue
+            method, path, _ = parts
+            fields = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                fields[name.strip().lower()] = value.strip()
+            self.recorder.add(Executed(number, method, path, fields.get("host"), fields))
+            if path == "/close":
+                return
+            if path == "/continue-then-close":
+                conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                return
+            if path == "/early-close":
+                self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
+                return
+            if path == "/early":
+                self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
+                ignored = True
+                continue  # the body, unread, is "the next request"
+            if method in IGNORED_BODY_METHODS or path.startswith("/static/"):
+                ignored = True
+            else:
+                length = int(fields.get("content-length", "0") or 0)
+                while len(buf) < length:
                     chunk = conn.recv(65536)
                     if not chunk:
                         return
                     buf += chunk
-                head, buf = buf.split(b"\r\n\r\n", 1)
-                lines = head.decode("latin-1").split("\r\n")
-                parts = lines[0].split(" ")
-                if len(parts) != 3:
-                    self._answer(conn, b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-                    continue
-                method, path, _ = parts
-                fields = {}
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    fields[name.strip().lower()] = value.strip()
-                with self._changed:
-                    self.executed.append(Executed(number, method, path, fields.get("host"), fields))
-                    self._changed.notify_all()
-                if path == "/close":
-                    return
-                if path == "/continue-then-close":
-                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    return
-                if path == "/early-close":
-                    self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
-                    return
-                if path == "/early":
-                    self._answer(conn, b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 4\r\n\r\nnope")
-                    ignored = True
-                    continue  # the body, unread, is "the next request"
-                if method in IGNORED_BODY_METHODS or path.startswith("/static/"):
-                    ignored = True
-                else:
-                    length = int(fields.get("content-length", "0") or 0)
-                    while len(buf) < length:
-                        chunk = conn.recv(65536)
-                        if not chunk:
-                            return
-                        buf += chunk
-                    buf = buf[length:]
-                if path.startswith("/interim/"):
-                    for _ in range(int(path.rsplit("/", 1)[1])):
-                        conn.sendall(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n")
-                body = f"{method} {fields.get('host')} {path}".encode()
-                self._answer(conn, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(body), body if method != "HEAD" else b""))
-        except (OSError, ssl.SSLError, ValueError):
-            pass
-        finally:
-            conn.close()
+                buf = buf[length:]
+            if path.startswith("/interim/"):
+                for _ in range(int(path.rsplit("/", 1)[1])):
+                    conn.sendall(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n")
+            body = f"{method} {fields.get('host')} {path}".encode()
+            self._answer(conn, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body if method != "HEAD" else b""))

@@ -15,35 +15,14 @@ it (`wait_closed`), never sleep.
 from __future__ import annotations
 
 import contextlib
-import errno
 import socket
 import ssl
 import threading
-import time
 from pathlib import Path
 
+from tests.support.tcp_origin import accept_forever  # noqa: F401  (imported from here too)
+
 WAIT = 10.0
-
-
-def accept_forever(sock: socket.socket, handle, stopped) -> None:
-    """Accept connections on `sock` until it is closed (or `stopped()`), each handed to
-    `handle(conn, addr)` on a thread of its own. An accept that fails for one connection (reset
-    while it waited in the backlog: ECONNABORTED; EMFILE for a moment) skips it: a loop that ended
-    there (the `websockets` server's own does) left the socket listening, the kernel completing
-    handshakes nobody read, and every later test's upstream TLS handshake hung (a CI run: a
-    WebSocket through the gateway never got its 101)."""
-    while not stopped():
-        try:
-            conn, addr = sock.accept()
-        except (ConnectionAbortedError, InterruptedError):
-            continue
-        except OSError as exc:
-            if stopped() or sock.fileno() < 0 or exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
-                                                                    errno.ENOMEM):
-                return
-            time.sleep(0.01)  # out of descriptors or memory for a moment: the connection waits in the backlog
-            continue
-        threading.Thread(target=handle, args=(conn, addr), daemon=True).start()
 
 
 class _Watch:
