@@ -487,7 +487,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @dataclass
 class TransparentNet:
-    """Gateway + internet namespaces (tests/transparent/topology.py's Topology, with names of its own:
+    """Gateway + internet namespaces (tests/support/topology.py's Topology, with names of its own:
     egb<tag>g, egb<tag>i) and one sandbox per proxy built by docker/sandbox-net.sh with GATEWAY_NS."""
 
     topology: object
@@ -497,7 +497,7 @@ class TransparentNet:
     def new(cls) -> "TransparentNet":
         """Names only; `build` creates the namespaces (keep the object first, so that a half-built
         network is still destroyed)."""
-        from tests.transparent.topology import Topology
+        from tests.support.topology import Topology
 
         topology = Topology(None)  # its PKI is only for the tests' upstreams: not used here
         # Names distinct from the tests' (egt...), so that a stray namespace is recognisably the benchmark's.
@@ -512,7 +512,7 @@ class TransparentNet:
         self.topology.check_closed()
 
     def add_sandbox(self, role: str):
-        from tests.transparent.topology import ETC_NETNS, Sandbox
+        from tests.support.topology import ETC_NETNS, Sandbox
 
         t = self.topology
         index = TRANSPARENT_SANDBOX_INDEX[role]
@@ -534,7 +534,7 @@ class TransparentNet:
 
 
 def transparent_unavailable() -> str | None:
-    from tests.transparent.topology import unavailable_reason
+    from tests.support.topology import unavailable_reason
 
     return unavailable_reason()
 

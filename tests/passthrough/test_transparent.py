@@ -1,7 +1,7 @@
 """Passthrough in transparent mode: the address is always the gateway's own resolution of the SNI's
 name, never the IP the sandbox dialled.
 
-A closed network of its own, built with tests/transparent/topology.py (the same helpers and the same
+A closed network of its own, built with tests/support/topology.py (the same helpers and the same
 docker/sandbox-net.sh as tests/transparent): sandbox namespaces whose TCP 443 is redirected to a
 gateway in the gateway namespace, and an "internet" namespace holding
 
@@ -26,7 +26,7 @@ import pytest
 from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
 from tests.transparent.clients import client_hello, curl, read_tls_record
-from tests.transparent.topology import Sandbox, Topology, dns_query, unavailable_reason
+from tests.support.topology import Sandbox, Topology, dns_query, unavailable_reason
 
 pytestmark = pytest.mark.netns
 

@@ -10,7 +10,7 @@ import pytest
 from tests.e2e.helpers import (
     H2Client, assert_refused, connect_proxy, get, start_tls, tls_tunnel, tunnel,
 )
-from tests.transparent.topology import ALLOWED
+from tests.support.topology import ALLOWED
 
 from .common import attack, nothing_reached
 

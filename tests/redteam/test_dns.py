@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests.e2e.helpers import Conn, connect_proxy, get, start_tls, tunnel
-from tests.transparent.topology import ALLOWED, dns_query_packet
+from tests.support.topology import ALLOWED, dns_query_packet
 
 from .common import attack
 from .world import HOSTS_FILE_REBIND, METADATA, RESOLVER
@@ -170,7 +170,7 @@ def test_explicit_connect_to_a_dot_resolver(world):
 
 def test_dns_over_tcp_to_an_outside_resolver_is_answered_by_the_gateway(world):
     """tcp/53 to the resolver's address is redirected to the gateway's DNS listener."""
-    from tests.transparent.topology import dns_query
+    from tests.support.topology import dns_query
 
     reply = dns_query(world.topology, world.sandbox.ns, RESOLVER, SECRET, "A", tcp=True)
     assert reply is None or (reply.rcode in ("NXDOMAIN", "REFUSED") and reply.answers == [])

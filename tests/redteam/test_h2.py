@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.helpers import Conn, H2Client, start_tls, tls_tunnel
-from tests.transparent.topology import ALLOWED
+from tests.support.topology import ALLOWED
 
 from .common import attack, nothing_reached
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.helpers import Conn, build_request, connect_proxy, tls_tunnel, tunnel
-from tests.transparent.topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 from .common import attack, nothing_reached
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.helpers import TIMEOUT, Conn, assert_refused, connect_proxy, start_tls, tls_tunnel, tunnel
 from tests.transparent.clients import client_hello, wait_closed
-from tests.transparent.topology import ALLOWED, OTHER, TCP_HOST
+from tests.support.topology import ALLOWED, OTHER, TCP_HOST
 
 from .common import attack, nothing_reached
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.helpers import Conn, H2Client, assert_refused, connect_proxy, get, start_tls, tls_tunnel, tunnel
-from tests.transparent.topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 from .common import attack, nothing_reached
 

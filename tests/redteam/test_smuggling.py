@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.e2e.helpers import TIMEOUT, Conn, connect_proxy, tls_tunnel
-from tests.transparent.topology import ALLOWED
+from tests.support.topology import ALLOWED
 
 from .common import attack, nothing_reached
 

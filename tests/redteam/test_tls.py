@@ -10,7 +10,7 @@ import pytest
 from tests.credentials.clients import assert_no_leak, response_bytes
 from tests.e2e.helpers import Conn, H2Client, assert_refused, audit_for, get, start_tls, tls_tunnel, tunnel
 from tests.transparent.clients import client_hello, ech_outer_extension, read_tls_record
-from tests.transparent.topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 from .common import attack, nothing_reached
 from .tlsfrag import FragmentedTLS

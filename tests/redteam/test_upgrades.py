@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.e2e.helpers import Conn, assert_refused, build_request, connect_proxy, tls_tunnel, tunnel
-from tests.transparent.topology import ALLOWED
+from tests.support.topology import ALLOWED
 
 from .common import attack, nothing_reached
 

@@ -1,5 +1,5 @@
 """The closed namespace network for attacks that name non-loopback addresses or need transparent
-mode: tests.transparent.topology (sandbox built by docker/sandbox-net.sh, a gateway namespace, an
+mode: tests.support.topology (sandbox built by docker/sandbox-net.sh, a gateway namespace, an
 "internet" namespace with recorders on every address), with ONE sandbox and ONE gateway that
 listens three ways inside the gateway namespace:
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
-from tests.transparent.topology import (
+from tests.support.topology import (
     ALLOWED, ETC_NETNS, HOSTS, OTHER, TCP_HOST, TRAP_RESOLVER, Sandbox, Topology, dns_query, unavailable_reason,
 )
 

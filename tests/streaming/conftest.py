@@ -291,7 +291,7 @@ def sandboxed(pki, routes) -> Sandboxed:
     """A sandbox namespace whose TCP 80/443 is redirected (docker/sandbox-net.sh) to a transparent
     gateway in the gateway namespace, and the origins in the internet namespace."""
     from tests.transparent.conftest import NamespacedGateway
-    from tests.transparent.topology import Topology, unavailable_reason
+    from tests.support.topology import Topology, unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -4,7 +4,7 @@ and the origins live in the test's "internet" namespace. The clients are sockets
 sandbox namespace, dialling the origin's own address.
 
 Needs root and `ip netns` (skips otherwise); everything runs in namespaces with no route off the
-machine (tests/transparent/topology.py checks it).
+machine (tests/support/topology.py checks it).
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.netns.lab import Reply, read_response
-
-from .topology import Sandbox, Topology
+from tests.support.topology import Sandbox, Topology
 
 PYTHON = sys.executable
 

@@ -1,4 +1,4 @@
-"""Fixtures for the transparent/DNS-mode tests: one closed network per session (see topology.py),
+"""Fixtures for the transparent/DNS-mode tests: one closed network per session (see tests/support/topology.py),
 eight sandboxes built by docker/sandbox-net.sh, and six gateways in the gateway namespace.
 
     sandbox  gateway  policy
@@ -33,8 +33,7 @@ import pytest
 
 from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
-
-from .topology import (
+from tests.support.topology import (
     ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Sandbox, Topology, dns_query,
     unavailable_reason,
 )

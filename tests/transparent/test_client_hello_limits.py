@@ -10,7 +10,7 @@ import time
 import pytest
 
 from .clients import client_hello, wait_closed
-from .topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 pytestmark = pytest.mark.netns
 

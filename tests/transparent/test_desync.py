@@ -8,7 +8,7 @@ import ssl
 import pytest
 
 from .clients import read_response
-from .topology import ALLOWED
+from tests.support.topology import ALLOWED
 
 pytestmark = pytest.mark.netns
 

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from .clients import PYTHON
-from .topology import ALLOWED, TRAP_RESOLVER, dns_query
+from tests.support.topology import ALLOWED, TRAP_RESOLVER, dns_query
 
 pytestmark = pytest.mark.netns
 

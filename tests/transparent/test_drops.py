@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from .topology import ALLOWED, OTHER, PUBLIC_V6, dns_query, dns_query_packet, icmp_echo, ip, run
+from tests.support.topology import ALLOWED, OTHER, PUBLIC_V6, dns_query, dns_query_packet, icmp_echo, ip, run
 
 pytestmark = pytest.mark.netns
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from .clients import client_hello, read_tls_record, tlslite_with_ech
-from .topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 pytestmark = pytest.mark.netns
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from .clients import curl, python_get, tls_get
-from .topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 pytestmark = pytest.mark.netns
 

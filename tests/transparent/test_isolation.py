@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from .clients import curl, http_exchange, http_request
-from .topology import ALLOWED, OTHER, TcpRecorder, UdpRecorder, dns_query_packet, ip
+from tests.support.topology import ALLOWED, OTHER, TcpRecorder, UdpRecorder, dns_query_packet, ip
 
 pytestmark = pytest.mark.netns
 

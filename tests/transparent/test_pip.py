@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from .clients import PYTHON
-from .topology import PYPI
+from tests.support.topology import PYPI
 
 pytestmark = pytest.mark.netns
 

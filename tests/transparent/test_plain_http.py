@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from .clients import curl, http_exchange, http_request
-from .topology import ALLOWED, OTHER
+from tests.support.topology import ALLOWED, OTHER
 
 pytestmark = pytest.mark.netns
 

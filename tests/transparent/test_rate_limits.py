@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from .clients import curl, http_exchange, http_request, wait_closed
-from .topology import ALLOWED, TCP_HOST
+from tests.support.topology import ALLOWED, TCP_HOST
 
 pytestmark = pytest.mark.netns
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from .clients import client_hello, read_tls_record, wait_closed
-from .topology import ALLOWED, OTHER, TCP_HOST, TCP_NAMED, dns_query
+from tests.support.topology import ALLOWED, OTHER, TCP_HOST, TCP_NAMED, dns_query
 
 pytestmark = pytest.mark.netns
 

@@ -15,7 +15,7 @@ import pytest
 
 from .clients import tls_get
 from .test_raw_tcp import SSH_BANNER
-from .topology import ALLOWED, OTHER, TCP_HOST
+from tests.support.topology import ALLOWED, OTHER, TCP_HOST
 
 pytestmark = pytest.mark.netns
 

@@ -11,7 +11,7 @@ import pytest
 from tests.netns.lab import read_response
 
 from .clients import curl, http_exchange, http_request
-from .topology import ALLOWED
+from tests.support.topology import ALLOWED
 
 pytestmark = pytest.mark.netns
 

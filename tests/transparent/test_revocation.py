@@ -19,7 +19,7 @@ from tests.netns.lab import read_response
 
 from .clients import http_request, wait_closed
 from .conftest import REVOKE_POLICY
-from .topology import ALLOWED, OTHER, TCP_HOST
+from tests.support.topology import ALLOWED, OTHER, TCP_HOST
 
 pytestmark = pytest.mark.netns
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from .clients import curl, http_exchange, http_request
-from .topology import ALLOWED, OTHER, dns_query
+from tests.support.topology import ALLOWED, OTHER, dns_query
 
 pytestmark = pytest.mark.netns
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .topology import SANDBOX_NET_SH, run
+from tests.support.topology import SANDBOX_NET_SH, run
 
 pytestmark = pytest.mark.netns
 

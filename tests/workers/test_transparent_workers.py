@@ -1,6 +1,6 @@
 """Transparent mode and DNS mode with `--workers 2`, end to end in a closed network.
 
-The network is tests/transparent's (topology.py): a sandbox namespace built by docker/sandbox-net.sh
+The network is tests/transparent's (tests/support/topology.py): a sandbox namespace built by docker/sandbox-net.sh
 whose TCP 80/443 is redirected by iptables REDIRECT to the gateway's transparent port and whose
 DNS goes to the gateway's dns@ port; the gateway (a supervisor and two workers) runs in a gateway
 namespace; real upstreams run in an "internet" namespace:
@@ -37,7 +37,7 @@ import pytest
 from tests.netns.lab import read_response
 from tests.support.pki import TestPKI
 from tests.transparent.clients import curl, http_exchange, http_request
-from tests.transparent.topology import (
+from tests.support.topology import (
     ALLOWED, OTHER, TRAP_RESOLVER, Sandbox, Topology, dns_query, unavailable_reason,
 )
 

@@ -1,4 +1,4 @@
-"""A closed three-namespace network for the transparent- and DNS-mode tests.
+"""A closed three-namespace network for the transparent- and DNS-mode tests (and bench/'s transparent group).
 
     [sandbox ns SB*]  built by docker/sandbox-net.sh (the documented script, run with GATEWAY_NS set)
         eth0 10.203.K.2/24, default route via 10.203.K.1, resolv.conf -> 10.203.K.1, IPv6 off
