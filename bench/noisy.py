@@ -35,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import process_tree, set_affinity  # noqa: E402  (bench/run.py)
+from lib.processes import set_affinity  # noqa: E402  (bench/lib)
+from lib.procfs import process_tree  # noqa: E402
 from tests.support import noisy  # noqa: E402
 
 BLOCK = "127.250.0"  # outside the blocks test sessions take (127.20-219.0.0/24)

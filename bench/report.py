@@ -242,9 +242,9 @@ def build_document(meta: dict, raw: dict, idle: dict, policy: dict | None, sse: 
            "policy": policy, "streaming": sse, "raw": raw}
     doc["targets"] = targets(doc)
     if sse:
-        import streaming  # bench/streaming.py: the streaming group's targets
+        from lib import sse_report  # bench/lib/sse_report.py: the streaming group's targets
 
-        doc["targets"] += streaming.targets(sse)
+        doc["targets"] += sse_report.targets(sse)
     return doc
 
 
@@ -294,9 +294,9 @@ def build_markdown(doc: dict) -> str:
     if doc.get("policy"):
         L += _policy_table(doc["policy"])
     if doc.get("streaming"):
-        import streaming  # bench/streaming.py
+        from lib import sse_report  # bench/lib/sse_report.py
 
-        L += streaming.markdown(doc["streaming"])
+        L += sse_report.markdown(doc["streaming"])
     L += _noise(doc)
     if meta.get("skipped"):
         L.append("Skipped configurations:")
