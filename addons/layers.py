@@ -528,6 +528,7 @@ class GatewayHttp2Server(Http2Server):
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self._flush_wakeup: commands.RequestWakeup | None = None
         self._backlog: deque = deque()  # h2 events parsed and not handled yet, in order
+        self._backlog_bytes = 0  # the DATA those events carry (charged with the pending frames)
         self._backlog_wakeup: commands.RequestWakeup | None = None
         self._block_wakeup: commands.RequestWakeup | None = None  # the deadline of an unfinished header block
         self._block_due = 0.0  # when that wakeup fires (monotonic)
@@ -554,12 +555,13 @@ class GatewayHttp2Server(Http2Server):
                 self._backlog_wakeup = None
                 yield from self._tracked(self._run_backlog())
                 h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
+                self._charge_pending_frames()  # (only less is held now: what the step handled is released)
             elif event.command is self._block_wakeup:
                 self._block_wakeup = None
                 yield from self._block_deadline()
             return
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
-            self._backlog.clear()  # what the client sent before it closed: its streams fail with it
+            self._drop_backlog()  # what the client sent before it closed: its streams fail with it
         yield from self._handle(event)
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             h2_backpressure.release(self.context.client)
@@ -585,15 +587,21 @@ class GatewayHttp2Server(Http2Server):
         self._block_wakeup = commands.RequestWakeup(wait)
         yield self._block_wakeup
 
+    def _pending_bytes(self) -> int:
+        return self.h2_conn.incoming_buffer.pending_bytes + self._backlog_bytes
+
     def _charge_pending_frames(self) -> bool:
         """The bytes of an incomplete frame and of an unfinished header block are buffered here
-        until they are whole (up to the frame size, 128 KiB, per connection): charged to the
-        connection's and the sandbox's buffer budget like a body (review 12: 300 connections each
-        holding a partial frame took 75 MiB past an 8 MiB sandbox budget). False: over budget."""
+        until they are whole (up to the frame size, 128 KiB, per connection), and the DATA of
+        frames parsed but still in the backlog until their turn (the gateway's windows do not
+        bound it: it advertises 2 GiB, as mitmproxy does; a read of 100 HEADERS and the reads of
+        DATA behind them held ~800 KiB uncharged): charged to the connection's and the sandbox's
+        buffer budget like a body (review 12: 300 connections each holding a partial frame took
+        75 MiB past an 8 MiB sandbox budget). False: over budget."""
         account = self._frames_account
         if account is None:
             return True
-        pending = self.h2_conn.incoming_buffer.pending_bytes
+        pending = self._pending_bytes()
         if pending < account.held:
             account.release(account.held - pending)
         elif pending > account.held:
@@ -601,11 +609,13 @@ class GatewayHttp2Server(Http2Server):
         return True
 
     def _over_budget(self) -> layer.CommandGenerator[None]:
-        pending = self.h2_conn.incoming_buffer.pending_bytes
+        pending = self._pending_bytes()
+        self._drop_backlog()  # (not acted on: the GOAWAY's last stream id says so)
         self.h2_conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         yield from self._goaway(Decision.deny(
-            "buffer_budget", f"an incomplete HTTP/2 frame or header block of {pending} bytes would pass the "
-                             f"connection's or the sandbox's buffer budget; the connection was closed (GOAWAY)"),
+            "buffer_budget", f"HTTP/2 frames received and not handled yet ({pending} bytes: an incomplete frame or "
+                             f"header block, DATA waiting its turn) would pass the connection's or the sandbox's "
+                             f"buffer budget; the connection was closed (GOAWAY)"),
             bytes=pending)
 
     def _pending_wait(self) -> float | None:
@@ -843,6 +853,8 @@ class GatewayHttp2Server(Http2Server):
                 or (isinstance(event, events.ConnectionClosed) and event.connection is self.conn)):
             self._linger = None
             h2_backpressure.release(self.context.client)
+            if self._frames_account is not None:  # (the budget addon also drops it when the client is gone)
+                self._frames_account.close()
             yield commands.CloseConnection(self.conn)
 
     # --- answers in the gateway's format --------------------------------------------------------
@@ -902,10 +914,15 @@ class GatewayHttp2Server(Http2Server):
             # handled at once, ahead of what the backlog holds. Queued behind it, its GOAWAY went
             # out with the backlog's next step, the client closed, and the close dropped the
             # backlog with the flood in it: no reset_flood line (tests/load, a busy machine).
-            self._backlog.clear()
+            self._drop_backlog()
             parsed = [e]
         self._backlog.extend(parsed)
+        self._backlog_bytes += sum(len(e.data) for e in parsed if isinstance(e, h2.events.DataReceived))
         yield from self._run_backlog()
+
+    def _drop_backlog(self) -> None:
+        self._backlog.clear()
+        self._backlog_bytes = 0
 
     def _run_backlog(self) -> layer.CommandGenerator[None]:
         """Handle the backlog's events in order until STREAMS_PER_STEP requests were opened, or one
@@ -916,8 +933,10 @@ class GatewayHttp2Server(Http2Server):
         began = time.perf_counter()
         while self._backlog:
             h2_event = self._backlog.popleft()
+            if isinstance(h2_event, h2.events.DataReceived):
+                self._backlog_bytes -= len(h2_event.data)
             if (yield from self.handle_h2_event(h2_event)):
-                self._backlog.clear()
+                self._drop_backlog()
                 return
             if isinstance(h2_event, h2.events.RequestReceived):
                 opened += 1

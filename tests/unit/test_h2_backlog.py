@@ -27,8 +27,16 @@ def _server():
         options = tctx.options
     client = Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2), timestamp_start=0)
     layer = GatewayHttp2Server(Context(client, options), lambda *args, **kwargs: None)
-    list(layer.handle_event(events.Start()))
+    layer.preface = b"".join(c.data for c in layer.handle_event(events.Start()) if hasattr(c, "data"))
     return layer, client
+
+
+def _client(layer) -> h2.connection.H2Connection:
+    """A client that has read the gateway's SETTINGS and window (2 GiB), so it may send as much."""
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    h2c.initiate_connection()
+    h2c.receive_data(layer.preface)
+    return h2c
 
 
 def _opened(commands) -> list[int]:
@@ -215,3 +223,75 @@ def test_a_flood_s_goaway_names_the_last_stream_handled_not_the_last_parsed(wait
     assert ends[0].last_stream_id == max(handled, default=0)
     if drained:
         assert len(handled) == waiting
+
+
+def _opened_without_end(h2c, count: int) -> list[int]:
+    headers = [(":method", "POST"), (":scheme", "https"), (":authority", "a.test"), (":path", "/")]
+    ids = []
+    for _ in range(count):
+        ids.append(h2c.get_next_available_stream_id())
+        h2c.send_headers(ids[-1], headers, end_stream=False)
+    return ids
+
+
+@settings(deadline=None, max_examples=20)
+@given(st.integers(min_value=STEP + 1, max_value=90), st.integers(min_value=1, max_value=12),
+       st.integers(min_value=1, max_value=16_000))
+def test_the_data_waiting_in_the_backlog_is_charged_to_the_buffer_budget(streams, reads, size):
+    """The gateway advertises 2 GiB windows (as mitmproxy does), so flow control does not bound
+    what waits in the backlog: DATA read behind requests not handled yet. What is charged to the
+    connection's buffer account is, after every event, what the backlog holds plus the partial
+    frame; all of it released once the backlog has run."""
+    import h2.events
+    from mitmproxy.proxy import events
+
+    from gateway.budget import Ledger
+
+    layer, client = _server()
+    ledger = Ledger(per_connection=None, per_sandbox=None)
+    layer._frames_account = account = ledger.account("c", "s")
+    h2c = _client(layer)
+    ids = _opened_without_end(h2c, streams)
+    pending = _wakeups(list(layer.handle_event(events.DataReceived(client, h2c.data_to_send()))))
+    for _ in range(reads):
+        h2c.send_data(ids[-1], b"x" * size)
+        pending += _wakeups(list(layer.handle_event(events.DataReceived(client, h2c.data_to_send()))))
+        waiting = sum(len(e.data) for e in layer._backlog if isinstance(e, h2.events.DataReceived))
+        assert account.held == waiting + layer.h2_conn.incoming_buffer.pending_bytes
+        assert ledger.held(sandbox="s") == account.held
+    while pending:
+        pending = _wakeups(list(layer.handle_event(events.Wakeup(pending.pop(0)))))
+    assert not layer._backlog and account.held == 0
+
+
+def test_data_waiting_in_the_backlog_past_the_budget_ends_the_connection():
+    """Over the connection's (or the sandbox's) buffer budget, the connection ends with GOAWAY
+    ENHANCE_YOUR_CALM, one buffer_budget line, and nothing of the backlog handled after it."""
+    import h2.events
+    from mitmproxy.proxy import commands as mc
+    from mitmproxy.proxy import events
+
+    from gateway.budget import Ledger
+
+    layer, client = _server()
+    refused = []
+    layer.on_refusal = lambda context, decision, *args, **kwargs: refused.append(decision.reason)
+    ledger = Ledger(per_connection=64 * 1024, per_sandbox=None)
+    layer._frames_account = account = ledger.account("c", "s")
+    h2c = _client(layer)
+    ids = _opened_without_end(h2c, 90)
+    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    sent = b""
+    for _ in range(8):
+        if refused:
+            break
+        h2c.send_data(ids[-1], b"x" * 16_000)
+        commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+        sent += b"".join(c.data for c in commands if isinstance(c, mc.SendData))
+    assert refused == ["buffer_budget"]
+    assert not layer._backlog
+    ends = [e for e in h2c.receive_data(sent) if isinstance(e, h2.events.ConnectionTerminated)]
+    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert ends[0].last_stream_id < ids[-1]  # the streams still waiting were not acted on
+    list(layer.handle_event(events.ConnectionClosed(client)))
+    assert account.closed and ledger.held(sandbox="s") == 0
