@@ -35,6 +35,7 @@ from addons.rate_limits import ConnectionRate, DownloadMeter, Limiter, RequestLi
 from addons.decode_pool import DecodePool  # noqa: E402
 from addons.reload import PolicyReloader  # noqa: E402
 from addons.request_guard import RequestGuard  # noqa: E402
+from addons.upgrade_guard import UpgradeGuard  # noqa: E402
 from addons.revocation import Revoker  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
 from addons.streaming import BodyStreaming, Http2Preference  # noqa: E402
@@ -70,6 +71,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
         ReleaseTlsBuffers(),  # idle TLS connections give their buffers back
         RequestGuard(state),
+        UpgradeGuard(state),  # an upstream's 101 to anything but the WebSocket asked for
         DecodePool(),  # a compressed request body's check: its decoder calls on the decode pool
         redactor,
         RequestLimits(limiter),  # decides in RequestGuard (one audit line); then guards the body before BodyStreaming
