@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import failure_logs
 from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
 from tests.support.upstream import RecordingUpstream
@@ -92,9 +93,10 @@ def policy_text(upstreams: Upstreams, rules: str, extra: str = "") -> str:
 
 
 @pytest.fixture
-def start_gateway(tmp_path, pki, upstreams):
+def start_gateway(request, tmp_path, pki, upstreams):
     """start_gateway(rules_yaml, extra="", args=[]) -> a running GatewayProcess; stopped after the test."""
     started: list[GatewayProcess] = []
+    failure_logs.watch(request, started)
 
     def start(rules: str, extra: str = "", args: list[str] | None = None) -> GatewayProcess:
         policy = tmp_path / f"policy{len(started)}.yaml"
@@ -108,3 +110,13 @@ def start_gateway(tmp_path, pki, upstreams):
     yield start
     for gateway in started:
         gateway.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The one failure hook: a failed test's report ends with the log of each gateway it used
+    (what mitmproxy said about it; tests/support/failure_logs.py finds them)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.extend(failure_logs.log_sections(item))

@@ -88,15 +88,3 @@ def _fresh(upstreams, pass_upstreams):
     upstreams.reset()
     pass_upstreams.reset()
     yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """On a failure, attach the end of the gateway's log."""
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed and hasattr(item, "funcargs"):
-        for value in item.funcargs.values():
-            if isinstance(value, GatewayProcess):
-                tail = "\n".join(value.log().splitlines()[-40:])
-                report.sections.append((f"gateway log {value.workdir}", tail))

@@ -301,17 +301,3 @@ def pytest_runtest_call(item):
         if found:
             outcome.force_exception(AssertionError(
                 f"a secret came back to the client ({len(received)} bytes received): {found}"))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """On a failure, attach the end of the gateway logs (what mitmproxy said about the attack)."""
-    outcome = yield
-    report = outcome.get_result()
-    if not report.failed or not hasattr(item, "funcargs"):
-        return
-    for key in ("rt", "world"):
-        state = item.funcargs.get(key)
-        if getattr(state, "gateway", None) is not None:
-            tail = "\n".join(state.gateway.log().splitlines()[-30:])
-            report.sections.append((f"{key} gateway log", tail))

@@ -239,21 +239,6 @@ def gateway(tmp_path_factory, upstreams, pki, origins) -> GatewayProcess:
     process.stop()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """On a failure, attach the end of the gateway's log (what mitmproxy said about the stream)."""
-    outcome = yield
-    report = outcome.get_result()
-    if not report.failed or not hasattr(item, "funcargs"):
-        return
-    for value in item.funcargs.values():
-        gateway = value if isinstance(value, GatewayProcess) else getattr(value, "gateway", None)
-        if isinstance(gateway, GatewayProcess):
-            tail = "\n".join(gateway.log().splitlines()[-30:])
-            report.sections.append((f"gateway log ({gateway.workdir.name})", tail))
-            break
-
-
 # -- transparent mode: a closed namespace network (tests/transparent's topology) -----------------------
 
 # Inside the test namespaces only (no route off the machine): the benchmarking range, exempted from

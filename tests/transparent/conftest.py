@@ -305,22 +305,3 @@ def _fresh_recorders(request):
     if "world" in request.fixturenames or any(name in request.fixturenames for name in SANDBOXES):
         request.getfixturevalue("world").topology.reset()
     yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """On a failure, attach the end of each gateway's log (what mitmproxy said about it)."""
-    outcome = yield
-    report = outcome.get_result()
-    world = item.funcargs.get("world") if hasattr(item, "funcargs") else None
-    if report.failed and world is None and hasattr(item, "funcargs"):
-        site = next((v for v in item.funcargs.values() if isinstance(v, Site)), None)
-        world = site and World(None, {"site": site})
-    if report.failed and world is not None:
-        seen = set()
-        for site in world.sites.values():
-            if id(site.gateway) in seen:
-                continue
-            seen.add(id(site.gateway))
-            tail = "\n".join(site.gateway.log().splitlines()[-25:])
-            report.sections.append((f"gateway log ({site.gateway.workdir.name})", tail))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import BASE_RULES, SlowUpstream, WorkerGateway, log_tail, make_gateway
+from tests.support import failure_logs
+
+from .harness import BASE_RULES, SlowUpstream, WorkerGateway, make_gateway
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +26,7 @@ def slow_upstream(upstreams):
 def worker_gateway(request, tmp_path, upstreams, pki, slow_upstream):
     """worker_gateway(workers=2, rules=BASE_RULES, args=[], expect=None, env={}, prefix=[], metrics=False)."""
     started: list[WorkerGateway] = []
-    request.node.egress_gateways = started
+    failure_logs.watch(request, started)
 
     def start(workers: int | None = 2, rules: str = BASE_RULES, args: list[str] | None = None,
               expect: int | None = None, env: dict | None = None, prefix: list[str] | None = None,
@@ -40,15 +42,3 @@ def worker_gateway(request, tmp_path, upstreams, pki, slow_upstream):
     yield start
     for gateway in started:
         gateway.stop()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """On a failure, attach the end of each gateway's log."""
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed:
-        gateways = list(getattr(item, "egress_gateways", []))
-        gateways += [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, WorkerGateway)]
-        for gateway in gateways:
-            report.sections.append((f"gateway log {gateway.workdir}", log_tail(gateway, 60)))

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.netns.lab import read_response
+from tests.support import failure_logs
 from tests.support.pki import TestPKI
 from tests.transparent.clients import curl, http_exchange, http_request
 from tests.support.topology import (
@@ -216,7 +217,7 @@ def net():
 @pytest.fixture(autouse=True)
 def _fresh(request, net):
     net.topology.reset()
-    request.node.egress_gateways = [net.gateway]  # tests/workers/conftest.py attaches its log on failure
+    failure_logs.watch(request, [net.gateway])  # its log goes with a failure's report
     yield
 
 
