@@ -21,7 +21,8 @@ from gateway.decompress import REQUEST_LIMIT, request_decoder
 from gateway.engine import Engine, Pin, body_override_refusal
 
 from .audit_fields import decision_fields
-from .layers import HOLD_BODY, end_stream
+from .http_stream import HOLD_BODY
+from .layers import end_stream
 from .method_body import BODY_CHECK, BodyOverrideCheck, EmptyBodyCheck, enforced_if_bound
 from .revocation import FACTS
 from .state import GatewayState

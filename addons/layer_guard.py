@@ -34,14 +34,17 @@ from gateway.clienthello import COMPLETE, NEED_MORE, TOO_LARGE, ClientHelloReade
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Pin
 from gateway.hostnames import ip_host
+from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
 from gateway.revocation import Established
 
 from . import passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
-from .layers import (DEFAULT_BODY_IDLE_TIMEOUT, MAX_EMPTY_LINES, TLS_ALERT_HANDSHAKE_FAILURE, BodyLimits, GatewayHttpLayer, GatewayTcpLayer, HoldLayer,
-                     RefusalLayer, TargetFormHttpLayer)
+from .http1_server import MAX_EMPTY_LINES
+from .http_stream import BodyLimits
+from .layers import GatewayHttpLayer, GatewayTcpLayer, TargetFormHttpLayer
 from .options import declare
+from .refusal_layers import TLS_ALERT_HANDSHAKE_FAILURE, HoldLayer, RefusalLayer
 from .state import GatewayState
 
 logger = logging.getLogger("egress")

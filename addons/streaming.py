@@ -22,7 +22,7 @@ from gateway.streaming import Plan, forbidden_trailers, request_streams, respons
 
 from . import h2_backpressure, http1
 from .credentials import BOUND
-from .layers import HOLD_BODY
+from .http_stream import HOLD_BODY
 
 
 def _allowed(flow: http.HTTPFlow) -> bool:

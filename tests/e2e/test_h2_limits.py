@@ -226,7 +226,7 @@ def test_one_read_of_many_streams_is_handled_in_order_across_loop_steps(gateway,
     rest wait in the backlog for a later step of the loop) and resets the last one: every other
     stream is answered and reaches the origin, in order, and the reset one is never decided nor
     sent upstream."""
-    from addons.layers import GatewayHttp2Server
+    from addons.http2_server import GatewayHttp2Server
 
     assert MAX_STREAMS > GatewayHttp2Server.STREAMS_PER_STEP
     with tls_tunnel(gateway, "allowed.test:443", alpn=["h2"]) as conn:

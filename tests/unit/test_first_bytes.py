@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from addons.layer_guard import HTTP, OTHER, WAIT, classify, _no_wait_for_http
-from addons.layers import MAX_EMPTY_LINES
+from addons.http1_server import MAX_EMPTY_LINES
 
 empty_line = st.sampled_from([b"\r\n", b"\n"])
 request_line = st.sampled_from([b"GET http://a.test/ HTTP/1.1\r\n", b"CONNECT a.test:443 HTTP/1.1\r\n",

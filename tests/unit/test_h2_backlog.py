@@ -11,7 +11,7 @@ import h2.errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from addons.layers import GatewayHttp2Server
+from addons.http2_server import GatewayHttp2Server
 
 STEP = GatewayHttp2Server.STREAMS_PER_STEP
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from addons import h2_limits
-from addons.layers import GatewayHttp2Server
+from addons.http2_server import GatewayHttp2Server
 
 LIMIT = h2_limits.DEFAULT_MAX_HEAD_BYTES
 BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"a.test"), (b":path", b"/")]

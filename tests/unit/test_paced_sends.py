@@ -10,7 +10,7 @@ from mitmproxy.proxy.layers.http import SendHttp
 from mitmproxy.proxy.layers.http._events import RequestData, ResponseData, ResponseEndOfMessage
 from mitmproxy.test import tflow
 
-from addons import layers
+from addons import http_stream
 from addons.fair_share import EgressPaceHook
 
 
@@ -41,12 +41,12 @@ def _commands(body: bytes, kind=ResponseData):
         yield SendHttp(ResponseEndOfMessage(1), conn)
         return "done"
 
-    out, result = _drive(layers.paced_sends(inner(), _Stream()))
+    out, result = _drive(http_stream.paced_sends(inner(), _Stream()))
     return out, result, seen
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 5 * layers.SEND_PIECE), st.sampled_from([RequestData, ResponseData]))
+@given(st.integers(0, 5 * http_stream.SEND_PIECE), st.sampled_from([RequestData, ResponseData]))
 def test_a_body_goes_in_pieces_with_a_turn_between_two_and_the_same_bytes(size, kind):
     body = bytes(i % 251 for i in range(size))
     out, result, seen = _commands(body, kind)
@@ -54,10 +54,10 @@ def test_a_body_goes_in_pieces_with_a_turn_between_two_and_the_same_bytes(size, 
     assert seen == [None, "reply to 2"]  # a reply reaches the generator that asked
     sends = [c for c in out if isinstance(c, SendHttp) and isinstance(c.event, kind)]
     assert b"".join(c.event.data for c in sends) == body
-    assert all(len(c.event.data) <= max(layers.SEND_PIECE, len(body)) for c in sends)
-    if size > layers.SEND_PIECE:
-        assert all(len(c.event.data) <= layers.SEND_PIECE for c in sends)
-        assert len(sends) == -(-size // layers.SEND_PIECE)
+    assert all(len(c.event.data) <= max(http_stream.SEND_PIECE, len(body)) for c in sends)
+    if size > http_stream.SEND_PIECE:
+        assert all(len(c.event.data) <= http_stream.SEND_PIECE for c in sends)
+        assert len(sends) == -(-size // http_stream.SEND_PIECE)
         body_part = out[2:-1]  # after the log and the first hook, before the end of message
         assert [type(c) for c in body_part] == [SendHttp, EgressPaceHook] * (len(sends) - 1) + [SendHttp]
         assert all(h.flow == "the flow" for h in body_part if isinstance(h, EgressPaceHook))
@@ -69,18 +69,18 @@ def test_a_body_goes_in_pieces_with_a_turn_between_two_and_the_same_bytes(size, 
 def test_a_done_flow_lets_its_large_bodies_go_and_keeps_small_ones_and_upgrades():
     """A done flow sits in reference cycles until a full collection; its large bodies go at once."""
     flow = tflow.tflow(resp=True)
-    flow.request.content = b"x" * layers.DROP_BODY_AT
-    flow.response.content = b"y" * (layers.DROP_BODY_AT + 1)
-    layers._drop_bodies(flow)
+    flow.request.content = b"x" * http_stream.DROP_BODY_AT
+    flow.response.content = b"y" * (http_stream.DROP_BODY_AT + 1)
+    http_stream._drop_bodies(flow)
     assert flow.request.raw_content == b"" and flow.response.raw_content == b""
 
     small = tflow.tflow(resp=True)
     small.response.content = b"small"
-    layers._drop_bodies(small)
+    http_stream._drop_bodies(small)
     assert small.response.raw_content == b"small"
 
     upgraded = tflow.twebsocketflow()
-    upgraded.response.content = b"z" * layers.DROP_BODY_AT
-    layers._drop_bodies(upgraded)
-    assert upgraded.response.raw_content == b"z" * layers.DROP_BODY_AT
-    layers._drop_bodies(None)
+    upgraded.response.content = b"z" * http_stream.DROP_BODY_AT
+    http_stream._drop_bodies(upgraded)
+    assert upgraded.response.raw_content == b"z" * http_stream.DROP_BODY_AT
+    http_stream._drop_bodies(None)

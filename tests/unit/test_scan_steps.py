@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from addons import decode_pool
-from addons.layers import _NOT_SCANNED
+from addons.http_stream import _NOT_SCANNED
 from addons.method_body import BodyOverrideCheck
 from gateway import methods
 from gateway.decision import Decision
