@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
 
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import RequestHeaders
@@ -35,6 +34,15 @@ from . import frame_limits, h2_backpressure, h2_limits
 from .respond import COUNTS_AS_RESET, refusal_headers
 from .refusals import REFUSAL_ATTR, _ERROR_REASONS, OnRefusal, _report, _too_many_fields, protocol_error_decision
 from .refusal_layers import in_tunnel
+
+
+def _data_bytes(event) -> int:
+    """The body bytes an h2 event carries (what it holds while it waits in the backlog)."""
+    return len(event.data) if isinstance(event, h2.events.DataReceived) else 0
+
+
+def _opens_request(event) -> bool:
+    return isinstance(event, h2.events.RequestReceived)
 
 
 def _regular_fields(headers) -> int:
@@ -80,8 +88,8 @@ class GatewayHttp2Server(Http2Server):
         self.ledger = h2budget.BufferLedger(self.limits.max_buffered_bytes)
         self._streams = streams if streams is not None else {}  # the HTTP layer's streams, by id
         self._flush_wakeup: commands.RequestWakeup | None = None
-        self._backlog: deque = deque()  # h2 events parsed and not handled yet, in order
-        self._backlog_bytes = 0  # the DATA those events carry (charged with the pending frames)
+        # h2 events parsed and not handled yet, in order, and the DATA they carry (charged with the pending frames)
+        self._backlog = h2budget.Backlog(_data_bytes, _opens_request, self.STREAMS_PER_STEP, self.STEP_SECONDS)
         self._backlog_wakeup: commands.RequestWakeup | None = None
         self._block_wakeup: commands.RequestWakeup | None = None  # the deadline of an unfinished header block
         self._block_due = 0.0  # when that wakeup fires (monotonic)
@@ -114,7 +122,7 @@ class GatewayHttp2Server(Http2Server):
                 yield from self._block_deadline()
             return
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
-            self._drop_backlog()  # what the client sent before it closed: its streams fail with it
+            self._backlog.clear()  # what the client sent before it closed: its streams fail with it
         yield from self._handle(event)
         if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             h2_backpressure.release(self.context.client)
@@ -141,7 +149,7 @@ class GatewayHttp2Server(Http2Server):
         yield self._block_wakeup
 
     def _pending_bytes(self) -> int:
-        return self.h2_conn.incoming_buffer.pending_bytes + self._backlog_bytes
+        return self.h2_conn.incoming_buffer.pending_bytes + self._backlog.bytes
 
     def _charge_pending_frames(self) -> bool:
         """The bytes of an incomplete frame and of an unfinished header block are buffered here
@@ -163,7 +171,7 @@ class GatewayHttp2Server(Http2Server):
 
     def _over_budget(self) -> layer.CommandGenerator[None]:
         pending = self._pending_bytes()
-        self._drop_backlog()  # (not acted on: the GOAWAY's last stream id says so)
+        self._backlog.clear()  # (not acted on: the GOAWAY's last stream id says so)
         self.h2_conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         yield from self._goaway(Decision.deny(
             "buffer_budget", f"HTTP/2 frames received and not handled yet ({pending} bytes: an incomplete frame or "
@@ -467,38 +475,23 @@ class GatewayHttp2Server(Http2Server):
             # handled at once, ahead of what the backlog holds. Queued behind it, its GOAWAY went
             # out with the backlog's next step, the client closed, and the close dropped the
             # backlog with the flood in it: no reset_flood line (tests/load, a busy machine).
-            self._drop_backlog()
+            self._backlog.clear()
             parsed = [e]
         self._backlog.extend(parsed)
-        self._backlog_bytes += sum(len(e.data) for e in parsed if isinstance(e, h2.events.DataReceived))
         yield from self._run_backlog()
-
-    def _drop_backlog(self) -> None:
-        self._backlog.clear()
-        self._backlog_bytes = 0
 
     def _run_backlog(self) -> layer.CommandGenerator[None]:
         """Handle the backlog's events in order until STREAMS_PER_STEP requests were opened, or one
         or more in STEP_SECONDS; the rest on a wakeup, a later step of the loop (a new read meanwhile only adds to the backlog's
         end). The client's flow-control windows are acknowledged as events are handled, so what
         the backlog can hold is bounded by them, as by the stream limit and the flood budgets."""
-        opened = 0
-        began = time.perf_counter()
-        while self._backlog:
-            h2_event = self._backlog.popleft()
-            if isinstance(h2_event, h2.events.DataReceived):
-                self._backlog_bytes -= len(h2_event.data)
+        for h2_event in self._backlog.step():
             if (yield from self.handle_h2_event(h2_event)):
-                self._drop_backlog()
+                self._backlog.clear()
                 return
-            if isinstance(h2_event, h2.events.RequestReceived):
-                opened += 1
-                if self._backlog and (opened >= self.STREAMS_PER_STEP
-                                      or time.perf_counter() - began >= self.STEP_SECONDS):
-                    if self._backlog_wakeup is None:
-                        self._backlog_wakeup = commands.RequestWakeup(0)
-                        yield self._backlog_wakeup
-                    break
+        if self._backlog and self._backlog_wakeup is None:  # the step ended with events left
+            self._backlog_wakeup = commands.RequestWakeup(0)
+            yield self._backlog_wakeup
         data = self.h2_conn.data_to_send()
         if data:
             yield commands.SendData(self.conn, data)

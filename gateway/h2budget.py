@@ -29,11 +29,16 @@ their answers.
 - `BufferLedger`: request-body bytes held in memory per connection (bodies mitmproxy buffers until
   their end, and bytes queued for a stream whose head is still being decided). A stream whose next
   DATA frame would take the sum past the budget is refused instead of the sum growing.
+- `Backlog`: the events parsed from a client's reads and not handled yet, in order, handled a step
+  of the event loop at a time (so many new requests a step, and no more once the step's time is
+  spent), with the body bytes they carry, which are charged to the buffer budget while they wait.
 """
 
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_CONCURRENT_STREAMS = 100  # what h2 (and so mitmproxy) advertised; nginx 128, Go 250
@@ -164,3 +169,47 @@ class BufferLedger:
 
     def release(self, stream_id: int) -> None:
         self.held.pop(stream_id, None)
+
+
+class Backlog:
+    """Events parsed and not handled yet, in order. `step()` hands them out one at a time, each
+    taken off as it goes, and ends the step once `streams_per_step` of them opened a request, or
+    once `step_seconds` were spent in it (checked after each request is handled: each is decided
+    then, ~0.3-1 ms), while events are left for a later step. `bytes` is what `size` says the
+    waiting events carry (their DATA). `opens(event)`: whether the event opens a request."""
+
+    def __init__(self, size: Callable[[object], int], opens: Callable[[object], bool],
+                 streams_per_step: int, step_seconds: float, clock: Callable[[], float] = time.perf_counter):
+        self._events: collections.deque = collections.deque()
+        self._size, self._opens, self._clock = size, opens, clock
+        self.streams_per_step = streams_per_step
+        self.step_seconds = step_seconds
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._events)
+
+    def extend(self, events: Iterable) -> None:
+        events = list(events)
+        self._events.extend(events)
+        self.bytes += sum(self._size(e) for e in events)
+
+    def clear(self) -> None:
+        self._events.clear()
+        self.bytes = 0
+
+    def step(self) -> Iterator:
+        opened = 0
+        began = self._clock()
+        while self._events:
+            event = self._events.popleft()
+            self.bytes -= self._size(event)
+            yield event
+            if self._opens(event):
+                opened += 1
+                if self._events and (opened >= self.streams_per_step
+                                     or self._clock() - began >= self.step_seconds):
+                    return

@@ -1,0 +1,77 @@
+"""gateway/h2budget.py `Backlog`: events come out in order, a step ends after so many requests or
+once its time is spent (only while events are left), and `bytes` is what the waiting events carry.
+The HTTP/2 server that drives it: tests/unit/test_h2_backlog.py."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.h2budget import Backlog
+
+# An event: ("req", n) opens a request, ("data", size) carries size body bytes, ("other", 0).
+events_ = st.lists(st.tuples(st.sampled_from(["req", "data", "other"]), st.integers(0, 1000)), max_size=60)
+
+
+def _backlog(per_step: int = 8, seconds: float = 1e9, clock=None) -> Backlog:
+    kwargs = {"clock": clock} if clock is not None else {}
+    return Backlog(lambda e: e[1] if e[0] == "data" else 0, lambda e: e[0] == "req", per_step, seconds, **kwargs)
+
+
+def _steps(backlog: Backlog) -> list[list]:
+    steps = []
+    while backlog:
+        steps.append(list(backlog.step()))
+    return steps
+
+
+@given(events_, st.integers(1, 10))
+def test_steps_hand_out_every_event_in_order_at_most_so_many_requests_each(events, per_step):
+    backlog = _backlog(per_step)
+    backlog.extend(events)
+    steps = _steps(backlog)
+    assert [e for step in steps for e in step] == events
+    for step in steps:
+        assert sum(e[0] == "req" for e in step) <= per_step
+    for step in steps[:-1]:  # a step ends early only on the request that filled it
+        assert step[-1][0] == "req" and sum(e[0] == "req" for e in step) == per_step
+    assert backlog.bytes == 0
+
+
+@given(events_)
+def test_bytes_is_what_the_waiting_events_carry(events):
+    backlog = _backlog(per_step=1)
+    backlog.extend(events)
+    while backlog:
+        assert backlog.bytes == sum(e[1] for e in backlog if e[0] == "data")
+        for event in backlog.step():
+            assert backlog.bytes == sum(e[1] for e in backlog if e[0] == "data")
+    assert backlog.bytes == 0
+
+
+def test_a_step_ends_once_its_time_is_spent_checked_after_each_request():
+    now = [0.0]
+    backlog = _backlog(per_step=100, seconds=1.0, clock=lambda: now[0])
+    backlog.extend([("req", 1), ("data", 5), ("req", 2), ("req", 3), ("data", 7)])
+    handed = []
+    for event in backlog.step():
+        handed.append(event)
+        if event == ("req", 2):
+            now[0] = 1.0  # handling this request spent the step's time
+    assert handed == [("req", 1), ("data", 5), ("req", 2)]
+    assert list(backlog) == [("req", 3), ("data", 7)] and backlog.bytes == 7
+
+
+def test_the_last_request_ends_no_step_early_when_nothing_is_left():
+    backlog = _backlog(per_step=1)
+    backlog.extend([("req", 1)])
+    assert list(backlog.step()) == [("req", 1)] and not backlog
+
+
+def test_clear_drops_the_events_and_their_bytes_even_mid_step():
+    backlog = _backlog()
+    backlog.extend([("data", 3), ("data", 4), ("req", 1)])
+    step = backlog.step()
+    assert next(step) == ("data", 3)
+    backlog.clear()
+    assert list(step) == [] and len(backlog) == 0 and backlog.bytes == 0
