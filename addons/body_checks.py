@@ -1,5 +1,5 @@
 """The checks an allowed request's body gets, planned when its head is allowed: the body arrives
-later, in the gateway's HTTP stream (addons/layers.py GatewayHttpStream), which feeds it to them
+later, in the gateway's HTTP stream (addons/http_stream.py GatewayHttpStream), which feeds it to them
 before any of it goes on (addons/method_body.py says what each check refuses and why).
 
 - a body a framework could read a `_method` field from: `BodyOverrideCheck`, judged by the rule

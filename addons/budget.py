@@ -4,7 +4,7 @@ Every buffered body (a request below `stream_large_bodies`, a small response, a 
 decoded whole for redaction) is charged to the buffer ledger (gateway/budget.py) before it grows,
 per connection and per sandbox (per client address without a `sandboxes` section). Over budget, a
 body that may stream does; one that must stay whole is refused, 503 `buffer_budget` (the stream,
-addons/layers.py `GatewayHttpStream`, applies both). A body with no byte for
+addons/http_stream.py `GatewayHttpStream`, applies both). A body with no byte for
 `egress_body_idle_timeout` seconds ends its stream (`request_body_timeout`, `response_body_timeout`).
 
 WebSocket compression (permessage-deflate) is not negotiated: mitmproxy inflates it with no bound

@@ -40,7 +40,7 @@ from .respond import replace_response
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
-BUFFER_ACCOUNT = "egress_buffer_account"  # flow.metadata key: its stream's share of the buffer ledger (layers.py)
+BUFFER_ACCOUNT = "egress_buffer_account"  # flow.metadata key: its stream's share of the buffer ledger (http_stream.py)
 
 
 class CredentialInjector:
@@ -216,7 +216,7 @@ class _BodyRedactor:
 
     @property
     def decodes(self) -> bool:
-        """Whether its chunks are decoded: the stream (addons/layers.py) then has `steps` driven
+        """Whether its chunks are decoded: the stream (addons/http_stream.py) then has `steps` driven
         off the loop (addons/decode_pool.py) and hands their output on through `ready`."""
         return self.decoder is not None and not self.failed
 
@@ -283,7 +283,7 @@ class _BodyRedactor:
 
     def drop_decoder(self) -> None:
         """The body is over, cut off or refused (also called by the stream when it ends,
-        addons/layers.py): the decoder and its window go, and its charge with them."""
+        addons/http_stream.py): the decoder and its window go, and its charge with them."""
         if self.decoder is not None:
             self.decoder.close()  # (its window goes even if a step still holds the decoder)
         self.decoder = None

@@ -14,7 +14,7 @@ a neighbour's one decode); each step's CPU time is charged to the sandbox's loop
 
 Two users: a bound response decoded whole (addons/credentials.py, `pieces`), and a compressed
 request body's method-override scan (addons/method_body.py) and a bound response's streamed
-redaction (addons/credentials.py): their stream (addons/layers.py) starts the `egress_decode_steps`
+redaction (addons/credentials.py): their stream (addons/http_stream.py) starts the `egress_decode_steps`
 hook, mitmproxy holds the stream's later events until the hook completes, and `DecodePool` drives
 the steps (`drive`): decoder calls on the pool, the scanning or redaction of what they return on
 the loop, a turn between two. Only the C decoders go to threads: they release the
@@ -176,7 +176,7 @@ class DecodeSteps:
 
 @dataclass
 class EgressDecodeStepsHook(commands.StartHook):
-    """Started by a stream (addons/layers.py) for a step of a body it must decode (a request body's
+    """Started by a stream (addons/http_stream.py) for a step of a body it must decode (a request body's
     check, a bound response's streamed redaction); the stream waits for it, and mitmproxy holds the
     stream's later events meanwhile."""
 

@@ -460,7 +460,7 @@ def install(state) -> None:
 
 @dataclass
 class EgressPaceHook(commands.StartHook):
-    """Started by a stream between two pieces of a large body it sends (addons/layers.py
+    """Started by a stream between two pieces of a large body it sends (addons/http_stream.py
     `paced_sends`): the sandbox's turn, so that one buffered 18 MB response is not encrypted and
     written in one step of the loop (~50 ms) while every other sandbox waits. Unhandled, it only
     ends at once."""

@@ -63,7 +63,8 @@ def describe() -> str:
 
 
 class FrameLimits:
-    """Declares the options; the layers (addons/layers.py, addons/websocket_limits.py) ask `take`."""
+    """Declares the options; the layers (addons/http1_server.py, addons/http2_server.py,
+    addons/websocket_limits.py) ask `take`."""
 
     def load(self, loader) -> None:
         declare(

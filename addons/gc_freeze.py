@@ -8,7 +8,7 @@ the gateway is running moves those objects to a generation no collection walks; 
 create later is collected as before, and frozen objects are still freed by reference counting.
 
 A closed connection is a web of cycles (its layers, contexts and flows) that only a full collection
-frees. Its large bodies no longer wait for one (addons/layers.py `_drop_bodies` lets them go when
+frees. Its large bodies no longer wait for one (addons/http_stream.py `_drop_bodies` lets them go when
 the flow is done: 18 MB bound responses had piled up to 376 MiB of RSS between two, bench/noisy.py
 bound_lines), but what else such webs hold still does: so once COLLECT_AFTER bytes of buffers were
 given back since the last, a client's disconnect is followed by a full collection (25-45 ms of the

@@ -6,7 +6,7 @@ control instead: what its window does not admit, mitmproxy's h2 connection buffe
 stops the upstream, so a client that reads slowly, or never sends WINDOW_UPDATE, made the gateway
 hold a whole download in memory (a sandbox could exhaust a worker with one request).
 
-Here the gateway's HTTP/2 server (addons/layers.py) keeps one gate per client connection: closed
+Here the gateway's HTTP/2 server (addons/http2_server.py) keeps one gate per client connection: closed
 while more than HIGH_WATER bytes wait for the client's window, open again below LOW_WATER. After
 each read, a task that reads an *upstream* socket of that client waits for the gate; the task that
 reads the client's own socket never waits (it must keep receiving WINDOW_UPDATE). Memory per

@@ -1,6 +1,6 @@
 """HTTP/2 budgets per client connection: the options, and the two pieces of mitmproxy's HTTP/2
 stack the gateway replaces to enforce them (the budgets themselves: gateway/h2budget.py; the
-server layer that applies them: addons/layers.py `GatewayHttp2Server`).
+server layer that applies them: addons/http2_server.py `GatewayHttp2Server`).
 
 - `LimitedH2Connection` (the client-facing h2 connection) advertises
   `egress_h2_max_concurrent_streams` and refuses a stream over it with RST_STREAM REFUSED_STREAM

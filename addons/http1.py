@@ -14,7 +14,7 @@
   content-length is written to an HTTP/1 client chunked, so it can keep the connection and get
   trailers.
 
-`GatewayHttp1Server` (addons/layers.py) uses `ServerFraming`; the upstream side is mitmproxy's
+`GatewayHttp1Server` (addons/http1_server.py) uses `ServerFraming`; the upstream side is mitmproxy's
 Http1Client, replaced by `GatewayHttp1Client` through `install()` (mitmproxy builds it by name).
 """
 

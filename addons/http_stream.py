@@ -38,7 +38,7 @@ from .method_body import BODY_CHECK
 from .refusals import REFUSAL_ATTR, OnRefusal, _report, protocol_error_decision
 
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
-HOLD_BODY = "egress_hold_body"  # flow.metadata key (addons/request_guard.py, which imports this module)
+HOLD_BODY = "egress_hold_body"  # flow.metadata key: the body is buffered, never streamed (set by addons/body_checks.py)
 QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
 _NOT_SCANNED = ("error", RuntimeError("the body check's step did not run"))  # no addon answered its hook: refused
 

@@ -4,7 +4,7 @@ The head of a request is decided in `requestheaders`, before its body exists. A 
 allows may still carry `_method=DELETE` in a form body, which Rails, Laravel, Symfony, Spring and
 others execute as a DELETE. So every allowed request whose body a framework could read fields from
 (urlencoded, multipart, JSON, or no Content-Type at all) gets a `BodyOverrideCheck` in its flow's
-metadata, and the gateway's HTTP stream (addons/layers.py `GatewayHttpStream`) feeds it the body as
+metadata, and the gateway's HTTP stream (addons/http_stream.py `GatewayHttpStream`) feeds it the body as
 it arrives, before any of it is sent on:
 
 - a **buffered** body (known length up to `stream_large_bodies`) is checked whole before the

@@ -10,7 +10,7 @@ client address when the policy has no sandboxes section):
   decision work (`RequestLimits.gate`); over `egress_max_requests_per_second_per_sandbox` (burst
   `egress_request_burst_per_sandbox`) it is answered 429 `rate_limited` with Retry-After, and
   nothing goes upstream. A 429 closes an HTTP/1 connection after the answer (addons/respond.py) and
-  counts as a refused stream on HTTP/2 (addons/layers.py: a flood of them ends in GOAWAY), so a
+  counts as a refused stream on HTTP/2 (addons/http2_server.py: a flood of them ends in GOAWAY), so a
   flooder must open new connections, which the connection rate bounds.
 
 Policy `limits:` (gateway/policy.py `Limits`, a sandbox's and a rule's), over sliding windows

@@ -13,7 +13,7 @@ than `READ_AHEAD_BYTES` of data, the connection's gate closes and every reader o
 half. That is TCP back-pressure, not a refusal: the sender's window fills and it slows down. A
 hook always completes without new bytes (none of the gateway's hooks waits for the network), so
 the queue always drains. HTTP streams charge what they queue to the buffer budget instead
-(addons/layers.py `GatewayHttpStream`).
+(addons/http_stream.py `GatewayHttpStream`).
 """
 
 from __future__ import annotations

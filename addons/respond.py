@@ -26,7 +26,7 @@ def refuse(flow: http.HTTPFlow, decision: Decision) -> None:
     A 429 (a rate or a budget) makes a flood cost its sender: on HTTP/1 the connection is closed after
     the answer (`Connection: close`), so each further request needs a new connection, which the
     connection rate bounds; on HTTP/2 the stream counts toward the connection's reset tracker
-    (addons/layers.py `GatewayHttp2Server`), so a flood of them ends in GOAWAY."""
+    (addons/http2_server.py `GatewayHttp2Server`), so a flood of them ends in GOAWAY."""
     headers = refusal_headers(decision)
     h2 = flow.request is not None and (flow.request.is_http2 or flow.request.is_http3)
     if decision.status == 429 and not h2:

@@ -44,7 +44,7 @@ from .state import GatewayState
 MESSAGE_TOO_BIG = 1009  # RFC 6455 close codes
 MESSAGE_POLICY = 1008
 SMALL_FRAGMENT = 4000  # mitmproxy's Fragmentizer.FRAGMENT_SIZE
-DROP_CONTENT_AT = 64 * 1024  # a relayed message this large is not kept (addons/layers.py DROP_BODY_AT)
+DROP_CONTENT_AT = 64 * 1024  # a relayed message this large is not kept (addons/http_stream.py DROP_BODY_AT)
 
 
 class WebsocketLimits:

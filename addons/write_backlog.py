@@ -1,7 +1,7 @@
 """Bytes written to a client, or to an upstream of its connection, that the peer has not read yet
 are charged to the client's buffer budget.
 
-A buffered response's charge (addons/layers.py) ends when its stream completes, but its bytes then
+A buffered response's charge (addons/http_stream.py) ends when its stream completes, but its bytes then
 sit in the asyncio transport's write buffer until the client reads them: 30 tunnels of one
 sandbox, each fetching a 14 MiB body it never read, held 1 GB with the ledger back at zero, and a
 31st was still served. Here, after every event a client connection's handler processes

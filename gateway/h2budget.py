@@ -1,5 +1,5 @@
 """Per-connection HTTP/2 budgets, as plain state machines (no I/O, no mitmproxy): the gateway's
-HTTP/2 server (addons/layers.py `GatewayHttp2Server`) feeds them what the client does and acts on
+HTTP/2 server (addons/http2_server.py `GatewayHttp2Server`) feeds them what the client does and acts on
 their answers.
 
 - `ResetTracker`: streams reset on one connection (by the client's RST_STREAM, or refused by the

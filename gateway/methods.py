@@ -1491,7 +1491,7 @@ class BodyScanner:
     def pending(self) -> bool:
         """Could the end of the body, right after what was fed, still reveal an override (`finish`
         judges an override field whose value is not terminated yet, or flushes a decoder)? While it
-        could, a streaming caller must hold back the last byte it has (addons/layers.py)."""
+        could, a streaming caller must hold back the last byte it has (addons/http_stream.py)."""
         if self.problem is not None:
             return False
         return bool(self.decoders) or self._raw.pending or (self._decoded is not None and self._decoded.pending)

@@ -172,7 +172,7 @@ def _leading_document(body: bytes) -> bytes:
 
 def _large_echo_body() -> bytes:
     """A request body the echo sends back inside its JSON: 1.2 MB, several of the pieces a large
-    body is sent to the client in (addons/layers.py SEND_PIECE), the same bytes checkable after."""
+    body is sent to the client in (addons/http_stream.py SEND_PIECE), the same bytes checkable after."""
     return bytes(0x41 + (i * 7919 % 26) for i in range(1_200_000))
 
 

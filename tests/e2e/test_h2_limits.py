@@ -1,4 +1,4 @@
-"""HTTP/2 budgets per client connection (gateway/h2budget.py, addons/layers.py GatewayHttp2Server):
+"""HTTP/2 budgets per client connection (gateway/h2budget.py, addons/http2_server.py GatewayHttp2Server):
 streams over the concurrency limit are refused (RST_STREAM REFUSED_STREAM) and audited in
 aggregate; a rapid-reset flood ends in GOAWAY ENHANCE_YOUR_CALM with one audit line and no
 upstream request; a stream the client reset while its upstream connection was being made is

@@ -1,4 +1,4 @@
-"""The HTTP/2 server layer's backlog (addons/layers.py GatewayHttp2Server): one read's events are
+"""The HTTP/2 server layer's backlog (addons/http2_server.py GatewayHttp2Server): one read's events are
 handled at most STREAMS_PER_STEP new requests per step of the event loop, the rest on a wakeup, in
 order; a stream the client reset before it was handled never becomes a request. Driven through the
 real layer (mitmproxy's sans-I/O API), with a real h2 client's bytes."""

@@ -1,4 +1,4 @@
-"""What one HTTP/2 request head may cost (addons/h2_limits.py BoundedFrameBuffer, addons/layers.py
+"""What one HTTP/2 request head may cost (addons/h2_limits.py BoundedFrameBuffer, addons/http2_server.py
 GatewayHttp2Server): a header block is bounded while it arrives, before h2 joins it and HPACK
 decodes it; what it decodes to is bounded too; an unfinished block has a deadline; a head with too
 many fields is refused on its stream before any hook sees it. Driven through the real layer

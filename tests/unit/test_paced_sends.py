@@ -1,4 +1,4 @@
-"""addons/layers.py `paced_sends`: a large body a stream sends in one event goes in SEND_PIECE
+"""addons/http_stream.py `paced_sends`: a large body a stream sends in one event goes in SEND_PIECE
 pieces with the sandbox's turn (a blocking EgressPaceHook) between two, the same bytes in the same
 order; every other command, the replies to blocking ones and the generator's result pass through."""
 
