@@ -544,11 +544,11 @@ class EchoUpstream:
             self._in_flight.discard(token)
             self._changed.notify_all()
 
-    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
-        """Wait until predicate() (called with the recorder's lock held, re-checked whenever what
-        the recorder has seen changes) is true; False if it still is not after `timeout` s."""
-        with self._changed:
-            return self._changed.wait_for(predicate, timeout)
+    @property
+    def changed(self) -> threading.Condition:
+        """Notified at every change of what this origin has seen: wait on it with
+        `tests.support.waiting.wait_for(predicate, cond=origin.changed)`."""
+        return self._changed
 
     @property
     def settled(self) -> bool:

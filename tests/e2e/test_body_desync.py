@@ -162,7 +162,7 @@ def test_allow_body_lets_the_body_go_and_its_leftovers_never_answer_the_sandbox(
         second = tls.request("GET", "/next", [("Host", "search.test")])
     assert first.status == 200 and first.text == "GET search.test /_search"
     assert second.status == 200 and second.text == "GET search.test /next", second
-    executed = origin.wait_for(2)
+    executed = origin.wait_executed(2)
     assert [e.path for e in executed if e.connection == 1][0] == "/_search"
     nexts = [e for e in executed if e.path == "/next"]
     assert nexts and nexts[0].connection != 1  # not the connection the body may have desynchronised
@@ -307,7 +307,7 @@ def test_http2_get_left_open_with_no_data_goes_upstream_without_body_framing(gw,
     sid = client.send("lenient.test", "/open", body=b"")
     client.wait(sid)
     assert client.responses[sid]["status"] == 200 and client.responses[sid]["body"] == b"GET lenient.test /open"
-    executed = origin.wait_for(1)
+    executed = origin.wait_executed(1)
     assert "transfer-encoding" not in executed[0].headers and executed[0].headers.get("content-length") in (None, "0")
     client.conn.close()
 

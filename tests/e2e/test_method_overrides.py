@@ -33,6 +33,7 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     tls_tunnel,
 )
 from tests.support.gateway import PROJECT_ROOT
+from tests.support.waiting import wait_for
 
 LAST_OCTET = 97  # stream.test, in the session block
 SECRET = "e2e-override-Tok7+Qq/9="
@@ -65,13 +66,13 @@ class BodyRecorder:
     and records whether it arrived complete; answers 200 to complete requests only.
 
     Every change to a record (its body's bytes arrive, it completes, its handler finishes) notifies
-    a condition, so tests wait for those events with `wait_for` instead of sleeping."""
+    `changed`, so tests wait for those events with `wait_for(..., cond=recorder.changed)`."""
 
     def __init__(self, host: str, cert, key):
         self.connections = 0
         self.requests: list[dict] = []
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self.changed = threading.Condition(self._lock)
         self._in_flight = 0  # accepted connections whose handler has not finished
         self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._tls.load_cert_chain(str(cert), str(key))
@@ -82,16 +83,10 @@ class BodyRecorder:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def reset(self) -> None:
-        with self._changed:
+        with self.changed:
             self.connections = 0
             self.requests.clear()
-            self._changed.notify_all()
-
-    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
-        """Wait until predicate() (called with the lock held, re-checked whenever a record changes)
-        is true; False if it still is not after `timeout` s."""
-        with self._changed:
-            return self._changed.wait_for(predicate, timeout)
+            self.changed.notify_all()
 
     @property
     def settled(self) -> bool:
@@ -99,9 +94,9 @@ class BodyRecorder:
         return self._in_flight == 0 and all(r["finished"] for r in self.requests)
 
     def _update(self, record: dict, **fields) -> None:
-        with self._changed:
+        with self.changed:
             record.update(fields)
-            self._changed.notify_all()
+            self.changed.notify_all()
 
     def _serve(self) -> None:
         while True:
@@ -109,10 +104,10 @@ class BodyRecorder:
                 client, _ = self._sock.accept()
             except OSError:
                 return
-            with self._changed:
+            with self.changed:
                 self.connections += 1
                 self._in_flight += 1
-                self._changed.notify_all()
+                self.changed.notify_all()
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
     def _handle(self, raw: socket.socket) -> None:
@@ -120,10 +115,10 @@ class BodyRecorder:
         try:
             self._exchange(raw, record)
         finally:
-            with self._changed:
+            with self.changed:
                 self._in_flight -= 1
                 record["finished"] = True
-                self._changed.notify_all()
+                self.changed.notify_all()
 
     def _exchange(self, raw: socket.socket, record: dict) -> None:
         raw.settimeout(5)
@@ -145,9 +140,9 @@ class BodyRecorder:
             headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]
             fields = {k.lower(): v for k, v in headers}
             record.update(method=method, path=path, headers=headers, body=b"", complete=False, finished=False)
-            with self._changed:
+            with self.changed:
                 self.requests.append(record)
-                self._changed.notify_all()
+                self.changed.notify_all()
 
             def more() -> bytes:
                 data = conn.recv(65536)
@@ -400,8 +395,9 @@ def _streamed(gateway, recorder, headers: list[tuple[str, str]], first: bytes, r
     with tls_tunnel(gateway, "stream.test:443") as tls:
         head = "POST /upload HTTP/1.1\r\nHost: stream.test\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
         tls.send(head.encode() + b"\r\n" + first)
-        assert recorder.wait_for(lambda: any(r["body"].startswith(upstream) for r in recorder.requests)), (
-            "the first part of the body never reached the origin", recorder.requests)
+        wait_for(lambda: any(r["body"].startswith(upstream) for r in recorder.requests),
+                 what="the first part of the body at the origin", cond=recorder.changed,
+                 detail=lambda: repr(recorder.requests))
         tls.send(rest)
         try:
             response = tls.read_response()
@@ -433,7 +429,8 @@ CHUNKED = ("Transfer-Encoding", "chunked")
 def _settle(recorder) -> None:
     """Wait until the recorder's handlers have noticed the upstream reset and finished: its
     records are final."""
-    assert recorder.wait_for(lambda: recorder.settled), ("the origin is still reading", recorder.requests)
+    wait_for(lambda: recorder.settled, what="the origin to finish reading", cond=recorder.changed,
+             detail=lambda: repr(recorder.requests))
 
 
 def test_streamed_chunked_form_with_a_late_override_never_completes_upstream(gw, recorder):
@@ -483,7 +480,8 @@ def test_streamed_chunks_go_on_at_once_unless_they_end_inside_an_override(gw, re
         tls.send(b"POST /upload HTTP/1.1\r\nHost: stream.test\r\nContent-Type: application/x-www-form-urlencoded\r\n"
                  b"Transfer-Encoding: chunked\r\n\r\n" + _chunks(b"a=1&b=2", end=False))
         # The first chunk goes on by itself, before anything else is sent (no latency).
-        assert recorder.wait_for(lambda: recorder.requests and recorder.requests[-1]["body"]), recorder.requests
+        wait_for(lambda: recorder.requests and recorder.requests[-1]["body"], what="the first chunk at the origin",
+                 cond=recorder.changed, detail=lambda: repr(recorder.requests))
         assert recorder.requests[-1]["body"] == b"a=1&b=2"
         tls.send(_chunks(b"&_method=GE", end=False))
         # Wait for the last bytes that must go on ("&_method=G") and check there and then that the
@@ -491,8 +489,8 @@ def test_streamed_chunks_go_on_at_once_unless_they_end_inside_an_override(gw, re
         # as one chunk, and the recorder takes in whole chunks, so a forwarded "E" would have come
         # with "G". (Waiting to see that "E" does not come later would be a sleep; that it goes on
         # with the end of the body is checked below.)
-        assert recorder.wait_for(lambda: recorder.requests[-1]["body"].startswith(b"a=1&b=2&_method=G")), (
-            recorder.requests)
+        wait_for(lambda: recorder.requests[-1]["body"].startswith(b"a=1&b=2&_method=G"),
+                 what="the second chunk at the origin", cond=recorder.changed, detail=lambda: repr(recorder.requests))
         assert recorder.requests[-1]["body"] == b"a=1&b=2&_method=G"  # "E" waits: GET? GETX?
         tls.send(_chunks(b"T"))
         response = tls.read_response()

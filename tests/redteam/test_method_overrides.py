@@ -20,6 +20,7 @@ import zlib
 import pytest
 
 from tests.e2e.helpers import H2Client, audit_for, tls_tunnel
+from tests.support.waiting import wait_for
 
 from .common import attack, nothing_reached, reason_of, status_of
 
@@ -287,7 +288,7 @@ def test_override_at_the_end_of_a_streamed_body(rt):
     echo = rt.servers["echo"]
     # The refusal resets the upstream connection; once the origin's handler has finished with it,
     # whatever part of the body reached the origin is recorded.
-    assert echo.wait_for(lambda: echo.settled), "the origin is still handling the refused request"
+    wait_for(lambda: echo.settled, what="the origin to finish handling the refused request", cond=echo.changed)
     seen = echo.requests
     assert all(len(r.body) < len(body) for r in seen), [(r.method, len(r.body)) for r in seen]
 

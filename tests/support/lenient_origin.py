@@ -52,7 +52,7 @@ class LenientOrigin(TcpOrigin):
     def answered(self) -> int:  # responses sent, 400s to garbage included
         return self.recorder.get("answered")
 
-    def wait_for(self, count: int, timeout: float = WAIT) -> list[Executed]:
+    def wait_executed(self, count: int, timeout: float = WAIT) -> list[Executed]:
         """The executed requests, once there are at least `count` (or the timeout passed)."""
         self.recorder.wait_count(count, timeout=timeout)
         return self.executed

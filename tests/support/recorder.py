@@ -2,19 +2,19 @@
 event itself (a request recorded, a connection closed), never on a sleep.
 
 `Recorder` is a thread-safe list of entries plus named counters: the origin's threads `add()` and
-`count()`; the test `wait_for(predicate)` or `wait_count(n)`, each of which returns as soon as the
-condition holds, or once `timeout` has passed (then with a falsy value, so a test can assert on it,
-or check that something did not happen within a window it names)."""
+`count()`; the test `wait_count(n)`, which returns as soon as the condition holds (False once
+`timeout` has passed, so a test can assert on it), or `tests.support.waiting.wait_for(predicate,
+cond=recorder.cond)` for any other condition."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from tests.support.waiting import wait_for
+
 T = TypeVar("T")
-R = TypeVar("R")
 
 WAIT = 10.0
 
@@ -56,19 +56,14 @@ class Recorder(Generic[T]):
             self._counts.clear()
             self.cond.notify_all()
 
-    def wait_for(self, predicate: Callable[[list[T]], R], timeout: float = WAIT) -> R:
-        """predicate(entries)'s first truthy value, re-checked at every change; its last (falsy)
-        value once `timeout` has passed."""
-        with self.cond:
-            value = predicate(self._entries)
-            if not value:
-                self.cond.wait_for(lambda: predicate(self._entries), timeout)
-                value = predicate(self._entries)
-            return value
-
     def wait_count(self, n: int, name: str | None = None, timeout: float = WAIT) -> bool:
-        """True once there are `n` entries (or the counter `name` has reached `n`)."""
-        with self.cond:
-            if name is None:
-                return self.cond.wait_for(lambda: len(self._entries) >= n, timeout)
-            return self.cond.wait_for(lambda: self._counts[name] >= n, timeout)
+        """True once there are `n` entries (or the counter `name` has reached `n`), woken by each
+        change; False once `timeout` has passed (for `assert origin.wait_closed(1), "why"`)."""
+        if name is None:
+            reached = lambda: len(self._entries) >= n  # noqa: E731
+        else:
+            reached = lambda: self._counts[name] >= n  # noqa: E731
+        try:
+            return wait_for(reached, timeout, f"{n} {name or 'entries'}", cond=self.cond)
+        except AssertionError:
+            return False

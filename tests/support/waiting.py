@@ -1,8 +1,17 @@
-"""The one `wait_for` of the suites: poll an observable condition (an audit line, a metric, a file)
-until it holds. It synchronises on the event itself; the timeout only bounds a failure."""
+"""The one `wait_for` of the suites: wait until an observable condition (an audit line, a metric, a
+file, a request an origin recorded) holds. It synchronises on the event itself; the timeout only
+bounds a failure, so a slow machine makes a test slower, never wrong.
+
+Two ways to learn of the event, one function:
+- polling (the default): `predicate()` is re-evaluated every `interval` seconds, for state another
+  process owns (the gateway's audit log, its metrics, a socket's peer);
+- a condition (`cond=`, a `threading.Condition` the producer notifies at every change, e.g. a
+  `Recorder`'s): `predicate()` is evaluated with the condition's lock held, at start and after each
+  notification, so the wait ends at the change itself and nothing polls."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -11,15 +20,27 @@ T = TypeVar("T")
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 5.0, what: str = "condition", interval: float = 0.05,
-             detail: Callable[[], str] | None = None) -> T:
+             detail: Callable[[], str] | None = None, cond: threading.Condition | None = None) -> T:
     """predicate()'s first truthy value; AssertionError after `timeout` seconds, naming `what` (and
-    `detail()`, e.g. the gateway's log, computed only then)."""
+    `detail()`, e.g. the gateway's log, computed only then). With `cond`, woken by its notifications
+    instead of every `interval` (see the module's docstring)."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
-        time.sleep(interval)
+    if cond is not None:
+        with cond:
+            while not (value := predicate()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                cond.wait(remaining)
+            else:
+                return value
+    else:
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                break
+            time.sleep(interval)  # the polling interval: the predicate is re-read, nothing is assumed
+    extra = f"\n{detail()}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
