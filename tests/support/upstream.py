@@ -42,6 +42,7 @@ class RecordingUpstream:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._probes: dict[tuple, threading.Event] = {}  # settle()'s connections, by client address
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -106,6 +107,10 @@ class RecordingUpstream:
             def get_request(self):
                 sock, addr = super().get_request()
                 with upstream._lock:
+                    if addr[:2] in upstream._probes:  # settle()'s own connection: not counted
+                        upstream._probes[addr[:2]].set()
+                        sock.close()
+                        raise OSError("settle probe")  # socketserver drops the request
                     upstream.connections += 1
                 if upstream._tls is not None:
                     sock.settimeout(5)
@@ -141,7 +146,27 @@ class RecordingUpstream:
             self.written = 0
             self.stalled.clear()
 
+    def settle(self, timeout: float = 5.0) -> None:
+        """A fence: once this returns, every TCP connection that reached this server before the
+        call has been accepted and counted. The kernel's accept queue is first in, first out, so a
+        probe connection of our own, once accepted (and not counted), comes after all of them."""
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
+            probe.settimeout(timeout)
+            probe.bind((self.host, 0))  # its address is known, and registered, before it connects
+            accepted = threading.Event()
+            address = probe.getsockname()[:2]
+            with self._lock:
+                self._probes[address] = accepted
+            try:
+                probe.connect((self.host, self.port))
+                assert accepted.wait(timeout), f"{self.name}: the settle probe was never accepted"
+            finally:
+                with self._lock:
+                    del self._probes[address]
+
     @property
     def touched(self) -> bool:
-        """Did anything at all reach this server (a TCP connection counts)?"""
+        """Did anything at all reach this server (a TCP connection counts)? Fenced by settle(): a
+        connection still waiting in the accept queue counts too."""
+        self.settle()
         return self.connections > 0 or bool(self.requests)
