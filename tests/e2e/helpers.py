@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import policy_text
 from tests.support.gateway import GatewayProcess, free_port
 from tests.support.tcp_origin import TcpOrigin, read_head
+from tests.support.waiting import wait_for
 
 TIMEOUT = 3.0  # refusals must arrive well within this
 
@@ -122,12 +123,26 @@ def audit_for(gateway: GatewayProcess, client: str, count: int = 1, wait: float 
     """The audit lines of one client connection ("ip:port"), waiting up to `wait` s for `count` of them;
     `since`: only lines after the first `since` (an earlier connection of a long-lived gateway may
     have had the same source port)."""
-    deadline = time.monotonic() + wait
-    while True:
-        lines = [line for line in gateway.audit()[since:] if line.get("client") == client]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.02)
+    def lines() -> list[dict]:
+        return [line for line in gateway.audit()[since:] if line.get("client") == client]
+
+    try:
+        return wait_for(lambda: (found,) if len(found := lines()) >= count else None, wait, interval=0.02)[0]
+    except AssertionError:
+        return lines()  # fewer than `count`: the caller's assertion says which are missing
+
+
+def open_clients(gateway: GatewayProcess) -> set[str]:
+    """The client connections ("ip:port") the gateway's log shows open: a `client connect` line
+    without its `client disconnect` (written just before `client_disconnected` releases the
+    connection's slot)."""
+    opened: set[str] = set()
+    for line in gateway.log().splitlines():
+        if line.endswith("] client connect"):
+            opened.add(line.rsplit("][", 1)[-1].split("]", 1)[0])
+        elif line.endswith("] client disconnect"):
+            opened.discard(line.rsplit("][", 1)[-1].split("]", 1)[0])
+    return opened
 
 
 def assert_refused(response, status: int, reason: str, rule: str | None = None) -> None:

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import audit_for, connect_proxy, curl
+from tests.e2e.helpers import audit_for, connect_proxy, curl, open_clients
+from tests.support.waiting import wait_for
 
 RULES = """
 - id: allowed
@@ -32,7 +33,7 @@ def test_slowloris_head_is_cut_off_with_408(start_gateway, upstreams):
     started = time.monotonic()
     response = None
     while time.monotonic() - started < 8:
-        time.sleep(0.3)
+        time.sleep(0.3)  # not synchronisation: the slow client under test drips a header line every 0.3 s
         try:
             conn.send(b"X-Slow: 1\r\n")
         except OSError:
@@ -71,15 +72,24 @@ def test_an_empty_line_after_a_request_does_not_start_the_next_heads_clock(start
 
 def test_connections_per_client_are_capped(start_gateway, upstreams):
     gateway = start_gateway(RULES, args=["--set", "egress_max_connections_per_sandbox=2"])
-    time.sleep(0.5)  # the start-up probe's connection must be gone first
-    held = [connect_proxy(gateway) for _ in range(2)]
-    time.sleep(0.3)
+    # The start-up probe's connection must be gone first. The gateway accepts in order, so once a
+    # connection of ours is answered the probe's was accepted (and logged) before it; then its
+    # disconnect is waited for.
+    first = connect_proxy(gateway)
+    assert first.request("GET", "http://allowed.test/held", [("Host", "allowed.test")]).status == 200
+    wait_for(lambda: open_clients(gateway) == {first.client}, what="the start-up probe's client disconnect",
+             detail=gateway.log)
+    second = connect_proxy(gateway)  # answered: the gateway has counted it (at connect, before any request)
+    assert second.request("GET", "http://allowed.test/held", [("Host", "allowed.test")]).status == 200
+    held = [first, second]
     extra = connect_proxy(gateway)
     extra.sock.settimeout(3)
     assert extra.sock.recv(100) == b""  # closed at once, nothing read or answered
-    lines = [a for a in gateway.audit() if a["reason"] == "too_many_connections"]
+    lines = wait_for(lambda: [a for a in gateway.audit() if a["reason"] == "too_many_connections"],
+                     what="the too_many_connections line")
     assert len(lines) == 1 and lines[0]["decision"] == "deny"
     for conn in held:
         conn.sock.close()
-    time.sleep(0.3)
+    wait_for(lambda: not open_clients(gateway) & {conn.client for conn in held},
+             what="the held connections' client disconnect", detail=gateway.log)
     assert curl(gateway, "http://allowed.test/after").status == 200  # slots are given back
