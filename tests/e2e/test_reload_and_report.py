@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import policy_text
 from tests.e2e.helpers import assert_untouched, curl, get, tls_tunnel
-from tests.support import waiting
+from tests.support.waiting import wait_for
 from tests.support.gateway import GatewayProcess
 
 ALLOW_ALLOWED = """
@@ -32,9 +32,7 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_for(predicate, timeout: float = 8.0):
-    """A policy reload polls its file: up to a poll interval later than the write."""
-    return waiting.wait_for(predicate, timeout, "the reload's effect", interval=0.2)
+RELOAD_WAIT = 8.0  # a policy reload polls its file: up to a poll interval (1 s here) after the write
 
 
 def reloads(gateway: GatewayProcess, result: str) -> list[dict]:
@@ -65,10 +63,11 @@ def test_a_changed_file_is_reloaded_and_a_removed_rule_stops_at_once(gateway_wit
     conn = tls_tunnel(gateway, "allowed.test:443")
     assert get(conn, "/one", "allowed.test").status == 200
     write_atomically(policy, policy_text(upstreams, ALLOW_OTHER))
-    assert wait_for(lambda: reloads(gateway, "ok")), gateway.log()[-2000:]
+    wait_for(lambda: reloads(gateway, "ok"), RELOAD_WAIT, "the reload", detail=lambda: gateway.log()[-2000:])
     # the same kept-alive tunnel: its pinned host is no longer allowed at all, so the reload closed it
     # (tests/e2e/test_revocation.py has every kind of open connection)
-    assert wait_for(lambda: [a for a in gateway.audit() if a["reason"] == "revoked" and a["client"] == conn.client])
+    wait_for(lambda: [a for a in gateway.audit() if a["reason"] == "revoked" and a["client"] == conn.client],
+             RELOAD_WAIT, "the tunnel's revoked line")
     assert conn.closed()
     assert [r.path for r in upstreams.tls["allowed.test"].requests] == ["/one"]
     assert curl(gateway, "https://allowed.test/two").status == 0  # and a new one is refused at its CONNECT
@@ -78,15 +77,18 @@ def test_a_changed_file_is_reloaded_and_a_removed_rule_stops_at_once(gateway_wit
 def test_a_broken_file_changes_nothing(gateway_with_policy, upstreams):
     gateway, policy = gateway_with_policy(ALLOW_ALLOWED)
     write_atomically(policy, "version: 1\nrules:\n  - id: x\n    hosts: ['*']\n")
-    errors = wait_for(lambda: reloads(gateway, "error"))
-    assert errors and f"{policy}:4:" in errors[0]["message"]
+    errors = wait_for(lambda: reloads(gateway, "error"), RELOAD_WAIT, "the rejected reload")
+    assert f"{policy}:4:" in errors[0]["message"]
     assert f"{policy}:4:" in gateway.log()
     assert curl(gateway, "https://allowed.test/still").status == 200
     assert curl(gateway, "https://other.test/x").status == 0  # still denied (CONNECT refused)
     assert_untouched(upstreams, "other.test")
     # deleting the file changes nothing either
-    policy.unlink()
-    time.sleep(2.5)
+    policy.unlink()  # the poller notices (the file's identity changed) and rejects the reload
+    gone = wait_for(lambda: [a for a in reloads(gateway, "error") if "cannot read policy" in a["message"]],
+                    RELOAD_WAIT, "the deleted file's rejected reload", detail=lambda: gateway.log()[-2000:])
+    assert len(reloads(gateway, "error")) == 2 and gone[0]["reason"] == "policy_invalid"
+    assert not reloads(gateway, "ok")
     assert curl(gateway, "https://allowed.test/after-delete").status == 200
 
 
@@ -103,7 +105,7 @@ def test_configmap_symlink_swap_is_picked_up(tmp_path, gateway_with_policy, upst
     (volume / "..2026_11_30_v2" / "policy.yaml").write_text(policy_text(upstreams, ALLOW_OTHER))
     os.symlink("..2026_11_30_v2", volume / "..data_tmp")
     os.replace(volume / "..data_tmp", volume / "..data")
-    assert wait_for(lambda: reloads(gateway, "ok"))
+    wait_for(lambda: reloads(gateway, "ok"), RELOAD_WAIT, "the reload", detail=lambda: gateway.log()[-2000:])
     assert curl(gateway, "https://allowed.test/v2").status == 0
     assert curl(gateway, "https://other.test/v2").status == 200
 
@@ -111,10 +113,13 @@ def test_configmap_symlink_swap_is_picked_up(tmp_path, gateway_with_policy, upst
 def test_sighup_reloads_without_polling(gateway_with_policy, upstreams):
     gateway, policy = gateway_with_policy(ALLOW_ALLOWED, args=["--set", "egress_policy_poll=0"])
     policy.write_text(policy_text(upstreams, ALLOW_OTHER))
+    # Not synchronisation: the thing under test is a poll that must not happen, and a poller (even
+    # at egress_policy_poll=1, its minimum) would have reloaded within 1 s of the write.
     time.sleep(1.5)
     assert not reloads(gateway, "ok")  # no polling
+    assert curl(gateway, "https://other.test/x").status == 0  # the old policy still judges
     gateway.process.send_signal(signal.SIGHUP)
-    assert wait_for(lambda: reloads(gateway, "ok")), gateway.log()[-2000:]
+    wait_for(lambda: reloads(gateway, "ok"), RELOAD_WAIT, "the SIGHUP reload", detail=lambda: gateway.log()[-2000:])
     assert curl(gateway, "https://other.test/x").status == 200
 
 
@@ -143,7 +148,7 @@ def test_reload_under_traffic_fails_no_request(gateway_with_policy, upstreams):
             rules = ALLOW_BOTH if i % 2 else ALLOW_ALLOWED + "- id: extra\n  hosts: [api.test]\n"
             write_atomically(policy, policy_text(upstreams, rules))
             # The bound is generous: the poll shares the event loop with the hammering client.
-            assert wait_for(lambda n=i: len(reloads(gateway, "ok")) > n, timeout=30.0)
+            wait_for(lambda n=i: len(reloads(gateway, "ok")) > n, 30.0, f"reload {i + 1}")
     finally:
         done.set()
         thread.join(10)
