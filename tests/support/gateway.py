@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.support.waiting import wait_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,16 +23,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_for_port(host: str, port: int, timeout: float = 20.0, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until a connection to host:port succeeds; RuntimeError at once if `process` exits first."""
+    def listening() -> bool:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"gateway exited with {process.returncode}")
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                return
+                return True
         except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {host}:{port}")
+            return False
+
+    wait_for(listening, timeout, f"a listener on {host}:{port}")
 
 
 @dataclass
@@ -77,25 +79,22 @@ class GatewayProcess:
                                         cwd=PROJECT_ROOT)
         try:
             wait_for_port(self.host, self.port, process=self.process) if not self.command_prefix else self._wait_prefixed()
-            deadline = time.monotonic() + 10
-            while not self.ca_cert.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(self.ca_cert.exists, 10, "the CA certificate")
         except Exception:
             self.stop()
             raise RuntimeError(f"gateway did not start:\n{self.log()}")
         return self
 
     def _wait_prefixed(self) -> None:
-        deadline = time.monotonic() + 20
         probe = self.command_prefix + [sys.executable, "-c",
                                        f"import socket; socket.create_connection(({self.host!r}, {self.port}), 0.5)"]
-        while time.monotonic() < deadline:
+
+        def listening() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.process.returncode}")
-            if subprocess.run(probe, capture_output=True).returncode == 0:
-                return
-            time.sleep(0.1)
-        raise TimeoutError("gateway did not listen")
+            return subprocess.run(probe, capture_output=True).returncode == 0
+
+        wait_for(listening, 20, "the gateway to listen", interval=0.1)
 
     def stop(self) -> int | None:
         if self.process is None:
