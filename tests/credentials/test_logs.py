@@ -6,14 +6,13 @@ placeholder_misuse and foreign_credential refusals, redaction of bodies and head
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from gateway.redact import forms_of
-from tests.e2e.helpers import get
+from tests.e2e.helpers import disconnected, get
+from tests.support.waiting import wait_for
 
-from .clients import fetch, leaks, tls_to
+from .clients import leaks, tls_to
 from .conftest import SECRETS
 from .test_placeholders import env_name, run_placeholders, parse_env_lines
 
@@ -24,6 +23,13 @@ def traffic(cred):
     placeholders = parse_env_lines(run_placeholders(cred, "--sandbox", "default").stdout)
     ph = placeholders[env_name("ph_token")]
     clients = {}
+    fetched: list[str] = []  # the fetch()es' clients ("ip:port")
+
+    def fetch(gateway, host: str, path: str):
+        with tls_to(gateway, host) as tls:
+            fetched.append(tls.client)
+            return get(tls, path, host)
+
     cred.gateway.mark()  # (the gateway serves the session: an earlier test's client port may come back)
     with tls_to(cred.gateway, "echo.test") as tls:
         assert get(tls, "/v1/anything", "echo.test", extra=[("Authorization", "Bearer x")]).status == 200
@@ -49,7 +55,11 @@ def traffic(cred):
     assert fetch(cred.gateway, "rotate.test", "/v1/anything").status == 200
     assert fetch(cred.gateway, "k8s.test", "/v1/anything").status == 200
     assert fetch(cred.gateway, "deep.wild.test", "/").status == 200
-    time.sleep(0.3)  # the audit file is flushed per line; the log via an unbuffered process
+    # Both files are written as things are decided, so what is left to come is each connection's
+    # ending: wait until the gateway has logged every one of them finished.
+    ended = set(clients.values()) | set(fetched)
+    wait_for(lambda: ended <= disconnected(cred.gateway), what="every connection's client disconnect",
+             detail=lambda: f"missing {ended - disconnected(cred.gateway)}")
     return clients
 
 

@@ -134,8 +134,8 @@ def audit_for(gateway: GatewayProcess, client: str, count: int = 1, wait: float 
 
 def open_clients(gateway: GatewayProcess) -> set[str]:
     """The client connections ("ip:port") the gateway's log shows open: a `client connect` line
-    without its `client disconnect` (written just before `client_disconnected` releases the
-    connection's slot)."""
+    without its `client disconnect` (written when the connection's handler ends, just before
+    `client_disconnected` releases its slot)."""
     opened: set[str] = set()
     for line in gateway.log().splitlines():
         if line.endswith("] client connect"):
@@ -143,6 +143,13 @@ def open_clients(gateway: GatewayProcess) -> set[str]:
         elif line.endswith("] client disconnect"):
             opened.discard(line.rsplit("][", 1)[-1].split("]", 1)[0])
     return opened
+
+
+def disconnected(gateway: GatewayProcess) -> set[str]:
+    """The client connections ("ip:port") whose `client disconnect` line is in the gateway's log:
+    the gateway has finished with them."""
+    return {line.rsplit("][", 1)[-1].split("]", 1)[0] for line in gateway.log().splitlines()
+            if line.endswith("] client disconnect")}
 
 
 def assert_refused(response, status: int, reason: str, rule: str | None = None) -> None:
