@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import shutil
 import socket
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import policy_text
 from tests.support.gateway import GatewayProcess, free_port
+from tests.support.waiting import wait_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0
@@ -54,18 +54,19 @@ def gateway_with_metrics(workdir: Path, upstreams, pki, rules: str, extra: str =
 
 
 def wait_ready(base: str, gateway: GatewayProcess | None = None, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
+    last: list = [None]
+
+    def ready() -> bool:
         try:
             status, _, body = fetch(base + "/readyz")
-            if status == 200:
-                return
-            last = body
         except OSError as exc:
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"gateway not ready: {last}\n{gateway.log() if gateway else ''}")
+            last[0] = exc
+            return False
+        last[0] = body
+        return status == 200
+
+    wait_for(ready, timeout, "/readyz to say ready",
+             detail=lambda: f"last answer: {last[0]}\n{gateway.log() if gateway else ''}")
 
 
 # --- HTTP ----------------------------------------------------------------------------------------

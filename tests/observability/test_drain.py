@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.support.gateway import free_port
+from tests.support.waiting import wait_for
 
 from .conftest import fetch, gateway_with_metrics, proxy_get
 
@@ -20,10 +21,12 @@ BODY = b"slow but complete\n" * 1000
 
 
 class SlowUpstream:
-    """Plain HTTP on 127.0.0.1 that waits `delay` seconds before answering."""
+    """Plain HTTP on 127.0.0.1 that holds each request until the test sets `released` (so a request
+    is in flight for exactly as long as a test needs it to be), then answers it whole."""
 
-    def __init__(self, delay: float):
+    def __init__(self):
         self.arrived = threading.Event()
+        self.released = threading.Event()
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -34,7 +37,7 @@ class SlowUpstream:
 
             def do_GET(self):
                 upstream.arrived.set()
-                time.sleep(delay)
+                upstream.released.wait(60)
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(BODY)))
                 self.end_headers()
@@ -48,13 +51,14 @@ class SlowUpstream:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self):
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
 
 @pytest.fixture
-def slow_upstream(request):
-    upstream = SlowUpstream(request.param)
+def slow_upstream():
+    upstream = SlowUpstream()
     yield upstream
     upstream.stop()
 
@@ -90,7 +94,15 @@ def refuses_connections(gateway) -> bool:
         return True
 
 
-@pytest.mark.parametrize("slow_upstream", [1.5], indirect=True)
+def stopping(gateway) -> bool:
+    """The gateway has taken in a SIGTERM/SIGINT: it logs that it stops, before closing its listener."""
+    return "egress gateway: stopping: no new connections" in gateway.log()
+
+
+def listener_closed(gateway) -> bool:
+    return f"proxy at {gateway.host}:{gateway.port} stopped." in gateway.log()
+
+
 def test_sigterm_drains_in_flight_requests(tmp_path, upstreams, pki, slow_upstream):
     gateway, metrics = gateway_with_metrics(tmp_path, upstreams, pki, rules(slow_upstream.port),
                                             args=["--drain-timeout", "10"])
@@ -98,14 +110,15 @@ def test_sigterm_drains_in_flight_requests(tmp_path, upstreams, pki, slow_upstre
     assert slow_upstream.arrived.wait(5), gateway.log()
     started = time.monotonic()
     gateway.process.send_signal(signal.SIGTERM)
-    # it stops accepting at once, and says it is not ready any more (the endpoint stays up meanwhile)
-    deadline = time.monotonic() + 1.0
-    while not refuses_connections(gateway):
-        assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
-        time.sleep(0.02)
+    # it stops accepting while the request is still in flight (held by the upstream), and says it
+    # is not ready any more (the endpoint stays up meanwhile)
+    wait_for(lambda: listener_closed(gateway), what="the listener's stopped line", detail=gateway.log)
+    assert refuses_connections(gateway), "still accepting connections after SIGTERM"
     status, _, body = fetch(metrics + "/readyz")
     assert status == 503 and "draining" in body, body
+    assert thread.is_alive() and not outcome
     # the request in flight completes, whole
+    slow_upstream.released.set()
     thread.join(10)
     assert "response" in outcome, outcome
     assert outcome["response"].status == 200 and outcome["response"].body == BODY
@@ -117,7 +130,6 @@ def test_sigterm_drains_in_flight_requests(tmp_path, upstreams, pki, slow_upstre
     assert [(a["event"], a["decision"], a["path"]) for a in lines] == [("request", "allow", "/slow")]
 
 
-@pytest.mark.parametrize("slow_upstream", [6.0], indirect=True)
 def test_drain_timeout_cuts_what_is_left(tmp_path, upstreams, pki, slow_upstream):
     gateway, _ = gateway_with_metrics(tmp_path, upstreams, pki, rules(slow_upstream.port),
                                       args=["--drain-timeout", "0.5"])
@@ -132,7 +144,6 @@ def test_drain_timeout_cuts_what_is_left(tmp_path, upstreams, pki, slow_upstream
     assert "error" in outcome or outcome["response"].status != 200
 
 
-@pytest.mark.parametrize("slow_upstream", [6.0], indirect=True)
 def test_a_second_signal_exits_at_once(tmp_path, upstreams, pki, slow_upstream):
     gateway, _ = gateway_with_metrics(tmp_path, upstreams, pki, rules(slow_upstream.port),
                                       args=["--drain-timeout", "30"])
@@ -140,8 +151,8 @@ def test_a_second_signal_exits_at_once(tmp_path, upstreams, pki, slow_upstream):
     assert slow_upstream.arrived.wait(5), gateway.log()
     started = time.monotonic()
     gateway.process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    assert gateway.process.poll() is None  # draining
+    wait_for(lambda: stopping(gateway), what="the gateway to take in the SIGTERM", detail=gateway.log)
+    assert gateway.process.poll() is None  # draining (the upstream holds the request till teardown)
     gateway.process.send_signal(signal.SIGINT)
     assert gateway.process.wait(5) == 0
     assert time.monotonic() - started < 3

@@ -12,6 +12,7 @@ import urllib.parse
 import pytest
 
 from tests.support.gateway import free_port
+from tests.support.waiting import wait_for
 
 from .conftest import (
     connect_status,
@@ -135,15 +136,12 @@ def test_request_bodies_count_as_sent(gw):
 def test_active_connections_gauge(gw):
     import socket
 
+    def active() -> float:
+        return value(scrape(gw.metrics_base), "egress_active_connections", mode="regular")
+
     with socket.create_connection((gw.host, gw.port)):
-        deadline = time.monotonic() + 3
-        while value(scrape(gw.metrics_base), "egress_active_connections", mode="regular") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    deadline = time.monotonic() + 3
-    while value(scrape(gw.metrics_base), "egress_active_connections", mode="regular") != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        wait_for(lambda: active() >= 1, what="egress_active_connections to count the connection")
+    wait_for(lambda: active() == 0, what="egress_active_connections back to 0")
 
 
 def test_text_and_openmetrics_formats(gw):
@@ -209,29 +207,28 @@ def test_a_real_prometheus_scrapes_the_gateway(gw, tmp_path):
         assert status == 200, body
         return json.loads(body)["data"]["result"]
 
-    def wait_for(what, check, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        while True:
+    def prometheus(what, check, timeout=20.0):
+        """wait_for `check()` of Prometheus's API (unreachable counts as not yet), failing at once if
+        Prometheus exits."""
+        def checked():
             if process.poll() is not None:
                 raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
             try:
-                result = check()
-                if result:
-                    return result
+                return check()
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}: {(tmp_path / 'prometheus.log').read_text()}")
-            time.sleep(0.2)
+                return None
+
+        return wait_for(checked, timeout, what, interval=0.2,
+                        detail=lambda: (tmp_path / "prometheus.log").read_text())
 
     try:
-        wait_for("prometheus ready", lambda: fetch(f"{api}/-/ready")[0] == 200)
+        prometheus("prometheus ready", lambda: fetch(f"{api}/-/ready")[0] == 200)
         assert proxy_get(gw, "http://allowed.test/through-prometheus").status == 200
         assert proxy_get(gw, "http://unlisted-host-xyz.test/").status == 403
         expected_allowed = value(scrape(gw.metrics_base), "egress_requests_total", rule="plain", decision="allow")
-        up = wait_for("up == 1", lambda: query('up{job="egress-gateway"} == 1'))
+        up = prometheus("up == 1", lambda: query('up{job="egress-gateway"} == 1'))
         assert up[0]["metric"]["instance"] == f"127.0.0.1:{gw.metrics_port}"
-        result = wait_for(
+        result = prometheus(
             "the request in egress_requests_total",
             lambda: [r for r in query('egress_requests_total{job="egress-gateway", rule="plain", decision="allow"}')
                      if float(r["value"][1]) >= expected_allowed],
@@ -244,12 +241,12 @@ def test_a_real_prometheus_scrapes_the_gateway(gw, tmp_path):
             groups = json.loads(fetch(f"{api}/api/v1/rules")[2])["data"]["groups"]
             rules = [r for g in groups for r in g["rules"]]
             return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else None
-        rules = wait_for("alert rules evaluated", rules_evaluated)
+        rules = prometheus("alert rules evaluated", rules_evaluated)
         assert {r["name"] for r in rules} >= {"EgressGatewayDown", "EgressDenySpike", "EgressPolicyReloadFailed"}
         assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
         # with the gateway scraped, "gateway down" resolves to inactive (it may be pending at first:
         # absent(up) holds until the first scrape)
-        wait_for("EgressGatewayDown inactive", lambda: [
+        prometheus("EgressGatewayDown inactive", lambda: [
             r for g in json.loads(fetch(f"{api}/api/v1/rules")[2])["data"]["groups"] for r in g["rules"]
             if r["name"] == "EgressGatewayDown" and r["state"] == "inactive" and r["health"] == "ok"])
     finally:
