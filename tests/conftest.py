@@ -43,7 +43,11 @@ class Upstreams:
             server.reset()
 
     def untouched(self, *names: str) -> bool:
-        return not any(s.touched for n in names for s in (self.tls.get(n), self.plain.get(n)) if s)
+        """Nothing reached these hosts, a connection still in an accept queue included."""
+        servers = [s for n in names for s in (self.tls.get(n), self.plain.get(n)) if s]
+        for server in servers:
+            server.settle()
+        return not any(s.touched for s in servers)
 
     def static_hosts_yaml(self) -> str:
         return "\n".join(f"    {name}: [{address}]" for name, address in self.hosts.items())

@@ -168,10 +168,12 @@ def assert_refused(response, status: int, reason: str, rule: str | None = None) 
 
 
 def assert_untouched(upstreams, *names: str) -> None:
-    """Not even a TCP connection reached these upstream hosts (TLS and plain servers)."""
+    """Not even a TCP connection reached these upstream hosts (TLS and plain servers), one still in
+    a server's accept queue included (`settle`)."""
     for name in names:
         for kind, servers in (("tls", upstreams.tls), ("plain", upstreams.plain)):
             server = servers[name]
+            server.settle()
             assert not server.touched, (
                 f"{name} ({kind}) was reached: {server.connections} connection(s), "
                 f"requests {[(r.method, r.path) for r in server.requests]}"

@@ -149,7 +149,9 @@ class RecordingUpstream:
     def settle(self, timeout: float = 5.0) -> None:
         """A fence: once this returns, every TCP connection that reached this server before the
         call has been accepted and counted. The kernel's accept queue is first in, first out, so a
-        probe connection of our own, once accepted (and not counted), comes after all of them."""
+        probe connection of our own, once accepted (and not counted), comes after all of them.
+        The probe binds to the server's own address: a server reachable from the test's network
+        namespace only (the e2e upstreams on loopback)."""
         with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
             probe.settimeout(timeout)
             probe.bind((self.host, 0))  # its address is known, and registered, before it connects
@@ -166,7 +168,6 @@ class RecordingUpstream:
 
     @property
     def touched(self) -> bool:
-        """Did anything at all reach this server (a TCP connection counts)? Fenced by settle(): a
-        connection still waiting in the accept queue counts too."""
-        self.settle()
+        """Did anything at all reach this server (a TCP connection counts)? Call settle() first to
+        count a connection still waiting in the accept queue too."""
         return self.connections > 0 or bool(self.requests)
