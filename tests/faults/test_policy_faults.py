@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
 
 import pytest
 
@@ -115,9 +114,11 @@ def test_broken_policy_keeps_the_old_one(reloading, upstreams, how):
 
 def test_a_valid_policy_after_a_broken_one_is_installed(reloading, upstreams):
     gateway = reloading
+    before = len(reload_errors(gateway))
     _deleted(gateway.policy)
     gateway.process.send_signal(signal.SIGHUP)
-    time.sleep(0.3)
+    wait_for(lambda: len(reload_errors(gateway)) > before, 6.0, "the deleted policy's reload error",
+             detail=lambda: gateway.log()[-2000:])
     _replace(gateway.policy, policy_text(upstreams, ALLOW_OTHER))
     gateway.process.send_signal(signal.SIGHUP)
     wait_for(lambda: status(gateway, "other.test") == 200, 6.0, "other.test to be allowed")

@@ -13,11 +13,11 @@ option says so below.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from tests.support import noisy
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.load
 
@@ -62,13 +62,17 @@ def _lines_after(world, source: str, start: int) -> list[dict]:
     return [e for e in world.gateway.audit()[start:] if str(e.get("client", "")).startswith(source + ":")]
 
 
-def _wait_for_reason(world, start: int, reason: str, timeout: float = noisy.TIMEOUT) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
+def _refusal_lines(world, start: int, reason: str) -> list[dict]:
+    """The attacker's audit lines after `start`, once one has `reason` (the refusal's line); all of
+    them after noisy.TIMEOUT if none has (the test's assertion then names the reasons seen)."""
+    def refused():
         lines = _lines_after(world, world.attacker, start)
-        if any(e.get("reason") == reason for e in lines) or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)  # polling the audit file for the line the refusal writes
+        return lines if any(e.get("reason") == reason for e in lines) else None
+
+    try:
+        return wait_for(refused, noisy.TIMEOUT, f"a {reason} line")
+    except AssertionError:
+        return _lines_after(world, world.attacker, start)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -85,17 +89,16 @@ def test_an_attack_is_refused_while_the_other_sandbox_is_served(world, name):
         holder = threading.Thread(target=lambda: outcomes.append(noisy.h2_held_streams(world, hold=hold, **kwargs)),
                                   daemon=True)
         holder.start()
-        lines = _wait_for_reason(world, start, reason)
+        lines = _refusal_lines(world, start, reason)
         hold.set()
         holder.join(noisy.TIMEOUT)
     else:
         outcomes = [noisy.ATTACKS[name](world, **kwargs)]
-        lines = _wait_for_reason(world, start, reason)
+        lines = _refusal_lines(world, start, reason)
     # B is served during and after the attack: a request that starts after the refusal completes
     after = len(victim.samples)
-    deadline = time.monotonic() + noisy.TIMEOUT
-    while len(victim.samples) <= after and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(victim.samples) > after, noisy.TIMEOUT, "a victim request after the refusal",
+             detail=lambda: repr(victim.errors))
     victim.stop()
     assert world.gateway.process.poll() is None, world.gateway.log()[-3000:]
     assert any(e.get("reason") == reason for e in lines), (sorted({e.get("reason") for e in lines}), outcomes)
