@@ -14,7 +14,6 @@ import os
 import re
 import socket
 import struct
-import time
 from pathlib import Path
 
 from tests.support.waiting import wait_for  # noqa: F401  (the worker suites call procs.wait_for)
@@ -135,15 +134,17 @@ def owner(sock: socket.socket, server_port: int, pids, timeout: float = 5.0) -> 
     candidates = pids if callable(pids) else (lambda: pids)
     client = sock.getsockname()[:2]
     client = (client[0][7:] if client[0].startswith("::ffff:") else client[0], client[1])
-    deadline = time.monotonic() + timeout
-    while True:
-        inodes = {inode for local, remote, _state, inode in tcp_table()
-                  if local[1] == server_port and remote == client and inode}
+    inodes: set = set()
+
+    def holder() -> int | None:
+        inodes.clear()
+        inodes.update(inode for local, remote, _state, inode in tcp_table()
+                      if local[1] == server_port and remote == client and inode)
         if inodes:
             for pid in candidates():
                 if socket_inodes(pid) & inodes:
                     return pid
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no process among {candidates()} holds the server side of {client} -> :{server_port} "
-                                 f"(inodes {inodes})")
-        time.sleep(0.02)
+        return None
+
+    return wait_for(holder, timeout, f"a process among {candidates()} holding the server side of {client} -> "
+                    f":{server_port}", interval=0.02, detail=lambda: f"(inodes {inodes})")

@@ -56,7 +56,9 @@ def scrape_every_worker(gateway, at_least: int = 2, max_scrapes: int = 200) -> l
     return scrapes
 
 
-def wait_for_total(gateway, expected: float, name: str, timeout: float = SETTLE, **labels) -> None:
+def total_reaches(gateway, expected: float, name: str, **labels) -> dict:
+    """The arguments of `procs.wait_for(**...)`: until a scrape's total of `name` (with `labels`) is
+    `expected`; a failure names the last scrapes (pid, value)."""
     last = []
 
     def settled():
@@ -64,10 +66,8 @@ def wait_for_total(gateway, expected: float, name: str, timeout: float = SETTLE,
         last.append((pid, total(samples, name, **labels)))
         return last[-1][1] == expected
 
-    try:
-        procs.wait_for(settled, timeout, interval=0.1)
-    except AssertionError:
-        raise AssertionError(f"{name}{labels} never reached {expected}: last scrapes (pid, value) {last[-6:]}") from None
+    return dict(predicate=settled, timeout=SETTLE, what=f"{name}{labels} to reach {expected}", interval=0.1,
+                detail=lambda: f"last scrapes (pid, value) {last[-6:]}")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_every_scrape_counts_the_requests_of_all_workers(metered):
     k, d = base_allow + len(allowed), base_deny + len(denied)
     assert all(len(v) >= 3 for v in by_worker(allowed).values())
 
-    wait_for_total(gateway, k, "egress_requests_total", decision="allow")
+    procs.wait_for(**total_reaches(gateway, k, "egress_requests_total", decision="allow"))
     for pid, samples, text in scrape_every_worker(gateway):
         assert allow_total(samples) == k, (
             f"scrape answered by worker {pid}: allow={allow_total(samples)}, expected {k} "
@@ -143,12 +143,12 @@ def test_live_gauges_sum_the_live_workers_and_counters_keep_a_dead_workers_count
     counting. Counters are totals over the gateway's life: a restarted worker's earlier requests
     still count (a merged counter that dropped them would go backwards for Prometheus)."""
     gateway = metered
-    wait_for_total(gateway, 0, "egress_active_connections")
+    procs.wait_for(**total_reaches(gateway, 0, "egress_active_connections"))
     allowed_before = agreed_total(gateway, "egress_requests_total", decision="allow")
     tunnels = _open_tunnels(gateway, per_worker=2)
     try:
         m = len(tunnels)
-        wait_for_total(gateway, m, "egress_active_connections")
+        procs.wait_for(**total_reaches(gateway, m, "egress_active_connections"))
         for pid, samples, _ in scrape_every_worker(gateway, at_least=1):
             assert total(samples, "egress_active_connections") == m, f"worker {pid}: {samples}"
 
@@ -158,7 +158,7 @@ def test_live_gauges_sum_the_live_workers_and_counters_keep_a_dead_workers_count
         os.kill(victim, signal.SIGKILL)
         procs.wait_for(lambda: procs.gone(victim_id), 5, what="the killed worker to exit")
         gateway.wait_serving(2, 15)
-        wait_for_total(gateway, m - held, "egress_active_connections")
+        procs.wait_for(**total_reaches(gateway, m - held, "egress_active_connections"))
         for pid, samples, _ in scrape_every_worker(gateway, at_least=1):
             assert total(samples, "egress_active_connections") == m - held, (
                 f"after killing worker {victim} (it held {held} of {m} connections), worker {pid} reports "
@@ -169,6 +169,6 @@ def test_live_gauges_sum_the_live_workers_and_counters_keep_a_dead_workers_count
     finally:
         for conn, _ in tunnels:
             conn.close()
-    wait_for_total(gateway, 0, "egress_active_connections")
+    procs.wait_for(**total_reaches(gateway, 0, "egress_active_connections"))
     more = probe_until_every_worker(gateway, lambda: probe_http(gateway, "allowed.test", "/k2"))
-    wait_for_total(gateway, allowed_before + len(more), "egress_requests_total", decision="allow")
+    procs.wait_for(**total_reaches(gateway, allowed_before + len(more), "egress_requests_total", decision="allow"))

@@ -231,11 +231,8 @@ def _converge(gateway, probe_new, is_new, is_old) -> dict[int, int]:
     pids = gateway.serving_pids()
     flipped: set[int] = set()
     seen: dict[int, int] = {}
-    deadline = time.monotonic() + CONVERGE_WITHIN
-    while flipped != set(pids):
-        assert time.monotonic() < deadline, (
-            f"after {CONVERGE_WITHIN:g}s only workers {sorted(flipped)} of {pids} follow the new policy "
-            f"(probes per worker {seen})")
+
+    def converged() -> bool:  # one probe per call
         probe = probe_new()
         seen[probe.worker] = seen.get(probe.worker, 0) + 1
         if is_new(probe):
@@ -243,7 +240,10 @@ def _converge(gateway, probe_new, is_new, is_old) -> dict[int, int]:
         else:
             assert is_old(probe), f"neither the old nor the new policy's answer: {probe}"
             assert probe.worker not in flipped, f"worker {probe.worker} went back to the old policy: {probe}"
-        time.sleep(0.02)
+        return flipped == set(pids)
+
+    procs.wait_for(converged, CONVERGE_WITHIN, "every worker to follow the new policy", interval=0.02,
+                   detail=lambda: f"only workers {sorted(flipped)} of {pids} do (probes per worker {seen})")
     return seen
 
 

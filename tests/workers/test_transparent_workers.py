@@ -126,18 +126,20 @@ class NamespacedWorkerGateway(WorkerGateway):
     def owner(self, sock: socket.socket, server_port: int, timeout: float = 5.0) -> int:
         """The worker holding the server side of the sandbox socket `sock` (see procs.owner)."""
         client = sock.getsockname()[:2]
-        deadline = time.monotonic() + timeout
-        while True:
-            inodes = {inode for local, remote, _state, inode in _ns_table(self.pid, "tcp")
-                      if local[1] == server_port and remote == client and inode}
+        inodes: set = set()
+
+        def holder() -> int | None:
+            inodes.clear()
+            inodes.update(inode for local, remote, _state, inode in _ns_table(self.pid, "tcp")
+                          if local[1] == server_port and remote == client and inode)
             if inodes:
                 for pid in self.worker_pids():
                     if procs.socket_inodes(pid) & inodes:
                         return pid
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no worker among {self.worker_pids()} holds the server side of "
-                                     f"{client} -> :{server_port} (inodes {inodes})")
-            time.sleep(0.02)
+            return None
+
+        return procs.wait_for(holder, timeout, f"a worker holding the server side of {client} -> :{server_port}",
+                              interval=0.02, detail=lambda: f"workers {self.worker_pids()}, inodes {inodes}")
 
 
 @dataclass
@@ -156,15 +158,17 @@ class Net:
 
     def audit_for(self, clients: set[str], wait: float = 5.0, **match) -> dict[str, list[dict]]:
         """Audit lines of each client (ip:port) matching `match`, waiting until every client has one."""
-        deadline = time.monotonic() + wait
-        while True:
+        def lines() -> dict[str, list[dict]]:
             found: dict[str, list[dict]] = {}
             for entry in self.gateway.audit_entries():
                 if entry.get("client") in clients and all(entry.get(k) == v for k, v in match.items()):
                     found.setdefault(entry["client"], []).append(entry)
-            if set(found) >= clients or time.monotonic() > deadline:
-                return found
-            time.sleep(0.05)
+            return found
+
+        try:
+            return procs.wait_for(lambda: (found,) if set(found := lines()) >= clients else None, wait)[0]
+        except AssertionError:
+            return lines()  # some client has none: the caller's assertion names it
 
 
 @pytest.fixture(scope="module")
@@ -424,12 +428,10 @@ def test_killing_worker_0_restarts_dns_while_worker_1_keeps_serving_https(net):
     during: list[Probe] = []
     answered_after = listening_after = None
     replacement = None
-    while answered_after is None or listening_after is None or len(during) < 5:
+
+    def restarted() -> bool:  # one HTTPS request (and a DNS query until answered) per call
+        nonlocal answered_after, listening_after, replacement
         elapsed = time.monotonic() - killed_at
-        assert elapsed < RESTART_WITHIN, (
-            f"{RESTART_WITHIN:g}s after killing worker 0: DNS answered after {answered_after}, a new worker 0 "
-            f"listened after {listening_after}; workers now {gateway.worker_pids()}, DNS socket "
-            f"{gateway.dns_pids()}\n{log_tail(gateway, 20)}")
         probe = https(net, f"/during/{len(during)}")
         during.append(probe)
         assert probe.status == 200, f"HTTPS {elapsed:.2f}s after the kill failed: {probe}\n{log_tail(gateway, 20)}"
@@ -439,7 +441,12 @@ def test_killing_worker_0_restarts_dns_while_worker_1_keeps_serving_https(net):
             new = [p for p in gateway.worker_pids() if p not in (zero, one)]
             if new:
                 replacement, listening_after = new[0], time.monotonic() - killed_at
-        time.sleep(0.05)
+        return answered_after is not None and listening_after is not None and len(during) >= 5
+
+    procs.wait_for(restarted, RESTART_WITHIN - (time.monotonic() - killed_at), "DNS and a new worker 0 after the kill",
+                   detail=lambda: f"DNS answered after {answered_after}, a new worker 0 listened after "
+                                  f"{listening_after}; workers now {gateway.worker_pids()}, DNS socket "
+                                  f"{gateway.dns_pids()}\n{log_tail(gateway, 20)}")
 
     assert procs.running(one_id), "worker 1 was restarted too"
     served_by = {p.worker for p in during}
