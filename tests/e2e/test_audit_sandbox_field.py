@@ -6,12 +6,12 @@ its id, or null."""
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 
 from addons.audit_fields import fallback_fields
 from tests.e2e.helpers import Conn
+from tests.support.waiting import wait_for
 
 RULES = """
 - id: plain
@@ -34,13 +34,10 @@ def _from(gateway, source: str) -> Conn:
 
 
 def _refusal(gateway, reason: str, client_ip: str, wait: float = 5.0) -> dict:
-    deadline = time.monotonic() + wait
-    while True:
-        lines = [a for a in gateway.audit() if a.get("reason") == reason and a["client"].startswith(client_ip + ":")]
-        if lines or time.monotonic() > deadline:
-            assert lines, gateway.audit()[-5:]
-            return lines[0]
-        time.sleep(0.02)
+    return wait_for(lambda: [a for a in gateway.audit()
+                             if a.get("reason") == reason and a["client"].startswith(client_ip + ":")],
+                    wait, f"a {reason} line of {client_ip}", interval=0.02,
+                    detail=lambda: repr(gateway.audit()[-5:]))[0]
 
 
 LIMITS = {
@@ -108,9 +105,7 @@ def test_the_line_cap_is_an_option(start_gateway, upstreams):
         assert get(conn, "http://allowed.test/" + "p" * 2000 + "?q=" + "x" * 2000, "allowed.test",
                    extra=[("X-Pad", "y")]).status == 200
         client = conn.client
-    deadline = time.monotonic() + 5
-    while not [a for a in gateway.audit() if a["client"] == client] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: [a for a in gateway.audit() if a["client"] == client], 5, f"the audit lines of {client}")
     raws = [raw for raw in gateway.audit_path.read_bytes().splitlines() if client.encode() in raw]
     assert raws and all(len(raw) <= 4096 for raw in raws), [len(r) for r in raws]
     assert "path" in __import__("json").loads(raws[0])["truncated"]

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, start_tls, tunnel
+from tests.support.waiting import wait_for
 
 STALL_OCTET = 210
 RULES = """
@@ -88,7 +89,7 @@ class StallingOrigin:
                     client.sendall(self.answer)
                     if self.drip:
                         for _ in range(self.times):
-                            time.sleep(self.every)
+                            time.sleep(self.every)  # not synchronisation: the slow origin under test drips
                             client.sendall(self.drip)
                         client.sendall(self.end)
         except OSError:
@@ -132,15 +133,6 @@ def gateway_with(start_gateway, stall_address):
     return start
 
 
-def _wait(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def _post_head(target: str, host: str, length: int) -> bytes:
     return f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/octet-stream\r\n" \
            f"Content-Length: {length}\r\n\r\n".encode()
@@ -166,7 +158,7 @@ def test_a_stalled_streamed_request_body_is_408_and_its_upstream_stream_aborted(
     gateway = gateway_with("egress_body_idle_timeout=1", "stream_large_bodies=1k")
     conn = connect_proxy(gateway, timeout=10)
     conn.send(_post_head("http://stall.test/upload", "stall.test", 100_000) + b"x" * 5000)
-    assert _wait(lambda: upstream.received >= 5000)  # it streamed
+    wait_for(lambda: upstream.received >= 5000, 10.0, "5,000 bytes upstream")  # it streamed
     response = conn.read_response()
     assert (response.status, response.egress_reason) == (408, "request_body_timeout"), response
     assert upstream.closed.wait(5)  # the origin's request was abandoned unfinished
@@ -257,9 +249,9 @@ def test_a_request_body_over_the_connection_budget_streams_instead_of_growing(ga
     gateway = gateway_with("egress_max_buffered_bytes_per_connection=2000")
     conn = connect_proxy(gateway, timeout=10)
     conn.send(_post_head("http://stall.test/upload", "stall.test", 5000) + b"x" * 3000)
-    assert _wait(lambda: upstream.received >= 3000), upstream.received
+    wait_for(lambda: upstream.received >= 3000, 10.0, "3,000 bytes upstream", detail=lambda: repr(upstream.received))
     conn.send(b"x" * 2000)
-    assert _wait(lambda: upstream.received >= 5000), upstream.received
+    wait_for(lambda: upstream.received >= 5000, 10.0, "5,000 bytes upstream", detail=lambda: repr(upstream.received))
 
 
 def test_a_request_body_over_the_sandbox_budget_streams_and_the_other_connection_still_completes(
@@ -270,11 +262,13 @@ def test_a_request_body_over_the_sandbox_budget_streams_and_the_other_connection
     gateway = gateway_with("egress_max_buffered_bytes_per_sandbox=3000")
     first = connect_proxy(gateway, timeout=10)
     first.send(_post_head("http://allowed.test/upload", "allowed.test", 2500) + b"a" * 2000)
-    _wait(lambda: False, 0.5)  # nothing observable: the first body is buffered (no upstream connection)
+    # The first body is buffered (no upstream connection): its request line is written when its
+    # head is decided, and the 2,000 bytes came in the same write (one loopback segment).
+    wait_for(lambda: audit_for(gateway, first.client, wait=0), what="the first request's audit line")
     assert upstreams.untouched("allowed.test")
     second = connect_proxy(gateway, timeout=10)
     second.send(_post_head("http://stall.test/upload", "stall.test", 5000) + b"b" * 1500)
-    assert _wait(lambda: upstream.received >= 1500), upstream.received
+    wait_for(lambda: upstream.received >= 1500, 10.0, "1,500 bytes upstream", detail=lambda: repr(upstream.received))
     first.send(b"a" * 500)
     assert first.read_response().status == 200
 
@@ -336,7 +330,8 @@ def test_http2_streams_over_the_connection_budget_do_not_all_stay_buffered(gatew
             client.h2.send_data(sid, b"x" * window)
             sent += window
             client._flush()
-    assert _wait(lambda: upstream.connections >= 1 and upstream.received > 0), (upstream.connections, upstream.received)
+    wait_for(lambda: upstream.connections >= 1 and upstream.received > 0, 10.0, "a connection and bytes upstream",
+             detail=lambda: repr((upstream.connections, upstream.received)))
 
 
 # -- bytes a client sends ahead of its answer (HTTP/1 pipelining) ----------------------------------
@@ -362,7 +357,7 @@ def test_bytes_pipelined_behind_a_request_in_flight_are_bounded(gateway_with, or
     gateway = gateway_with("egress_max_head_bytes=4096")
     conn = connect_proxy(gateway, timeout=10)
     conn.send(b"GET http://stall.test/slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
-    assert _wait(lambda: upstream.heads)
+    wait_for(lambda: upstream.heads, 10.0, "a request head upstream")
     _send_ahead(conn, 64 * 4096)
     response = conn.read_response()
     assert (response.status, response.egress_reason) == (431, "pipeline_too_large"), response
@@ -401,7 +396,7 @@ def test_bytes_pipelined_in_a_tunnel_are_bounded(gateway_with, origin, pki, stal
     assert answer.status == 200
     tls = start_tls(conn, gateway, "stall.test", alpn=["http/1.1"])
     tls.send(b"GET /slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
-    assert _wait(lambda: upstream.heads)
+    wait_for(lambda: upstream.heads, 10.0, "a request head upstream")
     _send_ahead(tls, 64 * 4096)
     response = tls.read_response()
     assert (response.status, response.egress_reason) == (431, "pipeline_too_large"), response
@@ -493,7 +488,8 @@ def test_a_websocket_message_being_reassembled_is_charged_to_the_buffer_budget(g
     assert 1000000 < lines[-1]["size"] <= 1000000 + 65536, lines
     with _upgraded(gateway) as second:  # the same sandbox: its budget was given back
         second.send(_ws_frame(2, b"D" * 900000, fin=True))
-        assert _wait(lambda: upstream.received >= 900000, 10), upstream.received
+        wait_for(lambda: upstream.received >= 900000, 10, "900,000 bytes upstream",
+                 detail=lambda: repr(upstream.received))
 
 
 def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_with, origin):
@@ -503,7 +499,8 @@ def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_wi
     piece = b"B" * (1 << 20)
     for _ in range(200):  # 200 MiB
         conn.send(_ws_frame(2, piece, fin=True))
-    assert _wait(lambda: upstream.received >= 200 * (1 << 20), 60), upstream.received
+    wait_for(lambda: upstream.received >= 200 * (1 << 20), 60, "200 MiB upstream",
+             detail=lambda: repr(upstream.received))
     rss = int(next(line.split()[1] for line in open(f"/proc/{gateway.process.pid}/status")
                    if line.startswith("VmRSS:")))
     assert rss < 150 * 1024, rss  # KiB: it held all 200 MiB before

@@ -23,6 +23,7 @@ import pytest
 from tests.e2e.helpers import (  # noqa: F401  (fixtures)
     H2Client, audit_for, extra_static_hosts, fresh_upstreams, get, shared_gateway, tls_tunnel,
 )
+from tests.support.waiting import wait_for
 
 MAX_STREAMS = 10
 MAX_RESETS = 100
@@ -148,12 +149,17 @@ def _headers(authority: str, path: str, method: str = "GET", extra: list | None 
 
 def _refusals(gateway, client: str, reason: str, total: int) -> list[dict]:
     """The audit lines of one connection with `reason`, once their `repeated` counts add up to `total`."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        lines = [a for a in gateway.audit_since_mark() if a.get("client") == client and a.get("reason") == reason]
-        if sum(a.get("repeated") or 1 for a in lines) >= total or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+    def lines() -> list[dict]:
+        return [a for a in gateway.audit_since_mark() if a.get("client") == client and a.get("reason") == reason]
+
+    def counted() -> tuple[list[dict]] | None:
+        found = lines()
+        return (found,) if sum(a.get("repeated") or 1 for a in found) >= total else None
+
+    try:
+        return wait_for(counted, WAIT, f"{total} {reason} refusals")[0]
+    except AssertionError:
+        return lines()  # fewer: the caller's assertion says how many
 
 
 def test_streams_over_the_concurrency_limit_are_refused_and_the_connection_goes_on(gateway, upstreams):

@@ -14,6 +14,7 @@ import socket
 import time
 
 from tests.e2e.helpers import H2Client, audit_for, build_request, connect_proxy, tls_tunnel, start_tls, tunnel
+from tests.support.waiting import wait_for
 
 SLOW = "0.001"  # tokens a second: nothing refills during a test
 
@@ -56,12 +57,11 @@ def _get(conn, url: str, method: str = "GET", headers: list | None = None, body:
 
 
 def _lines(gateway, reason: str, wait: float = 2.0) -> list[dict]:
-    deadline = time.monotonic() + wait
-    while True:
-        lines = [a for a in gateway.audit() if a.get("reason") == reason]
-        if lines or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.02)
+    """The audit lines with `reason`, once there is one (after `wait` s: none)."""
+    try:
+        return wait_for(lambda: [a for a in gateway.audit() if a.get("reason") == reason], wait, reason, interval=0.02)
+    except AssertionError:
+        return []
 
 
 # --- the gateway-wide defence ---------------------------------------------------------------
@@ -290,10 +290,8 @@ def test_upload_budget_cuts_off_a_streamed_body_before_its_end(start_gateway, up
         conn = connect_proxy(gateway)
         conn.send(b"POST http://sink.test/stream HTTP/1.1\r\nHost: sink.test\r\nContent-Type: application/octet-stream"
                   b"\r\nTransfer-Encoding: chunked\r\n\r\n" + b"258\r\n" + b"a" * 600 + b"\r\n")
-        deadline = time.monotonic() + 3
-        while b"a" * 600 not in sink.received:  # the first 600 bytes stream upstream
-            assert time.monotonic() < deadline, sink.received[:300]
-            time.sleep(0.02)
+        wait_for(lambda: b"a" * 600 in sink.received, 3, "the first 600 bytes upstream (streamed)",
+                 detail=lambda: repr(sink.received[:300]))
         conn.send(b"258\r\n" + b"b" * 600 + b"\r\n0\r\n\r\n")
         response = conn.read_response()
         assert (response.status, response.egress_reason) == (429, "upload_quota_exceeded")
@@ -473,10 +471,8 @@ def test_a_reload_keeps_the_counters_of_the_limits_it_keeps(start_gateway, upstr
         tmp.write_text(policy_text(upstreams, text, _sandboxes(upstreams)))
         os.replace(tmp, gateway.policy)
         gateway.process.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 8
-        while len([a for a in gateway.audit() if a["event"] == "policy_reload"]) == before:
-            assert time.monotonic() < deadline, gateway.log()[-2000:]
-            time.sleep(0.05)
+        wait_for(lambda: len([a for a in gateway.audit() if a["event"] == "policy_reload"]) > before, 8,
+                 "the reload's line", detail=lambda: gateway.log()[-2000:])
 
     with connect_proxy(gateway) as conn:
         assert [_get(conn, f"http://allowed.test/{i}").status for i in range(2)] == [200, 200]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 
 import pytest
 
 from tests.e2e.helpers import shared_gateway, tunnel
+from tests.support.waiting import wait_for
 from tests.transparent.clients import wait_closed
 
 RULES = """
@@ -57,13 +57,12 @@ def open_fds(gateway) -> int:
 
 
 def settle(gateway, at_most: int, deadline: float = 15.0) -> int:
-    """Polls the gateway's descriptor count until it is at most `at_most` (or the deadline)."""
-    end = time.monotonic() + deadline
-    while True:
-        count = open_fds(gateway)
-        if count <= at_most or time.monotonic() > end:
-            return count
-        time.sleep(0.05)
+    """The gateway's descriptor count once it is at most `at_most` (or, after `deadline`, as it is)."""
+    try:
+        return wait_for(lambda: (count,) if (count := open_fds(gateway)) <= at_most else None, deadline,
+                        f"at most {at_most} descriptors")[0]
+    except AssertionError:
+        return open_fds(gateway)
 
 
 def refused_bursts(gateway, burst: bytes, through_tunnel: bool) -> None:
