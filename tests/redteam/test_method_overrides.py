@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 import zlib
 
 import pytest
@@ -296,12 +295,11 @@ def test_override_at_the_end_of_a_streamed_body(rt):
 def _audit_lines(gateway, client: str, event: str, wait: float = 2.0) -> list[dict]:
     """The audit lines of one client connection with this event, polling the audit file up to
     `wait` s for the first of them."""
-    deadline = time.monotonic() + wait
-    while True:
-        lines = [a for a in audit_for(gateway, client, wait=0) if a["event"] == event]
-        if lines or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.02)
+    try:
+        return wait_for(lambda: [a for a in audit_for(gateway, client, wait=0) if a["event"] == event], wait,
+                        f"a {event} line of {client}", interval=0.02)
+    except AssertionError:
+        return []
 
 
 def test_override_inside_a_chunked_body_split_across_chunks(rt):

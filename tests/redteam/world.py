@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support import waiting
 from tests.support.gateway import GatewayProcess
 from tests.support.pki import TestPKI
 from tests.support.topology import (
@@ -103,14 +103,12 @@ class _Gateway(GatewayProcess):
     """Ready when every listener logged " listening at " (cheaper than probing from a new process)."""
 
     def _wait_prefixed(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def listening() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.process.returncode}")
-            if self.log().count(" listening at ") >= 3:
-                return
-            time.sleep(0.05)
-        raise TimeoutError("the namespaced gateway did not listen")
+            return self.log().count(" listening at ") >= 3
+
+        waiting.wait_for(listening, 60, "the namespaced gateway's three listening lines")
 
 
 @dataclass
@@ -142,13 +140,17 @@ class World:
     def audit_mark(self) -> int:
         return len(self.gateway.audit())
 
-    def audit_since(self, mark: int, wait_for: int = 1, **match) -> list[dict]:
-        deadline = time.monotonic() + 3
-        while True:
-            lines = [e for e in self.gateway.audit()[mark:] if all(e.get(k) == v for k, v in match.items())]
-            if len(lines) >= wait_for or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.05)
+    def audit_since(self, mark: int, count: int = 1, **match) -> list[dict]:
+        """Audit lines after `mark` whose fields equal `match`, once there are `count` (after 3 s:
+        as many as there are; the caller's assertion says what is missing)."""
+        def lines() -> list[dict]:
+            return [e for e in self.gateway.audit()[mark:] if all(e.get(k) == v for k, v in match.items())]
+
+        try:
+            return waiting.wait_for(lambda: (found,) if len(found := lines()) >= count else None, 3,
+                                    f"{count} audit line(s) with {match}")[0]
+        except AssertionError:
+            return lines()
 
 
 def build_world():
@@ -191,10 +193,8 @@ def build_world():
                            extra_args=["--mode", f"transparent@0.0.0.0:{TPROXY}", "--mode", f"dns@0.0.0.0:{DNS}",
                                        "--metrics", f"127.0.0.1:{METRICS}"])
         gateway.start()
-        deadline = time.monotonic() + 15
-        while dns_query(topology, sandbox.ns, sandbox.gateway_address, "probe.invalid", "A", timeout=0.5) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway's DNS does not answer the sandbox")
+        waiting.wait_for(lambda: dns_query(topology, sandbox.ns, sandbox.gateway_address, "probe.invalid", "A",
+                                           timeout=0.5) is not None, 15, "the gateway's DNS to answer the sandbox")
         topology.check_closed()
         topology.reset()
         yield World(topology, sandbox, gateway)
