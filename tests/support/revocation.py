@@ -16,7 +16,6 @@ bound, never a sleep that hopes something happened.
 from __future__ import annotations
 
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import pytest
 from tests.conftest import policy_text
 from tests.e2e.helpers import extra_static_hosts
 from tests.support.gateway import GatewayProcess
+from tests.support.waiting import wait_for
 from tests.support.watched import WatchedServer, WebSocketOrigin
 
 WAIT = 10.0
@@ -128,15 +128,11 @@ class ReloadableGateway:
         return [e for e in self.process.audit() if all(e.get(k) == v for k, v in match.items())]
 
     def wait(self, predicate, what: str, timeout: float = WAIT):
-        """Poll the audit log until `predicate()` is true (the event happened); fail naming `what`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if predicate():
-                return self.lines(event="policy_reload", result="ok")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} never appeared; audit tail: {self.process.audit()[-6:]}\n"
-                                     f"log tail: {self.process.log()[-3000:]}")
-            time.sleep(0.02)
+        """wait_for `predicate()` (the event happened), failing with the audit and log tails; the
+        policy_reload ok lines."""
+        wait_for(predicate, timeout, what, interval=0.02,
+                 detail=lambda: f"audit tail: {self.process.audit()[-6:]}\nlog tail: {self.process.log()[-3000:]}")
+        return self.lines(event="policy_reload", result="ok")
 
     def revoked(self, count: int = 1, **match) -> list[dict]:
         """Wait for `count` revocation lines (event connection, reason revoked) matching `match`."""

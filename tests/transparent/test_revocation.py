@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import ssl
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ from tests.netns.lab import read_response
 from .clients import http_request, wait_closed
 from .conftest import REVOKE_POLICY
 from tests.support.topology import ALLOWED, OTHER, TCP_HOST
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.netns
 
@@ -44,12 +44,8 @@ class Reloader:
         self.wait(lambda: self.ok_lines() > before, "the policy_reload line")
 
     def wait(self, predicate, what: str):
-        deadline = time.monotonic() + WAIT
-        while not (found := predicate()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} never appeared; audit tail {self.site.gateway.audit()[-5:]}")
-            time.sleep(0.02)
-        return found
+        return wait_for(predicate, WAIT, what, interval=0.02,
+                        detail=lambda: f"audit tail {self.site.gateway.audit()[-5:]}")
 
     def revoked(self, mark: int, **match) -> list[dict]:
         match = {"event": "connection", "reason": "revoked", **match}
