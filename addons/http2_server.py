@@ -41,6 +41,11 @@ def _data_bytes(event) -> int:
     return len(event.data) if isinstance(event, h2.events.DataReceived) else 0
 
 
+def _stream_of(event) -> int | None:
+    """The stream an h2 event belongs to (None or 0: the connection itself)."""
+    return getattr(event, "stream_id", None)
+
+
 def _opens_request(event) -> bool:
     return isinstance(event, h2.events.RequestReceived)
 
@@ -59,7 +64,8 @@ class GatewayHttp2Server(Http2Server):
     - the per-connection budgets of gateway/h2budget.py apply (options: addons/h2_limits.py):
       concurrent streams (over: RST_STREAM REFUSED_STREAM, `too_many_streams`), resets in a sliding
       window (over: GOAWAY ENHANCE_YOUR_CALM and close, `reset_flood`), and request-body bytes held
-      in memory (a stream whose next DATA frame would pass the budget gets 503 `buffer_budget`);
+      in memory (a stream whose next DATA frame would pass the budget gets 503 `buffer_budget`, as
+      do, heaviest first, the streams whose DATA waits in the backlog past the buffer budget);
       a stream the client reset before its HEADERS were handled never becomes a request. Refused
       streams are audited at most once per second and reason, with a `repeated` count;
     - one read's HTTP/2 events are handled through a backlog, at most STREAMS_PER_STEP new requests
@@ -131,7 +137,7 @@ class GatewayHttp2Server(Http2Server):
             return
         h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
         if isinstance(event, events.DataReceived) and event.connection is self.conn and not self._closing:
-            if not self._charge_pending_frames():
+            if not self._charge_pending_frames() and not (yield from self._shed_backlog()):
                 yield from self._over_budget()
                 return
         if (wait := self._pending_wait()) is not None:
@@ -168,6 +174,25 @@ class GatewayHttp2Server(Http2Server):
         elif pending > account.held:
             return account.reserve(pending - account.held)
         return True
+
+    def _shed_backlog(self) -> layer.CommandGenerator[bool]:
+        """Over the buffer budget with DATA waiting in the backlog: the streams it waits for are
+        refused, heaviest first (503 `buffer_budget`, the rest of their body reset, the windows of
+        what they sent given back), until what is left fits. One stream's body no longer ends the
+        connection and every other stream on it (a 1 MiB budget and 100 uploads GOAWAYed them all).
+        True: it fits now, or the connection is closing anyway (a reset flood)."""
+        while (stream_id := self._backlog.heaviest(_stream_of)) is not None:
+            for event in self._backlog.take_stream(stream_id, _stream_of):
+                if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
+                    self.h2_conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
+            flow = getattr(self._streams.get(stream_id), "flow", None)
+            decision = Decision.deny("buffer_budget", "the HTTP/2 frames this connection sent and the gateway has not "
+                                                      "handled yet would pass the connection's or the sandbox's buffer "
+                                                      "budget; this stream, the one holding the most, was refused")
+            yield from self._refuse_stream(stream_id, decision, flow.request if flow is not None else None)
+            if (yield from self._count_reset(time.monotonic())) or self._charge_pending_frames():
+                return True
+        return False
 
     def _over_budget(self) -> layer.CommandGenerator[None]:
         pending = self._pending_bytes()

@@ -31,7 +31,8 @@ their answers.
   DATA frame would take the sum past the budget is refused instead of the sum growing.
 - `Backlog`: the events parsed from a client's reads and not handled yet, in order, handled a step
   of the event loop at a time (so many new requests a step, and no more once the step's time is
-  spent), with the body bytes they carry, which are charged to the buffer budget while they wait.
+  spent), with the body bytes they carry, which are charged to the buffer budget while they wait;
+  past the budget the streams whose DATA waits are taken out of it, heaviest first, and refused.
 """
 
 from __future__ import annotations
@@ -200,6 +201,25 @@ class Backlog:
     def clear(self) -> None:
         self._events.clear()
         self.bytes = 0
+
+    def heaviest(self, stream: Callable[[object], int | None]) -> int | None:
+        """The stream (by `stream(event)`; None: the connection's own) whose waiting events carry
+        the most bytes, None when no waiting event carries any."""
+        carried: dict[int, int] = {}
+        for event in self._events:
+            if (size := self._size(event)) and (stream_id := stream(event)):
+                carried[stream_id] = carried.get(stream_id, 0) + size
+        return max(carried, key=carried.__getitem__) if carried else None
+
+    def take_stream(self, stream_id: int, stream: Callable[[object], int | None]) -> list:
+        """Take every waiting event of the stream out of the backlog (it is being refused): the
+        rest keep their order; returned in theirs."""
+        taken, kept = [], collections.deque()
+        for event in self._events:
+            (taken if stream(event) == stream_id else kept).append(event)
+        self._events = kept
+        self.bytes -= sum(self._size(e) for e in taken)
+        return taken
 
     def step(self) -> Iterator:
         opened = 0

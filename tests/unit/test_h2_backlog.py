@@ -264,11 +264,44 @@ def test_the_data_waiting_in_the_backlog_is_charged_to_the_buffer_budget(streams
     assert not layer._backlog and account.held == 0
 
 
-def test_data_waiting_in_the_backlog_past_the_budget_ends_the_connection():
-    """Over the connection's (or the sandbox's) buffer budget, the connection ends with GOAWAY
-    ENHANCE_YOUR_CALM, one buffer_budget line, and nothing of the backlog handled after it."""
+def _answers(h2c, commands) -> dict:
+    """What the client reads of the gateway's bytes in `commands`: each stream's status, the
+    streams reset, and whether the connection was ended (GOAWAY)."""
     import h2.events
     from mitmproxy.proxy import commands as mc
+
+    sent = b"".join(c.data for c in commands if isinstance(c, mc.SendData))
+    answers = {"status": {}, "reset": set(), "goaway": False}
+    for event in h2c.receive_data(sent):
+        if isinstance(event, h2.events.ResponseReceived):
+            answers["status"][event.stream_id] = dict(event.headers)[":status"]
+        elif isinstance(event, h2.events.StreamReset):
+            answers["reset"].add(event.stream_id)
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            answers["goaway"] = True
+    return answers
+
+
+def _drain(layer, commands) -> list:
+    """Every command of the backlog's later steps, run one wakeup at a time until none is asked.
+
+    Only the backlog's own wakeups are fired: the aggregator's flush wakeup re-arms itself while
+    it holds bytes back and no time passes, so firing it here would never end."""
+    from mitmproxy.proxy import events
+
+    out = []
+    pending = [w for w in _wakeups(commands) if w is layer._backlog_wakeup]
+    while pending:
+        more = list(layer.handle_event(events.Wakeup(pending.pop(0))))
+        out += more
+        pending += [w for w in _wakeups(more) if w is layer._backlog_wakeup]
+    return out
+
+
+def test_data_waiting_in_the_backlog_past_the_budget_refuses_its_stream_not_the_connection():
+    """Over the connection's (or the sandbox's) buffer budget, the stream whose DATA waits in the
+    backlog is refused (503 buffer_budget, RST_STREAM), its events dropped and its window given
+    back; the connection and the other streams go on (a GOAWAY ended them all before)."""
     from mitmproxy.proxy import events
 
     from gateway.budget import Ledger
@@ -281,17 +314,74 @@ def test_data_waiting_in_the_backlog_past_the_budget_ends_the_connection():
     h2c = _client(layer)
     ids = _opened_without_end(h2c, 90)
     commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
-    sent = b""
     for _ in range(8):
         if refused:
             break
         h2c.send_data(ids[-1], b"x" * 16_000)
-        commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
-        sent += b"".join(c.data for c in commands if isinstance(c, mc.SendData))
+        commands += list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+        assert account.held <= 64 * 1024
     assert refused == ["buffer_budget"]
-    assert not layer._backlog
-    ends = [e for e in h2c.receive_data(sent) if isinstance(e, h2.events.ConnectionTerminated)]
-    assert ends and ends[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-    assert ends[0].last_stream_id < ids[-1]  # the streams still waiting were not acted on
+    assert all(_stream_of_event(e) != ids[-1] for e in layer._backlog)
+    assert account.held == layer._backlog.bytes + layer.h2_conn.incoming_buffer.pending_bytes
+    commands += _drain(layer, commands)
+    answers = _answers(h2c, commands)
+    assert not answers["goaway"]
+    assert answers["status"] == {ids[-1]: "503"} and answers["reset"] == {ids[-1]}
+    assert _opened(commands) == ids[:-1]  # every other stream was handled, in order
+    assert h2c.outbound_flow_control_window >= 65_535 - 16_000  # what it sent was acknowledged
     list(layer.handle_event(events.ConnectionClosed(client)))
     assert account.closed and ledger.held(sandbox="s") == 0
+
+
+def _stream_of_event(event):
+    return getattr(event, "stream_id", None)
+
+
+@settings(deadline=None, max_examples=10)
+@given(st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=12),
+       st.integers(min_value=16_384, max_value=96 * 1024))
+def test_past_the_budget_only_streams_with_data_waiting_are_refused_and_the_rest_fits(pieces, budget):
+    """Streams opened in one read, 2 x STEP more than a step handles, then one read with
+    `pieces[i]` DATA frames of 8 KiB for the i-th of the last ones (their DATA waits behind the
+    requests of the next step): whatever the budget, what is charged never passes it, only streams
+    that had DATA waiting are refused, heaviest first (none refused carried less than one kept),
+    the connection goes on, and every other stream is handled in order."""
+    from mitmproxy.proxy import events
+
+    from gateway.budget import Ledger
+
+    layer, client = _server()
+    refused = []  # (reason, the refusals its audit line stands for)
+    layer.on_refusal = lambda context, decision, *args, **kwargs: refused.append(
+        (decision.reason, kwargs.get("repeated", 1)))
+    ledger = Ledger(per_connection=budget, per_sandbox=None)
+    layer._frames_account = account = ledger.account("c", "s")
+    h2c = _client(layer)
+    ids = _opened_without_end(h2c, 2 * STEP + len(pieces))
+    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    with_data = ids[2 * STEP:]
+    for stream_id, count in zip(with_data, pieces):
+        for _ in range(count):
+            h2c.send_data(stream_id, b"x" * 8192)
+    commands += list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
+    assert account.held <= budget
+    carried = {sid: 8192 * n for sid, n in zip(with_data, pieces)}
+    if sum(carried.values()) > budget:
+        assert refused  # (none of it was handled in the read's own step)
+    commands += _drain(layer, commands)
+    answers = _answers(h2c, commands)
+    refused_ids = {sid for sid, status in answers["status"].items() if status == "503"}
+    assert not answers["goaway"] and answers["reset"] == refused_ids
+    assert all(carried[sid] > 0 for sid in refused_ids)
+    if refused_ids:
+        assert min(carried[sid] for sid in refused_ids) >= max(
+            (carried[sid] for sid in with_data if sid not in refused_ids), default=0)
+        # no more refused than needed: the kept ones plus the lightest refused one would not fit
+        lightest = min(carried[sid] for sid in refused_ids)
+        kept = sum(carried[sid] for sid in with_data if sid not in refused_ids)
+        assert kept + lightest > budget
+    assert _opened(commands) == [sid for sid in ids if sid not in refused_ids]
+    assert not layer._backlog and account.held == 0
+    list(layer.handle_event(events.ConnectionClosed(client)))  # (writes the refusals held back)
+    assert {reason for reason, _ in refused} <= {"buffer_budget"}
+    assert sum(count for _, count in refused) == len(refused_ids)

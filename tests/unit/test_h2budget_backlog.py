@@ -75,3 +75,27 @@ def test_clear_drops_the_events_and_their_bytes_even_mid_step():
     assert next(step) == ("data", 3)
     backlog.clear()
     assert list(step) == [] and len(backlog) == 0 and backlog.bytes == 0
+
+
+def _stream(event) -> int | None:
+    return event[2] if len(event) > 2 else None
+
+
+@given(st.lists(st.tuples(st.sampled_from(["req", "data", "other"]), st.integers(0, 1000), st.integers(1, 5)), max_size=40))
+def test_the_heaviest_stream_taken_out_leaves_every_other_event_in_order_and_bytes_right(events):
+    backlog = _backlog()
+    backlog.extend(events)
+    heaviest = backlog.heaviest(_stream)
+    carried = {}
+    for kind, size, sid in events:
+        if kind == "data":
+            carried[sid] = carried.get(sid, 0) + size
+    if not any(carried.values()):
+        assert heaviest is None
+        return
+    assert carried[heaviest] == max(carried.values())
+    taken = backlog.take_stream(heaviest, _stream)
+    assert taken == [e for e in events if e[2] == heaviest]
+    left = [e for e in events if e[2] != heaviest]
+    assert backlog.bytes == sum(e[1] for e in left if e[0] == "data")
+    assert [e for step in _steps(backlog) for e in step] == left
