@@ -465,6 +465,10 @@ class GatewayHttp2Server(Http2Server):
                 decision = _report(self.on_refusal, self.context, protocol_error_decision(event))
             self._send_refusal(event.stream_id, decision)
             yield commands.SendData(self.conn, self.h2_conn.data_to_send())
+            if decision.reason == "buffer_budget":
+                # A stream refused before any hook took a token (a head over the budget): a
+                # flood of them ends like a flood of resets, not at the request rate's bucket.
+                yield from self._count_reset(time.monotonic())
             return
         if isinstance(event, ResponseHeaders) and getattr(event.response, COUNTS_AS_RESET, False):
             self._counted_refusals.add(event.stream_id)  # a gateway 429 (addons/respond.py refuse)

@@ -256,10 +256,11 @@ def test_a_request_body_over_the_connection_budget_streams_instead_of_growing(ga
 
 def test_a_request_body_over_the_sandbox_budget_streams_and_the_other_connection_still_completes(
         gateway_with, origin, upstreams):
-    """Two connections of one client address (one sandbox): the first holds 2,000 buffered bytes of
-    a 3,000-byte sandbox budget, so the second's body cannot be buffered too: it streams."""
+    """Two connections of one client address (one sandbox): the first holds 2,000 buffered bytes
+    (and its head, ~1.3 KB charged while its body comes) of a 5,000-byte sandbox budget, so the
+    second's body cannot be buffered too (its head, ~1.3 KB, still fits): it streams."""
     upstream = origin()
-    gateway = gateway_with("egress_max_buffered_bytes_per_sandbox=3000")
+    gateway = gateway_with("egress_max_buffered_bytes_per_sandbox=5000")
     first = connect_proxy(gateway, timeout=10)
     first.send(_post_head("http://allowed.test/upload", "allowed.test", 2500) + b"a" * 2000)
     # The first body is buffered (no upstream connection): its request line is written when its
@@ -516,3 +517,144 @@ def test_an_endless_upstream_response_head_is_502(gateway_with, origin):
     response = conn.read_response()
     assert (response.status, response.egress_reason) == (502, "response_too_large"), response
     assert upstream.closed.wait(5)
+
+
+# -- request heads held while their body comes (review 14) -----------------------------------------
+
+# 60 fields of 200 bytes: ~12.6 KB of head, charged ~48 KB (gateway/budget.py head_cost)
+HEAVY_FIELDS = [(f"x-heavy-{i:02d}", "v" * 200) for i in range(60)]
+HEAD_BUDGET = 300_000  # ~6 such heads
+
+
+def _heavy_post(client: H2Client, path: str, body: bytes | None = None) -> int:
+    """A POST whose head is heavy and whose body (declared) is never sent, unless `body`: the
+    stream holds."""
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "allowed.test"),
+                                 (":path", path), ("content-length", "100")] + HEAVY_FIELDS)
+    if body is not None:
+        client.h2.send_data(sid, body, end_stream=True)
+    client._flush()
+    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    return sid
+
+
+def _h2_to_allowed(gateway) -> H2Client:
+    conn, answer = tunnel(gateway, "allowed.test:443", timeout=10)
+    assert answer.status == 200
+    return H2Client(start_tls(conn, gateway, "allowed.test", alpn=["h2"]))
+
+
+def _refused_over_budget(client: H2Client, sids: list[int]) -> list[int]:
+    client.wait(*sids, timeout=10)
+    refused = [s for s in sids if client.responses[s]["status"] == 503]
+    assert all(client.header(s, "x-egress-reason") == "buffer_budget" for s in refused), client.responses
+    return refused
+
+
+def test_http2_heads_waiting_for_their_body_are_charged_to_the_sandbox_budget(gateway_with, upstreams):
+    """Review 14: a stream whose body never comes held its decoded head uncharged (1,798 streams of
+    55 KB heads took +291 MiB past an 8 MiB budget). The heads past the sandbox's budget are refused
+    503 `buffer_budget` before any decision, over two connections of the sandbox alike; none reaches
+    the origin."""
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
+    first, second = _h2_to_allowed(gateway), _h2_to_allowed(gateway)
+    held = [_heavy_post(first, f"/a{i}") for i in range(10)]
+    # The 503s come first (the held ones never end): wait for them by their count.
+    wait_for(lambda: _answered(first) >= 4, 10.0, "the refusals on the first connection")
+    more = [_heavy_post(second, f"/b{i}") for i in range(4)]
+    refused_second = _refused_over_budget(second, more)
+    assert refused_second == more  # the sandbox's budget is spent by the first connection's heads
+    refused_first = [s for s in held if first.responses[s]["status"] == 503]
+    assert 4 <= len(refused_first) < 10, first.responses
+    assert upstreams.untouched("allowed.test")
+    reasons = [line.get("reason") for line in gateway.audit()]
+    assert "buffer_budget" in reasons
+    # The clients go away with their heads held: the charge goes with them.
+    first.conn.sock.close()
+    second.conn.sock.close()
+    third = _h2_to_allowed(gateway)
+    sids = [_heavy_post(third, f"/c{i}", body=b"x" * 100) for i in range(4)]
+    third.wait(*sids, timeout=10)
+    assert [third.responses[s]["status"] for s in sids] == [200] * 4, third.responses
+
+
+def _answered(client: H2Client) -> int:
+    """Read what the gateway sent so far (one recv) and count the streams answered."""
+    import h2.events
+
+    client.conn.sock.settimeout(10)
+    for event in client.h2.receive_data(client.conn.sock.recv(65536)):
+        entry = client.responses.get(getattr(event, "stream_id", None))
+        if isinstance(event, h2.events.ResponseReceived) and entry is not None:
+            entry["headers"] = list(event.headers)
+            entry["status"] = int(dict(event.headers)[":status"])
+        elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and entry is not None:
+            entry["done"] = True
+    client._flush()
+    return sum(1 for entry in client.responses.values() if entry["done"])
+
+
+def test_a_head_charge_is_released_when_its_body_ends(gateway_with, upstreams):
+    """Once the held streams' bodies end, their heads' charge is given back: as many heavy heads fit
+    again as fitted at first."""
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
+    client = _h2_to_allowed(gateway)
+    first = [_heavy_post(client, f"/a{i}") for i in range(10)]
+    wait_for(lambda: _answered(client) >= 4, 10.0, "the first refusals")
+    fitted = [s for s in first if client.responses[s]["status"] is None]
+    for sid in fitted:
+        client.h2.send_data(sid, b"x" * 100, end_stream=True)
+    client._flush()
+    client.wait(*fitted, timeout=10)  # allowed.test answers them (through its recording upstream)
+    assert all(client.responses[s]["status"] == 200 for s in fitted), client.responses
+    # Sent whole this time, in one write: all of their heads are charged at once, as before.
+    again = [_heavy_post(client, f"/c{i}", body=b"x" * 100) for i in range(len(fitted))]
+    client.wait(*again, timeout=10)
+    assert all(client.responses[s]["status"] == 200 for s in again), client.responses
+
+
+def test_http1_heads_waiting_for_their_body_are_charged_to_the_sandbox_budget(gateway_with, upstreams):
+    """The same over HTTP/1: each connection holds one head whose body never comes; past the
+    sandbox's budget the next is 503 `buffer_budget`, its connection closed, nothing upstream; a
+    request with no body still passes (its head is not held for a body)."""
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
+    extra = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS)
+    head = ("POST http://allowed.test/upload HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 100\r\n"
+            f"{extra}\r\n").encode()
+    conns, response = [], None
+    for _ in range(12):
+        conn = connect_proxy(gateway, timeout=10)
+        conns.append(conn)
+        conn.send(head)
+        # The gateway has decided the head (an audit line) or refused it (a 503) before the next.
+        wait_for(lambda: audit_for(gateway, conn.client, wait=0), 10.0, "the head's audit line")
+        line = audit_for(gateway, conn.client)[-1]
+        if line.get("reason") == "buffer_budget":
+            response = conn.read_response()
+            break
+    assert response is not None and (response.status, response.egress_reason) == (503, "buffer_budget"), response
+    assert 4 <= len(conns) - 1 < 12
+    assert conns[-1].closed()
+    get = connect_proxy(gateway, timeout=10)
+    get.send(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n" + extra.encode() + b"\r\n")
+    assert get.read_response().status == 200
+
+
+def test_http2_heads_refused_over_the_budget_count_as_resets(gateway_with, upstreams):
+    """A head refused over the budget is refused before the request rate's bucket is taken: a flood
+    of them ends like a flood of resets, GOAWAY `reset_flood`, instead of costing a decision each
+    for as long as the client likes."""
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60",
+                           "egress_h2_max_resets=10")
+    client = _h2_to_allowed(gateway)
+    sent = [_heavy_post(client, f"/f{i}") for i in range(8)]
+    wait_for(lambda: _answered(client) >= 2, 10.0, "the first refusals")  # 6 fit and hold, 2 refused
+    with pytest.raises(ConnectionError, match="GOAWAY"):
+        for batch in range(10):
+            sids = [_heavy_post(client, f"/f{batch}-{i}") for i in range(8)]
+            client.wait(*sids, timeout=10)  # refused, all of them: the held ones spent the budget
+    assert 4 <= [client.responses[s]["status"] for s in sent].count(None) < 8
+    wait_for(lambda: "reset_flood" in [line.get("reason") for line in gateway.audit()], 10.0,
+             "the reset_flood line")
+    assert upstreams.untouched("allowed.test")
