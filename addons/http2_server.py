@@ -100,6 +100,7 @@ class GatewayHttp2Server(Http2Server):
         self._block_wakeup: commands.RequestWakeup | None = None  # the deadline of an unfinished header block
         self._block_due = 0.0  # when that wakeup fires (monotonic)
         self.h2_conn.incoming_buffer.clock = h2_backpressure.reading_clock(context.client)
+        self.h2_conn.incoming_buffer.parse_seconds = h2_limits.PARSE_SECONDS  # (continued in _run_backlog)
 
     def _unread(self) -> int:
         unread = 0
@@ -120,7 +121,10 @@ class GatewayHttp2Server(Http2Server):
                     yield self._flush_wakeup
             elif event.command is self._backlog_wakeup:
                 self._backlog_wakeup = None
-                yield from self._tracked(self._run_backlog())
+                if not self._backlog and self.h2_conn.incoming_buffer.more:
+                    yield from self._tracked(self._received(b""))  # the next slice of the last read
+                else:
+                    yield from self._tracked(self._run_backlog())
                 h2_backpressure.update(self.context.client, self._unread(), self._sandbox)
                 self._charge_pending_frames()  # (only less is held now: what the step handled is released)
             elif event.command is self._block_wakeup:
@@ -181,16 +185,25 @@ class GatewayHttp2Server(Http2Server):
         what they sent given back), until what is left fits. One stream's body no longer ends the
         connection and every other stream on it (a 1 MiB budget and 100 uploads GOAWAYed them all).
         True: it fits now, or the connection is closing anyway (a reset flood)."""
-        while (stream_id := self._backlog.heaviest(_stream_of)) is not None:
-            for event in self._backlog.take_stream(stream_id, _stream_of):
-                if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
-                    self.h2_conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
-            flow = getattr(self._streams.get(stream_id), "flow", None)
-            decision = Decision.deny("buffer_budget", "the HTTP/2 frames this connection sent and the gateway has not "
-                                                      "handled yet would pass the connection's or the sandbox's buffer "
-                                                      "budget; this stream, the one holding the most, was refused")
-            yield from self._refuse_stream(stream_id, decision, flow.request if flow is not None else None)
-            if (yield from self._count_reset(time.monotonic())) or self._charge_pending_frames():
+        account = self._frames_account
+        while account is not None:
+            need = self._pending_bytes() - account.held - (account.room() or 0)  # what must go for the rest to fit
+            taken = self._backlog.take_heaviest(max(need, 1), _stream_of)
+            if not taken:
+                return False
+            for stream_id, events_ in taken:
+                for event in events_:
+                    if isinstance(event, h2.events.DataReceived) and event.flow_controlled_length:
+                        self.h2_conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                flow = getattr(self._streams.get(stream_id), "flow", None)
+                decision = Decision.deny("buffer_budget", "the HTTP/2 frames this connection sent and the gateway has "
+                                                          "not handled yet would pass the connection's or the "
+                                                          "sandbox's buffer budget; this stream, one of those holding "
+                                                          "the most, was refused")
+                yield from self._refuse_stream(stream_id, decision, flow.request if flow is not None else None)
+                if (yield from self._count_reset(time.monotonic())):
+                    return True
+            if self._charge_pending_frames():
                 return True
         return False
 
@@ -275,6 +288,12 @@ class GatewayHttp2Server(Http2Server):
             yield from self._refuse_stream(event.stream_id, _too_many_fields(fields, self.limits.max_header_fields, "trailer"),
                                            flow.request if flow is not None else None)
             return (yield from self._count_reset(now))
+        if isinstance(event, h2.events.DataReceived) and not event.data and event.stream_ended is None:
+            # Empty DATA carries nothing (a flood of it is counted as control frames): it never
+            # becomes an empty body piece for the layers above, only its padding is acknowledged.
+            if event.flow_controlled_length:
+                self.h2_conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            return False
         if isinstance(event, h2.events.StreamReset):  # counted as its frame was parsed (ResetFlood)
             self.ledger.release(event.stream_id)
             return (yield from super().handle_h2_event(event))
@@ -345,12 +364,16 @@ class GatewayHttp2Server(Http2Server):
         return stream.client_state in (stream.state_wait_for_request_headers, stream.state_consume_request_body)
 
     def _hold(self, event) -> layer.CommandGenerator[bool]:
-        """Before a DATA frame goes up: True to pass it on, False when its stream was refused."""
+        """Before a DATA frame goes up: True to pass it on, False when its stream was refused.
+        Streams that stopped holding are let go only when the budget would refuse (each once):
+        a sweep per frame cost frames x streams (review 15)."""
+        stream = self._streams.get(event.stream_id)
+        if not self._holding(stream) or self.ledger.admit(event.stream_id, len(event.data)):
+            return True
         for stream_id in list(self.ledger.held):
             if not self._holding(self._streams.get(stream_id)):
                 self.ledger.release(stream_id)
-        stream = self._streams.get(event.stream_id)
-        if not self._holding(stream) or self.ledger.admit(event.stream_id, len(event.data)):
+        if self.ledger.admit(event.stream_id, len(event.data)):
             return True
         self.h2_conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         flow = getattr(stream, "flow", None)
@@ -518,7 +541,8 @@ class GatewayHttp2Server(Http2Server):
             if (yield from self.handle_h2_event(h2_event)):
                 self._backlog.clear()
                 return
-        if self._backlog and self._backlog_wakeup is None:  # the step ended with events left
+        if (self._backlog or self.h2_conn.incoming_buffer.more) and self._backlog_wakeup is None:
+            # the step ended with events left, or the read's parse with frames left
             self._backlog_wakeup = commands.RequestWakeup(0)
             yield self._backlog_wakeup
         data = self.h2_conn.data_to_send()

@@ -81,21 +81,44 @@ def _stream(event) -> int | None:
     return event[2] if len(event) > 2 else None
 
 
-@given(st.lists(st.tuples(st.sampled_from(["req", "data", "other"]), st.integers(0, 1000), st.integers(1, 5)), max_size=40))
-def test_the_heaviest_stream_taken_out_leaves_every_other_event_in_order_and_bytes_right(events):
+def test_a_step_ends_once_its_time_is_spent_after_data_events_too():
+    """Review 15: only a request ended a step by time, so a backlog of DATA alone (thousands of
+    one-byte frames in one read) was handled in one step however long it took."""
+    now = [0.0]
+    backlog = _backlog(per_step=100, seconds=1.0, clock=lambda: now[0])
+    backlog.extend([("data", 1), ("data", 2), ("data", 3), ("other", 0)])
+    handed = []
+    for event in backlog.step():
+        handed.append(event)
+        if event == ("data", 2):
+            now[0] = 1.0
+    assert handed == [("data", 1), ("data", 2)]
+    assert list(backlog) == [("data", 3), ("other", 0)] and backlog.bytes == 3
+
+
+@given(st.lists(st.tuples(st.sampled_from(["req", "data", "other"]), st.integers(0, 1000), st.integers(1, 8)),
+                max_size=60), st.integers(1, 20_000))
+def test_taking_the_heaviest_takes_heaviest_first_no_more_than_needed_and_keeps_the_order(events, need):
+    """`take_heaviest(need)` is what taking `heaviest` one stream at a time until `need` bytes are
+    gone did, in one pass: the streams taken carry at least as much as any kept, the last one
+    taken was needed, and every event keeps its order."""
     backlog = _backlog()
     backlog.extend(events)
-    heaviest = backlog.heaviest(_stream)
+    taken = backlog.take_heaviest(need, _stream)
     carried = {}
     for kind, size, sid in events:
-        if kind == "data":
+        if kind == "data" and size:
             carried[sid] = carried.get(sid, 0) + size
-    if not any(carried.values()):
-        assert heaviest is None
-        return
-    assert carried[heaviest] == max(carried.values())
-    taken = backlog.take_stream(heaviest, _stream)
-    assert taken == [e for e in events if e[2] == heaviest]
-    left = [e for e in events if e[2] != heaviest]
+    taken_ids = [sid for sid, _ in taken]
+    weights = [carried[sid] for sid in taken_ids]
+    assert weights == sorted(weights, reverse=True)
+    kept_ids = set(carried) - set(taken_ids)
+    if taken_ids:
+        assert min(weights) >= max((carried[sid] for sid in kept_ids), default=0)
+        assert sum(weights[:-1]) < need  # the last one taken was needed
+    assert sum(weights) >= need or not kept_ids  # enough went, or every stream carrying bytes did
+    for sid, its in taken:
+        assert its == [e for e in events if e[2] == sid]
+    left = [e for e in events if e[2] not in set(taken_ids)]
+    assert list(backlog) == left
     assert backlog.bytes == sum(e[1] for e in left if e[0] == "data")
-    assert [e for step in _steps(backlog) for e in step] == left
