@@ -18,7 +18,9 @@ how many audit lines A made. Traffic stays on 127.0.0.0/8.
 Attacks (sandbox A): HTTP/2 streams that buffer and never end (100 x 900 KB), a decompression bomb
 on a credential-bound rule (300 MB of brotli zeros), a never-finished 8 MiB TLS ClientHello,
 HTTP/2 rapid reset (6,000 HEADERS + RST_STREAM), a flood of kept-alive requests, a flood of new
-connections, an 8 MiB HTTP/2 header block in CONTINUATION frames, heads of 12,000 tiny fields.
+connections, an 8 MiB HTTP/2 header block in CONTINUATION frames, heads of 12,000 tiny fields,
+9,000 one-byte HTTP/2 DATA frames rotating over 100 streams, 1,200 HTTP/2 heads of 55 KB whose body
+never comes.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ CASES = {
     "streamed_bomb": (dict(times=2), "response_too_large", 10),
     "h2_header_block": (dict(value_bytes=2 << 20), "request_head_too_large", 5),
     "many_header_fields": (dict(connections=2, seconds=5.0), "too_many_header_fields", 200),
+    "h2_small_data": (dict(rounds=4), "small_frame_flood", 450),  # (a request line a stream opened)
 }
 
 # Lower than the defaults so the floods reach them within a few hundred requests on a slow machine

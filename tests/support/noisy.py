@@ -908,6 +908,77 @@ def many_header_fields(world: World, connections: int = 4, fields: int = 12_000,
     return _on_threads(connections, one, seconds, outcome, lock)
 
 
+def h2_small_data(world: World, streams: int = 100, frames: int = 9000, rounds: int = 6,
+                  seconds: float = 20.0) -> Outcome:
+    """Review 15: a connection writes HEADERS for `streams` POSTs, then `frames` one-byte DATA
+    frames rotating over them, in one write (18,000 small-frame tokens: inside the default burst
+    of 20,000); a new connection each round, `rounds` times or for `seconds`, reading what comes.
+    Before, each round held the worker ~1 s (frames x streams work, and no step limit on DATA);
+    now the second or third round finds the sandbox's small-frame bucket empty (GOAWAY)."""
+    outcome = Outcome("h2_small_data")
+    deadline = time.monotonic() + seconds
+    for _ in range(rounds):
+        if time.monotonic() >= deadline:
+            break
+        tls = tls_tunnel(world, world.attacker, ORIGIN_NAME, alpn="h2")
+        conn = _h2_connection()
+        try:
+            ids = []
+            for _ in range(streams):
+                ids.append(conn.get_next_available_stream_id())
+                conn.send_headers(ids[-1], [(":method", "POST"), (":scheme", "https"), (":authority", ORIGIN_NAME),
+                                            (":path", "/upload"), ("content-length", "100000")])
+            for n in range(frames):
+                conn.send_data(ids[n % streams], b"z")
+            tls.sendall(conn.data_to_send())
+            outcome.sent += frames
+            end = min(deadline, time.monotonic() + 1.0)
+            while time.monotonic() < end and _h2_pump(tls, conn, outcome, None, wait=0.1):
+                pass
+        except (OSError, ssl.SSLError):
+            outcome.closed = True
+        finally:
+            tls.close()
+    return outcome
+
+
+def h2_held_heads(world: World, connections: int = 12, streams: int = 100, fields: int = 190,
+                  value_bytes: int = 270, seconds: float = 20.0) -> Outcome:
+    """Review 14: `connections` HTTP/2 connections each open `streams` POSTs with heads of `fields`
+    fields of `value_bytes` (a ~55 KB header block) that declare a body never sent: each stream
+    holds its decoded head until the body idle timeout. Past the sandbox's buffer budget the
+    heads are refused, 503 `buffer_budget` (before: 1,798 such streams took +291 MiB, none refused)."""
+    outcome = Outcome("h2_held_heads")
+    extra = [(f"x-held-{i:03d}", "v" * value_bytes) for i in range(fields)]
+    held = []
+    deadline = time.monotonic() + seconds
+    try:
+        for _ in range(connections):
+            if time.monotonic() >= deadline:
+                break
+            tls = tls_tunnel(world, world.attacker, ORIGIN_NAME, alpn="h2")
+            conn = _h2_connection()
+            held.append((tls, conn))
+            for n in range(streams):
+                sid = conn.get_next_available_stream_id()
+                conn.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", ORIGIN_NAME),
+                                        (":path", f"/held/{n}"), ("content-length", "100")] + extra)
+                outcome.sent += 1
+            try:
+                tls.sendall(conn.data_to_send())
+            except (OSError, ssl.SSLError):
+                outcome.closed = True
+            _h2_pump(tls, conn, outcome, None, wait=0.2)
+        end = min(deadline, time.monotonic() + 2.0)
+        while time.monotonic() < end:
+            for tls, conn in held:
+                _h2_pump(tls, conn, outcome, None, wait=0.01)
+    finally:
+        for tls, _ in held:
+            tls.close()
+    return outcome
+
+
 ATTACKS = {
     "h2_held_streams": h2_held_streams,
     "decompression_bomb": decompression_bomb,
@@ -920,6 +991,8 @@ ATTACKS = {
     "bound_lines": bound_lines,
     "h2_header_block": h2_header_block,
     "many_header_fields": many_header_fields,
+    "h2_small_data": h2_small_data,
+    "h2_held_heads": h2_held_heads,
 }
 
 
