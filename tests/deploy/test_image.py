@@ -367,3 +367,16 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(configured):
     assert out == "slow but complete\n 200", err
     assert container.wait(timeout=60) == 0, container.logs()
     assert "drained" in container.logs()
+
+
+def test_the_netinit_image_is_built_too(netinit_image, record_property):
+    """Its scripts run in namespaces in test_netinit.py; here its contents and size (on the Python
+    base that stands in for debian:trixie-slim too, so larger than the real one by Python)."""
+    size = images.image_size(netinit_image.ref)
+    report(record_property, f"netinit image {netinit_image.ref}: {size / 1e6:.0f} MB; built in "
+                            f"{netinit_image.seconds:.0f} s")
+    found = pm.podman("run", "--rm", "--network", "none", "--entrypoint", "sh", netinit_image.ref, "-c",
+                      "for t in iptables ip setpriv node-redirect shared-netns; do command -v $t; done").stdout.split()
+    assert [Path(p).name for p in found] == ["iptables", "ip", "setpriv", "node-redirect", "shared-netns"]
+    config = images.image_config(netinit_image.ref)["Config"]
+    assert config["Entrypoint"] == ["/usr/local/sbin/node-redirect"] and config["Cmd"] == ["up"]
