@@ -45,9 +45,15 @@ def _pid_max() -> int | None:
         return None
 
 
+def nproc_limit() -> int:
+    """The RLIMIT_NPROC a container may get. A `--ulimit` option replaces default_ulimits, and podman
+    then sets nproc to 1048576 itself: pass this with any --ulimit."""
+    return _hard_limit(resource.RLIMIT_NPROC, _pid_max())
+
+
 def containers_conf() -> str:
     nofile = _hard_limit(resource.RLIMIT_NOFILE)
-    nproc = _hard_limit(resource.RLIMIT_NPROC, _pid_max())
+    nproc = nproc_limit()
     return f"""\
 # Written by tests/deploy/podman.py for the image tests; not the system's configuration.
 [containers]
