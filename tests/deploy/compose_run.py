@@ -10,8 +10,9 @@ fails the run instead of being ignored, so a new key in a Compose file needs a d
 
 Not translated, on purpose (`DROPPED`): `build` (the image is built by tests/deploy/images.py),
 `restart` (no daemon restarts anything during a test), healthcheck `start_interval` (podman 4.3
-has no such option) and the bridge driver_opts, which are Docker's: podman has no
-`inhibit_ipv4` (see test_compose_run.py for what that means for a sandbox)."""
+has no such option) and the bridge driver_opts, which are Docker's: podman has no bridge name
+option and no `inhibit_ipv4`; networks are created with --disable-dns instead, which leaves an
+internal network's bridge without a host address (test_compose_run.py checks it)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,10 @@ class ComposeRun:
             unknown = set(spec) - NETWORK_KEYS
             assert not unknown, f"network {key}: keys not translated: {unknown}"
             assert spec.get("driver", "bridge") == "bridge"
-            args = ["network", "create", "--disable-dns"]  # every address is fixed: no DNS server on the bridge
+            # Every address is fixed, so no DNS; and with podman's DNS server (aardvark-dns) an
+            # internal network's bridge gets a host address the sandbox could reach the host on: the
+            # hole Docker's inhibit_ipv4 closes. --disable-dns is podman's way to the same end.
+            args = ["network", "create", "--disable-dns"]
             if spec.get("internal"):
                 args.append("--internal")
             for config in (spec.get("ipam") or {}).get("config", []):

@@ -20,10 +20,12 @@ origin, not the metrics port on either of the gateway's addresses, no default ro
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import random
 import resource
+import subprocess
 import textwrap
 
 import pytest
@@ -209,3 +211,16 @@ def test_metrics_answer_on_the_egress_side_where_prometheus_scrapes(deployment):
     url = f"http://{variables['EGRESS_NET_GATEWAY_IP']}:9090/readyz"
     result = run.exec("origin", "python3", "-c", f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).status)")
     assert result.stdout.strip() == "200", result.stderr
+
+
+def test_the_host_has_no_address_on_the_sandbox_network(deployment):
+    """What inhibit_ipv4 does with Docker: with an address on its end of the bridge, the host's
+    services on it or on 0.0.0.0 would be reachable from the sandbox. podman has no such option; an
+    internal network created with --disable-dns gets no host address (with podman's DNS it gets one,
+    for aardvark-dns)."""
+    run, variables, _ = deployment
+    subnet = ipaddress.ip_network(variables["SANDBOX_NET_SUBNET"])
+    addresses = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    on_subnet = [line for line in addresses.splitlines()
+                 if ipaddress.ip_interface(line.split()[3]).ip in subnet]
+    assert on_subnet == []
