@@ -124,9 +124,20 @@ def export_tree(dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
 
+def prune_old_builds(repository: str, keep: str, days: int = 2) -> None:
+    """Every commit tested makes new layers: drop this repository's images of other trees older than
+    `days`, and dangling build-cache images as old (an image still in use is kept: rmi fails)."""
+    listed = pm.podman("images", "--filter", f"reference={repository}:tree-*", "--filter", f"until={days * 24}h",
+                       "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout.split()
+    for ref in set(listed) - {keep}:
+        pm.podman("rmi", ref, check=False)
+    pm.podman("image", "prune", "--force", "--filter", f"until={days * 24}h", check=False)
+
+
 def build(target: str, repository: str, base: str) -> Built:
     """`podman build --target TARGET` of the committed tree; tagged with the tree's hash."""
     ref = f"{repository}:tree-{committed_tree()[:16]}"
+    prune_old_builds(repository, keep=ref)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="egress-context-") as context:
         export_tree(Path(context))
