@@ -1,5 +1,5 @@
 """Session fixtures for the tests that build and run the real images (tests/deploy/images.py), and
-the summary line that reports their build times and sizes at the end of a run."""
+`report`, the lines tests/conftest.py prints at the end of a run (build times, sizes)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from . import images
 
-REPORT_KEY = "image-report"
+REPORT_KEY = "image-report"  # tests/conftest.py prints these
 
 
 @pytest.fixture(scope="session")
@@ -38,16 +38,3 @@ def netinit_image(base_image) -> images.Built:
 def report(record_property, line: str) -> None:
     """A line for the summary at the end of the run (works under xdist: reports carry it)."""
     record_property(REPORT_KEY, line)
-
-
-def pytest_terminal_summary(terminalreporter):
-    lines = []
-    for reports in terminalreporter.stats.values():
-        for rep in reports:
-            for key, value in getattr(rep, "user_properties", ()):
-                if key == REPORT_KEY and getattr(rep, "when", "call") == "call" and value not in lines:
-                    lines.append(value)
-    if lines:
-        terminalreporter.section("real images")
-        for line in lines:
-            terminalreporter.write_line(line)
