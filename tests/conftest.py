@@ -124,3 +124,18 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         report.sections.extend(failure_logs.log_sections(item))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The lines tests/deploy reports (image build times and sizes). Here, not in tests/deploy: under
+    xdist the controller that prints the summary loads only this conftest."""
+    lines = []
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            for key, value in getattr(rep, "user_properties", ()):
+                if key == "image-report" and getattr(rep, "when", "call") == "call" and value not in lines:
+                    lines.append(value)
+    if lines:
+        terminalreporter.section("real images")
+        for line in lines:
+            terminalreporter.write_line(line)

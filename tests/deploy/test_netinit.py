@@ -1,5 +1,8 @@
 """The two rule scripts of docker/netinit, run for real in network namespaces with a real gateway:
-what the transparent deployments rely on, without Docker or a cluster.
+what the transparent deployments rely on, without Docker or a cluster. Every test runs twice: with
+the scripts of the checkout (bash), and from the netinit image built for real (tests/deploy/images.py)
+with podman, joined to the namespace with the capabilities and read-only root the deployments give
+it (skipped, with the reason, where podman cannot build or run images).
 
     [shared]  docker/compose.transparent.yaml's namespace: shared-netns.sh; the gateway as uid 10001
               on 127.0.0.1; the "sandbox" is any other uid, without capabilities.
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from . import podman as pm
 from .deployfiles import DOCKER, GATEWAY_UID, ROOT
 
 TOOLS = ("ip", "iptables", "curl", "setpriv")
@@ -30,7 +34,8 @@ unavailable = (
     "needs root" if os.geteuid() != 0 else
     next((f"needs {t}" for t in TOOLS if shutil.which(t) is None), None)
 )
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(unavailable is not None, reason=unavailable or "")]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(unavailable is not None, reason=unavailable or ""),
+              pytest.mark.timeout(900)]  # the first test may wait for the netinit image's build
 
 SUFFIX = f"{os.getpid() % 100000}"
 WORLD, SHARED, NODE, POD = (f"egd{SUFFIX}{n}" for n in "wsnp")
@@ -57,6 +62,25 @@ AS_GATEWAY = ["setpriv", f"--reuid={GATEWAY_UID}", f"--regid={GATEWAY_UID}", "--
               "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
 AS_SANDBOX = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
               "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+
+
+class Scripts:
+    """How the rule scripts run: from the checkout with bash (image None), or from the netinit image
+    as the deployments run it: root with NET_ADMIN and NET_RAW only, read-only root file system, no
+    new privileges, in the namespace (`--network ns:`)."""
+
+    def __init__(self, image: str | None = None):
+        self.image = image
+
+    def run(self, ns: str, script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+        if self.image is None:
+            assignments = [f"{k}={v}" for k, v in env.items()]
+            return in_ns(ns, "env", *assignments, "bash", str(DOCKER / "netinit" / f"{script}.sh"), *args)
+        options = [f"--env={k}={v}" for k, v in env.items()]
+        return pm.podman("run", "--rm", "--network", f"ns:/run/netns/{ns}", "--cap-drop", "ALL",
+                         "--cap-add", "NET_ADMIN", "--cap-add", "NET_RAW", "--security-opt", "no-new-privileges",
+                         "--read-only", "--tmpfs", "/run:size=1m", *options,
+                         "--entrypoint", f"/usr/local/sbin/{script}", self.image, *args, check=False, timeout=60)
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -123,8 +147,15 @@ def _wait_ready(ns: str, metrics: str, gateway: subprocess.Popen, log: Path) -> 
     raise TimeoutError(f"gateway in {ns} not ready:\n{log.read_text()}")
 
 
+@pytest.fixture(scope="module", params=["checkout", "image"])
+def scripts(request) -> Scripts:
+    if request.param == "checkout":
+        return Scripts()
+    return Scripts(request.getfixturevalue("netinit_image").ref)
+
+
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory):
+def topology(tmp_path_factory, scripts):
     work = tmp_path_factory.mktemp("netinit")
     processes: list[subprocess.Popen] = []
     try:
@@ -138,10 +169,9 @@ def topology(tmp_path_factory):
                 cwd=www, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         policy = work / "policy.yaml"
         policy.write_text(POLICY)
-        shared = in_ns(SHARED, "bash", str(DOCKER / "netinit" / "shared-netns.sh"), "up")
+        shared = scripts.run(SHARED, "shared-netns", "up")
         assert shared.returncode == 0, shared.stderr
-        node = in_ns(NODE, "env", f"NODE_IP={NODE_IP}", "SANDBOX_INTERFACES=cali+",
-                     "bash", str(DOCKER / "netinit" / "node-redirect.sh"), "up")
+        node = scripts.run(NODE, "node-redirect", "up", NODE_IP=NODE_IP, SANDBOX_INTERFACES="cali+")
         assert node.returncode == 0, node.stderr
         gateways = {
             SHARED: (["--mode", "transparent@127.0.0.1:8081", "--mode", "dns@127.0.0.1:5353"], f"{SHARED_IP}:9090"),
@@ -196,11 +226,11 @@ def test_shared_everything_else_the_sandbox_sends_is_rejected_at_once(topology):
     assert curl(SHARED, f"http://{SHARED_IP}:9090/readyz", who=AS_GATEWAY).returncode == 0
 
 
-def test_shared_root_without_capabilities_cannot_remove_the_rules(topology):
+def test_shared_root_without_capabilities_cannot_remove_the_rules(topology, scripts):
     root_no_caps = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
     flush = in_ns(SHARED, *root_no_caps, "iptables", "-t", "nat", "-F")
     assert flush.returncode != 0
-    check = in_ns(SHARED, "bash", str(DOCKER / "netinit" / "shared-netns.sh"), "check")
+    check = scripts.run(SHARED, "shared-netns", "check")
     assert check.returncode == 0, check.stderr
 
 
@@ -221,14 +251,13 @@ def test_node_a_pod_reaches_nothing_else(topology):
     assert curl(NODE, f"http://{NODE_IP}:9090/readyz", who=[]).returncode == 0  # the node itself may
 
 
-def test_node_rules_are_idempotent_and_removable(topology):
-    script = str(DOCKER / "netinit" / "node-redirect.sh")
-    env = ["env", f"NODE_IP={NODE_IP}", "SANDBOX_INTERFACES=cali+"]
-    assert in_ns(NODE, *env, "bash", script, "up").returncode == 0
+def test_node_rules_are_idempotent_and_removable(topology, scripts):
+    env = {"NODE_IP": NODE_IP, "SANDBOX_INTERFACES": "cali+"}
+    assert scripts.run(NODE, "node-redirect", "up", **env).returncode == 0
     rules = in_ns(NODE, "iptables-save").stdout
     for chain in ("-A PREROUTING -j EGRESS-GW-PRE", "-A FORWARD -j EGRESS-GW-FWD", "-A INPUT -j EGRESS-GW-IN"):
         assert rules.count(chain) == 1, chain
-    assert in_ns(NODE, *env, "bash", script, "down").returncode == 0
+    assert scripts.run(NODE, "node-redirect", "down", **env).returncode == 0
     assert "EGRESS-GW" not in in_ns(NODE, "iptables-save").stdout
-    assert in_ns(NODE, *env, "bash", script, "up").returncode == 0
+    assert scripts.run(NODE, "node-redirect", "up", **env).returncode == 0
     assert curl(POD, "http://up.test/", who=[]).returncode == 0
