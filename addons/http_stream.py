@@ -120,10 +120,12 @@ class GatewayHttpStream(HttpStream):
       one chunk by chunk, holding back the last byte while the body ends inside an override field
       (only its end can settle that one), so that a refusal aborts the upstream stream before the
       origin has a complete request;
-    - a request head whose body is still to come charged to the buffer ledger until the body has
-      ended: the sandbox decides how long it is held (review 14: 1,798 HTTP/2 streams, each a 55 KB
-      head and a body never sent, took +291 MiB past an 8 MiB sandbox budget). Over the budget it
-      is refused before any hook decides it, 503 `buffer_budget`;
+    - the request head charged to the buffer ledger for as long as the stream lasts (a CONNECT's:
+      as long as its tunnel): the sandbox decides how long it is held, by a body it never sends
+      (review 14: 1,798 HTTP/2 streams, each a 55 KB head, took +291 MiB past an 8 MiB sandbox
+      budget), an upstream it knows is slow, a tunnel it keeps open (review 16: 600 tunnels of
+      58 KB CONNECT heads, +84 MiB; 1,600 complete GETs to a 40 s upstream, +277 MiB). Over the
+      budget it is refused before any hook decides it, 503 `buffer_budget`;
     - every buffered body charged to the buffer ledger (gateway/budget.py) before it grows: over
       the connection's or the sandbox's budget, a body that may stream switches to streaming (what
       mitmproxy does above `stream_large_bodies`), one that must stay buffered (a credential-bound
@@ -139,7 +141,7 @@ class GatewayHttpStream(HttpStream):
     on_refusal: OnRefusal | None = None  # set by the HTTP layer that makes the stream
     body_limits: BodyLimits = BodyLimits()
     _account: Account | None = None
-    _head_account: Account | None = None  # the request head, while its body is still to come
+    _head_account: Account | None = None  # the request head, for as long as the stream lasts
     _request_moved: float | None = None  # when the request body last moved (None: not under way)
     _response_moved: float | None = None
 
@@ -158,7 +160,7 @@ class GatewayHttpStream(HttpStream):
         return self._account.reserve(n)
 
     def _charge_head(self, request: http.Request) -> bool:
-        """Charge the request head held while its body comes; False if over budget (nothing charged)."""
+        """Charge the request head, held until the stream is over; False if over budget (nothing charged)."""
         make = self.body_limits.account
         account = make(self.context) if make is not None else None
         if account is None:
@@ -269,7 +271,6 @@ class GatewayHttpStream(HttpStream):
                 self._response_moved = now
         elif isinstance(event, (RequestEndOfMessage, RequestProtocolError)):
             self._request_moved = None
-            self._release_head()  # the body is whole (or gone): how long the head stays is the upstream's
         elif isinstance(event, (ResponseEndOfMessage, ResponseProtocolError)):
             self._response_moved = None
         yield from paced_sends(super()._handle_event(event), self)
@@ -357,18 +358,18 @@ class GatewayHttpStream(HttpStream):
     def state_wait_for_request_headers(self, event) -> layer.CommandGenerator[None]:
         if isinstance(event, RequestHeaders):
             setattr(event.request, END_STREAM_ATTR, event.end_stream)  # what a body check needs to know
-            if not event.end_stream and not self._charge_head(event.request):
+            if not self._charge_head(event.request):
                 return (yield from self._refuse_head_over_budget(event))
         return (yield from super().state_wait_for_request_headers(event))
 
     def _refuse_head_over_budget(self, event: RequestHeaders) -> layer.CommandGenerator[None]:
-        """The head cannot be held while its body comes: refused before any hook decides it (so
-        no upstream connection, no rule lookup), its body never read."""
+        """The head cannot be held: refused before any hook decides it (so no upstream connection,
+        no rule lookup), its body never read."""
         self.flow = http.HTTPFlow(self.context.client, self.context.server)
         self.flow.request = event.request
         self.flow.live = True
-        decision = Decision.deny("buffer_budget", "holding this request's head while its body arrives would pass the "
-                                                  "connection's or the sandbox's buffer budget; it was refused")
+        decision = Decision.deny("buffer_budget", "holding this request's head for as long as its stream lasts would "
+                                                  "pass the connection's or the sandbox's buffer budget; it was refused")
         yield from self._abort(decision, upstream=False)
 
     def state_consume_request_body(self, event) -> layer.CommandGenerator[None]:

@@ -519,7 +519,7 @@ def test_an_endless_upstream_response_head_is_502(gateway_with, origin):
     assert upstream.closed.wait(5)
 
 
-# -- request heads held while their body comes (review 14) -----------------------------------------
+# -- request heads, held for as long as their stream lasts (reviews 14 and 16) ----------------------
 
 # 60 fields of 200 bytes: ~12.6 KB of head, charged ~48 KB (gateway/budget.py head_cost)
 HEAVY_FIELDS = [(f"x-heavy-{i:02d}", "v" * 200) for i in range(60)]
@@ -539,14 +539,39 @@ def _heavy_post(client: H2Client, path: str, body: bytes | None = None) -> int:
     return sid
 
 
-def _h2_to_allowed(gateway) -> H2Client:
-    conn, answer = tunnel(gateway, "allowed.test:443", timeout=10)
+def _h2_to(gateway, host: str = "allowed.test") -> H2Client:
+    conn, answer = tunnel(gateway, f"{host}:443", timeout=10)
     assert answer.status == 200
-    return H2Client(start_tls(conn, gateway, "allowed.test", alpn=["h2"]))
+    return H2Client(start_tls(conn, gateway, host, alpn=["h2"]))
 
 
-def _refused_over_budget(client: H2Client, sids: list[int]) -> list[int]:
-    client.wait(*sids, timeout=10)
+def _answered(client: H2Client) -> int:
+    """Read what the gateway sent so far (waiting at most 0.2 s for it) and count the streams answered."""
+    import select
+
+    import h2.events
+
+    if select.select([client.conn.sock], [], [], 0.2)[0] or client.conn.sock.pending():
+        for event in client.h2.receive_data(client.conn.sock.recv(65536)):
+            entry = client.responses.get(getattr(event, "stream_id", None))
+            if isinstance(event, h2.events.ResponseReceived) and entry is not None:
+                entry["headers"] = list(event.headers)
+                entry["status"] = int(dict(event.headers)[":status"])
+            elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and entry is not None:
+                entry["done"] = True
+        client._flush()
+    return sum(1 for entry in client.responses.values() if entry["done"])
+
+
+def _decided(gateway, client: H2Client, sids: list[int], since: int = 0) -> list[int]:
+    """Wait until the gateway has decided every stream of `sids` (an audit line each, after the
+    tunnel's own: `allowed`, or refused before any hook with `buffer_budget`), then until the
+    client has read every refusal; return the refused streams."""
+    lines = audit_for(gateway, client.conn.client, 1 + since + len(sids), wait=10.0)
+    refusals = sum(1 for line in lines[1 + since:] if line.get("reason") == "buffer_budget")
+    assert len(lines) == 1 + since + len(sids), lines
+    wait_for(lambda: (_answered(client), sum(client.responses[s]["status"] == 503 for s in sids))[1] >= refusals,
+             10.0, f"{refusals} refusals read")
     refused = [s for s in sids if client.responses[s]["status"] == 503]
     assert all(client.header(s, "x-egress-reason") == "buffer_budget" for s in refused), client.responses
     return refused
@@ -556,68 +581,52 @@ def test_http2_heads_waiting_for_their_body_are_charged_to_the_sandbox_budget(ga
     """Review 14: a stream whose body never comes held its decoded head uncharged (1,798 streams of
     55 KB heads took +291 MiB past an 8 MiB budget). The heads past the sandbox's budget are refused
     503 `buffer_budget` before any decision, over two connections of the sandbox alike; none reaches
-    the origin."""
+    the origin; once the clients are gone, their charge is too."""
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
-    first, second = _h2_to_allowed(gateway), _h2_to_allowed(gateway)
+    first, second = _h2_to(gateway), _h2_to(gateway)
     held = [_heavy_post(first, f"/a{i}") for i in range(10)]
-    # The 503s come first (the held ones never end): wait for them by their count.
-    wait_for(lambda: _answered(first) >= 4, 10.0, "the refusals on the first connection")
-    more = [_heavy_post(second, f"/b{i}") for i in range(4)]
-    refused_second = _refused_over_budget(second, more)
-    assert refused_second == more  # the sandbox's budget is spent by the first connection's heads
-    refused_first = [s for s in held if first.responses[s]["status"] == 503]
+    refused_first = _decided(gateway, first, held)
     assert 4 <= len(refused_first) < 10, first.responses
+    more = [_heavy_post(second, f"/b{i}") for i in range(4)]
+    assert _decided(gateway, second, more) == more  # the sandbox's budget is spent by the first's heads
     assert upstreams.untouched("allowed.test")
-    reasons = [line.get("reason") for line in gateway.audit()]
-    assert "buffer_budget" in reasons
-    # The clients go away with their heads held: the charge goes with them.
     first.conn.sock.close()
     second.conn.sock.close()
-    third = _h2_to_allowed(gateway)
+    third = _h2_to(gateway)
     sids = [_heavy_post(third, f"/c{i}", body=b"x" * 100) for i in range(4)]
     third.wait(*sids, timeout=10)
     assert [third.responses[s]["status"] for s in sids] == [200] * 4, third.responses
 
 
-def _answered(client: H2Client) -> int:
-    """Read what the gateway sent so far (one recv) and count the streams answered."""
-    import h2.events
-
-    client.conn.sock.settimeout(10)
-    for event in client.h2.receive_data(client.conn.sock.recv(65536)):
-        entry = client.responses.get(getattr(event, "stream_id", None))
-        if isinstance(event, h2.events.ResponseReceived) and entry is not None:
-            entry["headers"] = list(event.headers)
-            entry["status"] = int(dict(event.headers)[":status"])
-        elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)) and entry is not None:
-            entry["done"] = True
-    client._flush()
-    return sum(1 for entry in client.responses.values() if entry["done"])
+def _statuses(client: H2Client) -> list:
+    return [(sid, e["status"], client.header(sid, "x-egress-reason")) for sid, e in client.responses.items()]
 
 
-def test_a_head_charge_is_released_when_its_body_ends(gateway_with, upstreams):
-    """Once the held streams' bodies end, their heads' charge is given back: as many heavy heads fit
-    again as fitted at first."""
+def test_a_head_charge_is_released_when_its_stream_ends(gateway_with, upstreams):
+    """Once the held streams are answered, their heads' charge is given back: as many heavy heads
+    fit again as fitted at first."""
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
-    client = _h2_to_allowed(gateway)
+    client = _h2_to(gateway)
     first = [_heavy_post(client, f"/a{i}") for i in range(10)]
-    wait_for(lambda: _answered(client) >= 4, 10.0, "the first refusals")
-    fitted = [s for s in first if client.responses[s]["status"] is None]
+    refused = _decided(gateway, client, first)
+    fitted = [s for s in first if s not in refused]
     for sid in fitted:
         client.h2.send_data(sid, b"x" * 100, end_stream=True)
     client._flush()
     client.wait(*fitted, timeout=10)  # allowed.test answers them (through its recording upstream)
-    assert all(client.responses[s]["status"] == 200 for s in fitted), client.responses
-    # Sent whole this time, in one write: all of their heads are charged at once, as before.
-    again = [_heavy_post(client, f"/c{i}", body=b"x" * 100) for i in range(len(fitted))]
+    assert [client.responses[s]["status"] for s in fitted] == [200] * len(fitted), _statuses(client)
+    # Half as many, sent whole in one write: none would fit if the first ones were still charged
+    # (the other half's room is for what is written upstream and not read yet, also charged).
+    again = [_heavy_post(client, f"/c{i}", body=b"x" * 100) for i in range(len(fitted) // 2)]
     client.wait(*again, timeout=10)
-    assert all(client.responses[s]["status"] == 200 for s in again), client.responses
+    assert [client.responses[s]["status"] for s in again] == [200] * len(again), (
+        _statuses(client), [line.get("message") for line in gateway.audit() if line.get("decision") == "deny"][-2:])
 
 
 def test_http1_heads_waiting_for_their_body_are_charged_to_the_sandbox_budget(gateway_with, upstreams):
     """The same over HTTP/1: each connection holds one head whose body never comes; past the
-    sandbox's budget the next is 503 `buffer_budget`, its connection closed, nothing upstream; a
-    request with no body still passes (its head is not held for a body)."""
+    sandbox's budget the next is 503 `buffer_budget`, its connection closed, nothing upstream; so
+    is a heavy GET (its head is held until it is answered) until the held ones are gone."""
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
     extra = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS)
     head = ("POST http://allowed.test/upload HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 100\r\n"
@@ -628,17 +637,30 @@ def test_http1_heads_waiting_for_their_body_are_charged_to_the_sandbox_budget(ga
         conns.append(conn)
         conn.send(head)
         # The gateway has decided the head (an audit line) or refused it (a 503) before the next.
-        wait_for(lambda: audit_for(gateway, conn.client, wait=0), 10.0, "the head's audit line")
-        line = audit_for(gateway, conn.client)[-1]
+        line = audit_for(gateway, conn.client, wait=10.0)[-1]
         if line.get("reason") == "buffer_budget":
             response = conn.read_response()
             break
     assert response is not None and (response.status, response.egress_reason) == (503, "buffer_budget"), response
     assert 4 <= len(conns) - 1 < 12
     assert conns[-1].closed()
-    get = connect_proxy(gateway, timeout=10)
-    get.send(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n" + extra.encode() + b"\r\n")
-    assert get.read_response().status == 200
+    assert upstreams.untouched("allowed.test")
+    get = b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n" + extra.encode() + b"\r\n"
+    refused_get = connect_proxy(gateway, timeout=10)
+    refused_get.send(get)
+    assert refused_get.read_response().status == 503
+    for conn in conns[:-1]:
+        conn.sock.close()
+    wait_for(lambda: _get_status(gateway, get) == 200, 10.0, "a heavy GET once the held heads are gone")
+
+
+def _get_status(gateway, request: bytes) -> int:
+    conn = connect_proxy(gateway, timeout=10)
+    try:
+        conn.send(request)
+        return conn.read_response().status
+    finally:
+        conn.sock.close()
 
 
 def test_http2_heads_refused_over_the_budget_count_as_resets(gateway_with, upstreams):
@@ -647,14 +669,66 @@ def test_http2_heads_refused_over_the_budget_count_as_resets(gateway_with, upstr
     for as long as the client likes."""
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60",
                            "egress_h2_max_resets=10")
-    client = _h2_to_allowed(gateway)
+    client = _h2_to(gateway)
     sent = [_heavy_post(client, f"/f{i}") for i in range(8)]
-    wait_for(lambda: _answered(client) >= 2, 10.0, "the first refusals")  # 6 fit and hold, 2 refused
+    refused = _decided(gateway, client, sent)
+    assert 1 <= len(refused) < 8
     with pytest.raises(ConnectionError, match="GOAWAY"):
         for batch in range(10):
             sids = [_heavy_post(client, f"/f{batch}-{i}") for i in range(8)]
             client.wait(*sids, timeout=10)  # refused, all of them: the held ones spent the budget
-    assert 4 <= [client.responses[s]["status"] for s in sent].count(None) < 8
     wait_for(lambda: "reset_flood" in [line.get("reason") for line in gateway.audit()], 10.0,
              "the reset_flood line")
     assert upstreams.untouched("allowed.test")
+
+
+def test_connect_heads_are_charged_for_as_long_as_their_tunnel_lasts(gateway_with, upstreams):
+    """Review 16: a CONNECT head has no body, but mitmproxy keeps it with the tunnel's flow for as
+    long as the tunnel lasts (600 idle tunnels of 58 KB heads: +84 MiB, none refused). Past the
+    sandbox's budget the next CONNECT is 503 `buffer_budget`; a closed tunnel gives its charge back."""
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}")
+    extra = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS).encode()
+    head = b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n" + extra + b"\r\n"
+    tunnels, refused = [], None
+    for _ in range(12):
+        conn = connect_proxy(gateway, timeout=10)
+        conn.send(head)
+        response = conn.read_response(head_only=True)
+        if response.status != 200:
+            refused = response
+            break
+        tunnels.append(conn)
+    assert refused is not None and (refused.status, refused.egress_reason) == (503, "buffer_budget"), refused
+    assert 4 <= len(tunnels) < 12
+    assert upstreams.untouched("allowed.test")
+    tunnels.pop().sock.close()
+    wait_for(lambda: _connect_status(gateway, head) == 200, 10.0, "a CONNECT once a tunnel closed")
+
+
+def _connect_status(gateway, head: bytes) -> int:
+    conn = connect_proxy(gateway, timeout=10)
+    try:
+        conn.send(head)
+        return conn.read_response(head_only=True).status
+    finally:
+        conn.sock.close()
+
+
+def test_http2_heads_of_complete_requests_are_charged_while_the_upstream_takes_its_time(
+        gateway_with, origin, pki, stall_address):
+    """Review 16: a GET's head ends its stream, yet the gateway keeps it until the answer is over,
+    and the sandbox can pick a slow upstream (1,600 heads of 55 KB to a 40 s upstream: +277 MiB,
+    none refused). Past the sandbox's budget the next such head is 503 `buffer_budget`."""
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-heads")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["http/1.1"])
+    upstream = origin(443, tls=context)  # answers nothing: every request stays in flight
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}")
+    client = _h2_to(gateway, "stall.test")
+    sids = [client.send("stall.test", f"/slow{i}", extra=HEAVY_FIELDS) for i in range(10)]
+    refused = _decided(gateway, client, sids)
+    assert 4 <= len(refused) < 10, client.responses
+    wait_for(lambda: upstream.heads, 10.0, "the heads that fitted, upstream")
+    paths = {sid: f"/slow{i}".encode() for i, sid in enumerate(sids)}
+    assert not [sid for sid in refused if any(b" " + paths[sid] + b" " in head for head in upstream.heads)]
