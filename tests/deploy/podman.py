@@ -26,6 +26,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tests.support.netns import thread_inside
+
 STATE = Path(os.environ.get("EGRESS_PODMAN_STATE", "/var/tmp/egress-gateway-tests/podman"))
 RUNROOT = Path("/run/egress-gateway-tests/podman")
 NETNS_DIR = Path("/run/netns")
@@ -143,19 +145,8 @@ class Netns:
     @contextlib.contextmanager
     def inside(self):
         """Run the block with this thread in the namespace: sockets made here stay there for life."""
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(self.path, os.O_RDONLY)
-        try:
-            os.setns(target, os.CLONE_NEWNET)
-            try:
-                here, there = os.stat("/proc/thread-self/ns/net"), os.stat(self.path)
-                assert (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino), "setns did not take"
-                yield
-            finally:
-                os.setns(own, os.CLONE_NEWNET)
-        finally:
-            os.close(own)
-            os.close(target)
+        with thread_inside(self.path):
+            yield
 
     def run(self, *argv: str, timeout: float = 30, check: bool = False) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.name, *argv], capture_output=True, text=True,

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.netns import thread_inside
+
 from tests.support.upstream import RecordingUpstream
 
 NETNS_DIR = Path("/var/run/netns")
@@ -182,17 +184,8 @@ class Lab:
     @contextlib.contextmanager
     def inside(self, ns: str):
         """Run the block with this thread in namespace `ns`; sockets created here stay there."""
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(NETNS_DIR / ns, os.O_RDONLY)
-        try:
-            os.setns(target, os.CLONE_NEWNET)
-            try:
-                yield
-            finally:
-                os.setns(own, os.CLONE_NEWNET)
-        finally:
-            os.close(own)
-            os.close(target)
+        with thread_inside(NETNS_DIR / ns):
+            yield
 
     def assert_thread_in(self, ns: str) -> None:
         here = os.stat("/proc/thread-self/ns/net")

@@ -41,6 +41,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.netns import thread_inside
+
 from tests.support.gateway import PROJECT_ROOT
 from tests.support.upstream import RecordingUpstream
 
@@ -564,20 +566,8 @@ class Topology:
         """Run the block with this thread in namespace `ns` (one of ours); sockets made here stay there."""
         if ns not in (self.gw, self.inet, *(s.ns for s in self.sandboxes.values())):
             raise AssertionError(f"{ns} is not a namespace of this topology")
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(NETNS_DIR / ns, os.O_RDONLY)
-        try:
-            os.setns(target, os.CLONE_NEWNET)
-            try:
-                here, there = os.stat("/proc/thread-self/ns/net"), os.stat(NETNS_DIR / ns)
-                if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
-                    raise AssertionError(f"refusing to open a socket outside namespace {ns}")
-                yield
-            finally:
-                os.setns(own, os.CLONE_NEWNET)
-        finally:
-            os.close(own)
-            os.close(target)
+        with thread_inside(NETNS_DIR / ns):
+            yield
 
     # -- upstreams ---------------------------------------------------------------------------------
 
