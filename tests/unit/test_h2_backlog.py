@@ -387,6 +387,18 @@ def test_past_the_budget_only_streams_with_data_waiting_are_refused_and_the_rest
     assert sum(count for _, count in refused) == len(refused_ids)
 
 
+def _with_open_streams(count: int):
+    """A server layer with `count` streams opened (POSTs whose bodies are still to come) and
+    handled, and the client that opened them."""
+    from mitmproxy.proxy import events
+
+    layer, client = _server()
+    h2c = _client(layer)
+    ids = _opened_without_end(h2c, count)
+    _drain(layer, list(layer.handle_event(events.DataReceived(client, h2c.data_to_send()))))
+    return layer, client, h2c, ids
+
+
 class _HoldingStream:
     """Stands for the HTTP layer's stream of a request whose body is buffered (GatewayHttp2Server
     `_holding` asks only these attributes)."""
@@ -414,11 +426,7 @@ def test_a_read_of_one_byte_data_frames_over_many_streams_is_handled_a_slice_at_
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
     from mitmproxy.proxy.layers.http._events import RequestData
 
-    layer, client = _server()
-    h2c = _client(layer)
-    ids = _opened_without_end(h2c, 90)
-    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
-    commands += _drain(layer, commands)
+    layer, client, h2c, ids = _with_open_streams(90)
     now = [0.0]
 
     def clock():
@@ -444,11 +452,7 @@ def test_a_data_frame_is_checked_against_the_buffer_budget_in_constant_time():
     stopped holding are now let go only when the budget would refuse: one look per frame."""
     from mitmproxy.proxy import events
 
-    layer, client = _server()
-    h2c = _client(layer)
-    ids = _opened_without_end(h2c, 50)
-    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
-    commands += _drain(layer, commands)
+    layer, client, h2c, ids = _with_open_streams(50)
     for sid in ids:
         layer._streams[sid] = _HoldingStream()
     looks = [0]
@@ -475,11 +479,7 @@ def test_a_read_of_many_small_data_frames_is_parsed_a_slice_at_a_time():
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
     from mitmproxy.proxy.layers.http._events import RequestData
 
-    layer, client = _server()
-    h2c = _client(layer)
-    ids = _opened_without_end(h2c, 10)
-    commands = list(layer.handle_event(events.DataReceived(client, h2c.data_to_send())))
-    commands += _drain(layer, commands)
+    layer, client, h2c, ids = _with_open_streams(10)
     now = [0.0]
 
     def clock():  # a frame's look costs 0.5 ms: a 2 ms slice parses a few
