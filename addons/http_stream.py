@@ -41,6 +41,9 @@ from .refusals import REFUSAL_ATTR, OnRefusal, _report, protocol_error_decision
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
 HOLD_BODY = "egress_hold_body"  # flow.metadata key: the body is buffered, never streamed (set by addons/body_checks.py)
 QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
+_TRAILERS_OVER_BUDGET = Decision.deny("buffer_budget", "holding this request's trailers for as long as its stream "
+                                                      "lasts would pass the connection's or the sandbox's buffer "
+                                                      "budget; it was refused")
 _NOT_SCANNED = ("error", RuntimeError("the body check's step did not run"))  # no addon answered its hook: refused
 
 
@@ -95,13 +98,19 @@ def paced_sends(commands_: layer.CommandGenerator, stream: HttpStream):
 DROP_BODY_AT = 64 * 1024
 
 
+def _upgraded(flow) -> bool:
+    """A flow that lives on after its stream (a WebSocket, another 101 upgrade)."""
+    return flow is not None and (flow.websocket is not None or (
+        flow.response is not None and flow.response.status_code == 101))
+
+
 def _drop_bodies(flow) -> None:
     """The flow is done and its stream dropped: its large bodies go now, by reference counting.
     A closed flow sits in reference cycles (its layers, contexts, connections) that only a full
     collection frees, and until then its bodies stayed too: 18 MB bound responses piled up between
     two, and the full collections that freed them held the loop 25-45 ms each (issue 15's
     noisy-neighbour benchmark, bound_lines). A WebSocket or other upgrade keeps its flow."""
-    if flow is None or flow.websocket is not None or (flow.response is not None and flow.response.status_code == 101):
+    if flow is None or _upgraded(flow):
         return
     for message in (flow.request, flow.response):
         data = getattr(message, "data", None)
@@ -161,18 +170,27 @@ class GatewayHttpStream(HttpStream):
 
     def _charge_head(self, request: http.Request) -> bool:
         """Charge the request head, held until the stream is over; False if over budget (nothing charged)."""
-        make = self.body_limits.account
-        account = make(self.context) if make is not None else None
-        if account is None:
-            return True
         size = len(request.data.method) + len(request.data.authority) + len(request.data.path)
-        fields = request.data.headers.fields
+        return self._charge_fields(request.data.headers.fields, size)
+
+    def _charge_fields(self, fields, size: int = 0) -> bool:
+        """Charge a head's or a trailer section's fields (and `size` more bytes of its own) to the
+        stream's head account, for as long as the stream lasts; False if over budget."""
+        if self._head_account is None:
+            make = self.body_limits.account
+            account = make(self.context) if make is not None else None
+            if account is None:
+                return True
+            self._head_account = account
         size += sum(len(name) + len(value) for name, value in fields)
-        if not account.reserve(head_cost(size, len(fields))):
-            account.close()
-            return False
-        self._head_account = account
-        return True
+        return self._head_account.reserve(head_cost(size, len(fields)))
+
+    def _charge_trailers(self, event: RequestTrailers) -> bool:
+        """The request's trailers, kept on the flow like its head; charged once."""
+        if self._trailers_charged:
+            return True
+        self._trailers_charged = True
+        return self._charge_fields(event.trailers.fields)
 
     def _release_head(self) -> None:
         if self._head_account is not None:
@@ -181,8 +199,9 @@ class GatewayHttpStream(HttpStream):
 
     def _release(self, done: bool = True) -> None:
         """Give back what this stream's buffers held; `done`: the stream is over (its account
-        closed, so the ledger forgets it), else a buffer was handed on and more may come."""
-        if done:
+        closed, so the ledger forgets it), else a buffer was handed on and more may come. An
+        upgraded flow lives on with its head: that charge stays until the connection goes."""
+        if done and not _upgraded(self.flow):
             self._release_head()
             self._drop_decoders()
         if done and self._windows:
@@ -219,12 +238,18 @@ class GatewayHttpStream(HttpStream):
     _queued: dict[int, int] | None = None  # id -> bytes of body events queued while paused, charged
     _uncharged = 0  # bytes queued over the budget, within QUEUE_ALLOWANCE
     _overflowed = False  # a queued body piece was over budget: dropped, and the stream ends on resume
+    _trailers_charged = False  # the request's trailers were charged as they were queued
 
     def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         """While the stream waits (for an upstream connection, a hook), mitmproxy queues what
         arrives: body bytes queued are charged too. Past the budget a stream may queue
         QUEUE_ALLOWANCE more (what comes with its head, before it could switch to streaming); past
         that the piece is dropped and the stream ends as soon as it resumes, 503 `buffer_budget`."""
+        if self._paused is not None and isinstance(event, RequestTrailers) and not self._overflowed:
+            if not self._charge_fields(event.trailers.fields):  # (charged here, not again when handled)
+                self._overflowed = True
+                return
+            self._trailers_charged = True
         if self._paused is not None and isinstance(event, (RequestData, ResponseData)):
             n = len(event.data)
             if self._overflowed:
@@ -287,6 +312,9 @@ class GatewayHttpStream(HttpStream):
 
     def flow_done(self) -> layer.CommandGenerator[None]:
         self._request_moved = self._response_moved = None
+        # An upgraded flow (a WebSocket) lives on with its head for as long as the connection: its
+        # head stays charged until then (review 17: 300 WebSockets of 60 KB upgrade heads, +113 MiB
+        # past an 8 MiB budget); the connection's accounts all go when it closes.
         self._release()
         yield from super().flow_done()
         _drop_bodies(self.flow)
@@ -359,6 +387,7 @@ class GatewayHttpStream(HttpStream):
         if isinstance(event, RequestHeaders):
             setattr(event.request, END_STREAM_ATTR, event.end_stream)  # what a body check needs to know
             if not self._charge_head(event.request):
+                self._release_head()
                 return (yield from self._refuse_head_over_budget(event))
         return (yield from super().state_wait_for_request_headers(event))
 
@@ -380,6 +409,11 @@ class GatewayHttpStream(HttpStream):
             return
         if isinstance(event, RequestData) and not self._charge(len(event.data)):
             yield from self._request_over_budget(event)
+            return
+        if isinstance(event, RequestTrailers) and not self._charge_trailers(event):
+            # Kept on the flow for as long as the stream lasts, like the head (review 17: 1,600
+            # streams of 55 KB trailers to a slow upstream, +136 MiB past an 8 MiB budget).
+            yield from self._abort(_TRAILERS_OVER_BUDGET, upstream=False)
             return
         check = self.flow.metadata.get(BODY_CHECK) if self.flow is not None else None
         if check is not None and isinstance(event, (RequestData, RequestTrailers, RequestEndOfMessage)):
@@ -435,6 +469,9 @@ class GatewayHttpStream(HttpStream):
         yield from self.state_stream_request_body(RequestData(event.stream_id, buffered + event.data))
 
     def state_stream_request_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, RequestTrailers) and not self._charge_trailers(event):
+            yield from self._abort(_TRAILERS_OVER_BUDGET, upstream=True)
+            return
         if isinstance(event, RequestData):
             self._streamed_request += len(event.data)
             if (yield from self._over_limit(self._streamed_request, request=True)):
@@ -470,6 +507,11 @@ class GatewayHttpStream(HttpStream):
         yield from super().handle_protocol_error(event)
         self.request_body_buf.clear()
         self.response_body_buf.clear()
+        # The stream is over (the layer drops it, its states left as they were): its charges go
+        # now, the head's too (review 17: every stream a client reset kept its head charged until
+        # the connection closed; a browser-like client cancelling 18 a second was refused after
+        # 4,892 requests under the default budgets).
+        self._release()
         if (started and isinstance(event, ResponseProtocolError) and event.code == ErrorCode.RESPONSE_TOO_LARGE
                 and self.on_refusal is not None and self.flow is not None):
             decision = protocol_error_decision(event)

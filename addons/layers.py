@@ -95,15 +95,16 @@ class GatewayHttpLayer(HttpLayer):
 
     def _handle(self, event: events.Event):
         if isinstance(event, events.Start):
+            make = self.body_limits.account
             if is_h3_alpn(self.context.client.alpn):
                 server = Http3Server(self.context.fork())
             elif self.context.client.alpn == b"h2":
-                make = self.body_limits.account
                 server = GatewayHttp2Server(self.context.fork(), self.on_refusal, self.streams,
                                             self._sandbox_key(), make(self.context) if make is not None else None)
             else:
                 server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
-                                            self.head_timeout, self._sandbox_key(), self.streams)
+                                            self.head_timeout, self._sandbox_key(), self.streams,
+                                            make(self.context) if make is not None else None)
             self.connections.setdefault(self.context.client, server)
             yield from self.event_to_child(self.connections[self.context.client], event)
             return

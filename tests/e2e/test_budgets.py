@@ -732,3 +732,119 @@ def test_http2_heads_of_complete_requests_are_charged_while_the_upstream_takes_i
     wait_for(lambda: upstream.heads, 10.0, "the heads that fitted, upstream")
     paths = {sid: f"/slow{i}".encode() for i, sid in enumerate(sids)}
     assert not [sid for sid in refused if any(b" " + paths[sid] + b" " in head for head in upstream.heads)]
+
+
+def _silent_tls_origin(origin, pki, stall_address):
+    """stall.test on 443 with TLS, reading what comes and answering nothing: requests stay in flight."""
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-silent")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["http/1.1"])
+    return origin(443, tls=context)
+
+
+def test_a_stream_the_client_resets_gives_its_head_charge_back(gateway_with, upstreams):
+    """Review 17: a stream reset by the client kept its head charged until the connection closed (a
+    browser-like client cancelling 18 requests a second was refused after 4,892 under the default
+    budgets). Round after round of heads that fill most of the budget, each reset: none refused."""
+    import h2.errors
+
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
+    client = _h2_to(gateway)
+    for round_ in range(4):
+        sids = [_heavy_post(client, f"/r{round_}-{i}") for i in range(5)]
+        wait_for(lambda: sum(1 for line in gateway.audit() if line.get("event") == "request") >= 5 * (round_ + 1),
+                 10.0, "the round's decisions")
+        for sid in sids:
+            client.h2.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        client._flush()
+    assert "buffer_budget" not in [line.get("reason") for line in gateway.audit()]
+
+
+def test_websocket_upgrade_heads_stay_charged_for_the_websocket_s_life(gateway_with, origin):
+    """Review 17: a WebSocket's flow keeps its upgrade head for as long as it lasts, but the charge
+    went when the upgrade was done (300 WebSockets of 60 KB heads: +113 MiB past an 8 MiB budget).
+    Past the budget the next upgrade is 503 `buffer_budget`; a closed WebSocket gives its charge back."""
+    origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n")
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}")
+    extra = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS).encode()
+    upgrade = (b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n" + extra + b"\r\n")
+    sockets, refused = [], None
+    for _ in range(12):
+        conn = connect_proxy(gateway, timeout=10)
+        conn.send(upgrade)
+        response = conn.read_response(head_only=True)
+        if response.status != 101:
+            refused = response
+            break
+        sockets.append(conn)
+    assert refused is not None and (refused.status, refused.egress_reason) == (503, "buffer_budget"), refused
+    assert 4 <= len(sockets) < 12
+    sockets.pop().sock.close()
+    wait_for(lambda: _upgrade_status(gateway, upgrade) == 101, 10.0, "an upgrade once a WebSocket closed")
+
+
+def _upgrade_status(gateway, upgrade: bytes) -> int:
+    conn = connect_proxy(gateway, timeout=10)
+    try:
+        conn.send(upgrade)
+        return conn.read_response(head_only=True).status
+    finally:
+        conn.sock.close()
+
+
+def test_http2_trailers_are_charged_like_the_head(gateway_with, upstreams):
+    """Review 17: request trailers are kept on the flow like the head, but were charged nowhere
+    (1,600 streams of 55 KB trailers to a slow upstream: +136 MiB past an 8 MiB budget). A small
+    head whose trailers (~48 KB charged) pass a 30 KB connection budget: 503 `buffer_budget`, and
+    the request is cut off before it completes upstream; the same request with small trailers is
+    served."""
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=30000")
+    client = _h2_to(gateway)
+
+    def post(path: str, trailers: list[tuple[str, str]]) -> int:
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "allowed.test"),
+                                     (":path", path)])
+        client.h2.send_data(sid, b"x")
+        client.h2.send_headers(sid, trailers, end_stream=True)
+        client._flush()
+        client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False,
+                                 "reset": False}
+        client.wait(sid, timeout=10)
+        return sid
+
+    heavy = post("/heavy-trailers", HEAVY_FIELDS)
+    assert (client.responses[heavy]["status"], client.header(heavy, "x-egress-reason")) == (503, "buffer_budget")
+    light = post("/light-trailers", [("x-checksum", "abc")])
+    assert client.responses[light]["status"] == 200, client.responses[light]
+    # (its head may have gone up, the body streaming: it was cut off before the body's byte)
+    assert not [r for r in upstreams.tls["allowed.test"].requests if r.path == "/heavy-trailers" and r.body]
+
+
+def test_http1_bytes_sent_ahead_of_an_answer_are_charged(gateway_with, origin):
+    """Review 17: what an HTTP/1 client sends ahead of a request in flight was capped per connection
+    (twice the head limit) but charged nowhere: 500 connections 120 KB ahead of a slow answer held
+    +120 MiB past an 8 MiB budget. Past the sandbox's budget the connection gets 503 `buffer_budget`."""
+    origin()  # answers nothing: each connection's first request stays in flight
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}")
+    ahead = (b"GET http://stall.test/next HTTP/1.1\r\nHost: stall.test\r\nX: " + b"a" * 1000 + b"\r\n\r\n") * 100
+    conns = []
+    for _ in range(4):  # ~100 KB ahead each: at most two fit in the ~300 KB budget
+        conn = connect_proxy(gateway, timeout=10)
+        conn.send(b"GET http://stall.test/slow HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+        audit_for(gateway, conn.client, wait=10.0)  # its request is in flight
+        try:
+            conn.send(ahead)
+        except OSError:
+            pass
+        conns.append(conn)
+
+    def refused():
+        return [c for c in conns if any(line.get("reason") == "buffer_budget" for line in audit_for(gateway, c.client, wait=0))]
+
+    first = wait_for(refused, 10.0, "a buffer_budget refusal")[0]
+    response = first.read_response()
+    assert (response.status, response.egress_reason) == (503, "buffer_budget"), response
