@@ -682,6 +682,32 @@ def test_http2_heads_refused_over_the_budget_count_as_resets(gateway_with, upstr
     assert upstreams.untouched("allowed.test")
 
 
+def _head_status(gateway, head: bytes) -> int:
+    """The status answering `head` on a fresh connection, which is then closed."""
+    conn = connect_proxy(gateway, timeout=10)
+    try:
+        conn.send(head)
+        return conn.read_response(head_only=True).status
+    finally:
+        conn.sock.close()
+
+
+def _held_until_refused(gateway, head: bytes, held_status: int, most: int = 12) -> list:
+    """Connections each sending `head` and kept open while answered `held_status` (a tunnel, a
+    WebSocket), until one is refused: it must be 503 `buffer_budget`, after 4 to `most` - 1 held."""
+    held = []
+    for _ in range(most):
+        conn = connect_proxy(gateway, timeout=10)
+        conn.send(head)
+        response = conn.read_response(head_only=True)
+        if response.status != held_status:
+            assert (response.status, response.egress_reason) == (503, "buffer_budget"), response
+            assert 4 <= len(held) < most
+            return held
+        held.append(conn)
+    raise AssertionError(f"{most} held, none refused")
+
+
 def test_connect_heads_are_charged_for_as_long_as_their_tunnel_lasts(gateway_with, upstreams):
     """Review 16: a CONNECT head has no body, but mitmproxy keeps it with the tunnel's flow for as
     long as the tunnel lasts (600 idle tunnels of 58 KB heads: +84 MiB, none refused). Past the
@@ -689,29 +715,10 @@ def test_connect_heads_are_charged_for_as_long_as_their_tunnel_lasts(gateway_wit
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}")
     extra = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS).encode()
     head = b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n" + extra + b"\r\n"
-    tunnels, refused = [], None
-    for _ in range(12):
-        conn = connect_proxy(gateway, timeout=10)
-        conn.send(head)
-        response = conn.read_response(head_only=True)
-        if response.status != 200:
-            refused = response
-            break
-        tunnels.append(conn)
-    assert refused is not None and (refused.status, refused.egress_reason) == (503, "buffer_budget"), refused
-    assert 4 <= len(tunnels) < 12
+    tunnels = _held_until_refused(gateway, head, 200)
     assert upstreams.untouched("allowed.test")
     tunnels.pop().sock.close()
-    wait_for(lambda: _connect_status(gateway, head) == 200, 10.0, "a CONNECT once a tunnel closed")
-
-
-def _connect_status(gateway, head: bytes) -> int:
-    conn = connect_proxy(gateway, timeout=10)
-    try:
-        conn.send(head)
-        return conn.read_response(head_only=True).status
-    finally:
-        conn.sock.close()
+    wait_for(lambda: _head_status(gateway, head) == 200, 10.0, "a CONNECT once a tunnel closed")
 
 
 def test_http2_heads_of_complete_requests_are_charged_while_the_upstream_takes_its_time(
@@ -771,28 +778,9 @@ def test_websocket_upgrade_heads_stay_charged_for_the_websocket_s_life(gateway_w
     extra = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS).encode()
     upgrade = (b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n" + extra + b"\r\n")
-    sockets, refused = [], None
-    for _ in range(12):
-        conn = connect_proxy(gateway, timeout=10)
-        conn.send(upgrade)
-        response = conn.read_response(head_only=True)
-        if response.status != 101:
-            refused = response
-            break
-        sockets.append(conn)
-    assert refused is not None and (refused.status, refused.egress_reason) == (503, "buffer_budget"), refused
-    assert 4 <= len(sockets) < 12
+    sockets = _held_until_refused(gateway, upgrade, 101)
     sockets.pop().sock.close()
-    wait_for(lambda: _upgrade_status(gateway, upgrade) == 101, 10.0, "an upgrade once a WebSocket closed")
-
-
-def _upgrade_status(gateway, upgrade: bytes) -> int:
-    conn = connect_proxy(gateway, timeout=10)
-    try:
-        conn.send(upgrade)
-        return conn.read_response(head_only=True).status
-    finally:
-        conn.sock.close()
+    wait_for(lambda: _head_status(gateway, upgrade) == 101, 10.0, "an upgrade once a WebSocket closed")
 
 
 def test_http2_trailers_are_charged_like_the_head(gateway_with, upstreams):
