@@ -156,11 +156,15 @@ class GatewayHttpStream(HttpStream):
 
     # -- the buffer ledger -------------------------------------------------------------------------
 
+    def _new_account(self) -> Account | None:
+        """A new share of the buffer ledger for one of this stream's buffers (None: no budgets)."""
+        make = self.body_limits.account
+        return make(self.context) if make is not None else None
+
     def _charge(self, n: int) -> bool:
         """Reserve `n` more buffered bytes for this stream; False if over budget (nothing charged)."""
         if self._account is None:
-            make = self.body_limits.account
-            account = make(self.context) if make is not None else None
+            account = self._new_account()
             if account is None:
                 return True
             self._account = account
@@ -177,8 +181,7 @@ class GatewayHttpStream(HttpStream):
         """Charge a head's or a trailer section's fields (and `size` more bytes of its own) to the
         stream's head account, for as long as the stream lasts; False if over budget."""
         if self._head_account is None:
-            make = self.body_limits.account
-            account = make(self.context) if make is not None else None
+            account = self._new_account()
             if account is None:
                 return True
             self._head_account = account
@@ -439,8 +442,7 @@ class GatewayHttpStream(HttpStream):
             # Its decoders keep a window the sandbox chose (up to 16 MiB of brotli) for as long as
             # the body lasts: charged from its first bytes, on an account of its own (the body's
             # buffer is released as it is handed on; the windows only when the stream is over).
-            make = self.body_limits.account
-            self._windows = (make(self.context) if make is not None else None) or False
+            self._windows = self._new_account() or False
             windows = self._windows
             if windows and not windows.reserve(check.windows(data, lambda more: windows.reserve(more))):
                 return check.refuse(Decision.deny(
