@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 
+from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import (
     GetHttpConnection,
@@ -52,6 +53,7 @@ class GatewayHttpLayer(HttpLayer):
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
         self.body_limits = body_limits or BodyLimits()
+        self._ended: set = set()  # upstream connections whose close was handled, not yet dropped
 
     _idle_wakeup: commands.RequestWakeup | None = None
 
@@ -109,6 +111,27 @@ class GatewayHttpLayer(HttpLayer):
             yield from self.event_to_child(self.connections[self.context.client], event)
             return
         yield from super()._handle_event(event)
+        if isinstance(event, events.ConnectionClosed) and event.connection is not self.context.client:
+            self._ended.add(event.connection)
+            self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        """Drop upstream connections that are over: mitmproxy keeps every one it opened for a client
+        connection until the client leaves (each with its TLS layer, HTTP client and last request
+        and response), and scans them all for every request. An HTTP/2 client's requests to an
+        HTTP/1 origin each take a connection of their own, and an origin that closes after a
+        response makes the next request open another: one long client connection grew without
+        bound. Only connections whose close event has been handled are dropped (no event can name
+        them again); those that failed stay (mitmproxy answers the next request for the same
+        destination with their error), and so do those a stream or a waiting request still names."""
+        if not self._ended:
+            return
+        in_use = {stream.context.server for stream in self.streams.values()}
+        for conn in list(self._ended):
+            if conn.state is ConnectionState.CLOSED and conn not in in_use and conn not in self.waiting_for_establishment:
+                self._ended.discard(conn)
+                if conn.error is None:
+                    self.connections.pop(conn, None)
 
     def get_connection(self, event: GetHttpConnection, *, reuse: bool = True) -> layer.CommandGenerator[None]:
         """No upstream connection for a stream the client already reset: mitmproxy opens one per
@@ -119,6 +142,7 @@ class GatewayHttpLayer(HttpLayer):
             self.command_sources.pop(event)
             yield from self.event_to_child(stream, GetHttpConnectionCompleted(event, (None, reset)))
             return
+        self._forget_ended()  # those a stream still named when they closed
         yield from super().get_connection(event, reuse=reuse)
 
     def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:

@@ -89,6 +89,8 @@ class RecordingUpstream:
                         remaining -= n
                     return
                 payload = f"upstream {upstream.name}: {self.command} {self.path}\n".encode()
+                if self.path.startswith("/close/"):  # answers, then closes (no header says so, as on an idle timeout)
+                    self.close_connection = True
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain")
                 self.send_header("Content-Length", str(len(payload)))
