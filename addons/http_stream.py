@@ -23,6 +23,7 @@ from mitmproxy.proxy.layers.http._events import (
     ResponseHeaders,
     ResponseEndOfMessage,
     ResponseProtocolError,
+    ResponseTrailers,
 )
 from mitmproxy.proxy.layers.http._hooks import HttpErrorHook
 from mitmproxy.proxy.layers.http import SendHttp
@@ -195,6 +196,15 @@ class GatewayHttpStream(HttpStream):
         self._trailers_charged = True
         return self._charge_fields(event.trailers.fields)
 
+    def _refuse_response_part(self, what: str, status_sent: bool) -> layer.CommandGenerator[None]:
+        """An upstream's response head or trailers that cannot be held while the stream lasts (the
+        sandbox may pick, or be, the upstream that sends them): not forwarded, the upstream stream
+        aborted; the client gets 503 if nothing of the answer went out yet, else is cut off."""
+        decision = Decision.deny("buffer_budget", f"holding the upstream's response {what} for as long as its stream "
+                                                  "lasts would pass the connection's or the sandbox's buffer budget; "
+                                                  "it was not forwarded")
+        yield from self._abort(decision, upstream=True, status_sent=status_sent)
+
     def _release_head(self) -> None:
         if self._head_account is not None:
             self._head_account.close()
@@ -248,9 +258,9 @@ class GatewayHttpStream(HttpStream):
         arrives: body bytes queued are charged too. Past the budget a stream may queue
         QUEUE_ALLOWANCE more (what comes with its head, before it could switch to streaming); past
         that the piece is dropped and the stream ends as soon as it resumes, 503 `buffer_budget`."""
-        if self._paused is not None and isinstance(event, RequestTrailers) and not self._overflowed:
-            if not self._charge_fields(event.trailers.fields):  # (charged here, not again when handled)
-                self._overflowed = True
+        if self._paused is not None and isinstance(event, RequestTrailers):
+            if self._overflowed or not self._charge_fields(event.trailers.fields):  # (charged once, here)
+                self._overflowed = True  # not queued: the stream ends at its end-of-message
                 return
             self._trailers_charged = True
         if self._paused is not None and isinstance(event, (RequestData, ResponseData)):
@@ -558,9 +568,20 @@ class GatewayHttpStream(HttpStream):
         client gets the refusal, and an upstream stream already under way is aborted unfinished."""
         yield from self._abort(decision, upstream, audited=True)
 
-    # -- response bodies ---------------------------------------------------------------------------
+    # -- responses ---------------------------------------------------------------------------------
+
+    def state_wait_for_response_headers(self, event) -> layer.CommandGenerator[None]:
+        """The response head stays on the flow until the stream is over: charged like the request's."""
+        if isinstance(event, ResponseHeaders):
+            response = event.response
+            if not self._charge_fields(response.data.headers.fields,
+                                       len(response.data.http_version) + len(response.data.reason)):
+                return (yield from self._refuse_response_part("head", status_sent=True))
+        return (yield from super().state_wait_for_response_headers(event))
 
     def state_consume_response_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, ResponseTrailers) and not self._charge_fields(event.trailers.fields):
+            return (yield from self._refuse_response_part("trailers", status_sent=True))
         if isinstance(event, ResponseData) and not self._charge(len(event.data)):
             if BOUND in self.flow.metadata:
                 # Buffered to be decoded and redacted whole: it cannot stream as it is.
@@ -576,6 +597,8 @@ class GatewayHttpStream(HttpStream):
         yield from super().state_consume_response_body(event)
 
     def state_stream_response_body(self, event) -> layer.CommandGenerator[None]:
+        if isinstance(event, ResponseTrailers) and not self._charge_fields(event.trailers.fields):
+            return (yield from self._refuse_response_part("trailers", status_sent=False))
         if isinstance(event, ResponseData):
             self._streamed_response += len(event.data)
             if (yield from self._over_limit(self._streamed_response, request=False)):

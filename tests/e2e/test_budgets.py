@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, start_tls, tunnel
+from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, get, start_tls, tunnel
 from tests.support.waiting import wait_for
 
 STALL_OCTET = 210
@@ -726,11 +726,7 @@ def test_http2_heads_of_complete_requests_are_charged_while_the_upstream_takes_i
     """Review 16: a GET's head ends its stream, yet the gateway keeps it until the answer is over,
     and the sandbox can pick a slow upstream (1,600 heads of 55 KB to a 40 s upstream: +277 MiB,
     none refused). Past the sandbox's budget the next such head is 503 `buffer_budget`."""
-    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-heads")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(str(cert), str(key))
-    context.set_alpn_protocols(["http/1.1"])
-    upstream = origin(443, tls=context)  # answers nothing: every request stays in flight
+    upstream = _tls_origin(origin, pki, stall_address)  # answers nothing: every request stays in flight
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}")
     client = _h2_to(gateway, "stall.test")
     sids = [client.send("stall.test", f"/slow{i}", extra=HEAVY_FIELDS) for i in range(10)]
@@ -741,13 +737,14 @@ def test_http2_heads_of_complete_requests_are_charged_while_the_upstream_takes_i
     assert not [sid for sid in refused if any(b" " + paths[sid] + b" " in head for head in upstream.heads)]
 
 
-def _silent_tls_origin(origin, pki, stall_address):
-    """stall.test on 443 with TLS, reading what comes and answering nothing: requests stay in flight."""
-    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-silent")
+def _tls_origin(origin, pki, stall_address, **kw):
+    """stall.test on 443 with TLS (HTTP/1.1); with no `answer`, it reads what comes and answers
+    nothing: requests stay in flight."""
+    cert, key = pki.issue(["stall.test"], [stall_address], stem="stall-tls")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(str(cert), str(key))
     context.set_alpn_protocols(["http/1.1"])
-    return origin(443, tls=context)
+    return origin(443, tls=context, **kw)
 
 
 def test_a_stream_the_client_resets_gives_its_head_charge_back(gateway_with, upstreams):
@@ -836,3 +833,66 @@ def test_http1_bytes_sent_ahead_of_an_answer_are_charged(gateway_with, origin):
     first = wait_for(refused, 10.0, "a buffer_budget refusal")[0]
     response = first.read_response()
     assert (response.status, response.egress_reason) == (503, "buffer_budget"), response
+
+
+# -- upstream response heads and trailers, held for as long as their stream lasts -------------------
+
+HEAVY_HEAD = "".join(f"{name}: {value}\r\n" for name, value in HEAVY_FIELDS)
+
+
+def test_upstream_response_heads_are_charged_for_as_long_as_their_stream_lasts(gateway_with, origin, pki,
+                                                                               stall_address):
+    """A response head stays on its flow until the stream is over, and the sandbox may pick (or be)
+    the upstream that sends it: heavy heads (~48 KB charged) of answers that never end were held
+    uncharged. Past the connection's budget (~2 of them) the next such head is not forwarded: 503
+    `buffer_budget`. (5 streams: mitmproxy opens at most 5 connections at once to one address for
+    a client connection, and each HTTP/2 stream to an HTTP/1 origin takes one.)"""
+    _tls_origin(origin, pki, stall_address,  # (an event stream: its head is forwarded at once)
+                answer=f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                       f"{HEAVY_HEAD}\r\n".encode())
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=120000", "egress_body_idle_timeout=60")
+    client = _h2_to(gateway, "stall.test")
+    sids = [client.send("stall.test", f"/heavy-head{i}") for i in range(5)]
+    wait_for(lambda: (_answered(client), all(client.responses[s]["status"] for s in sids))[1], 10.0,
+             "every stream's answer")
+    statuses = [client.responses[s]["status"] for s in sids]
+    assert 1 <= statuses.count(200) < 5 and statuses.count(200) + statuses.count(503) == 5, statuses
+    assert {client.header(s, "x-egress-reason") for s in sids if client.responses[s]["status"] == 503} == {"buffer_budget"}
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
+def test_upstream_response_trailers_are_charged_like_its_head(gateway_with, origin, pki, stall_address, http2):
+    """The response's trailers are kept on the flow like its head: trailers (~48 KB charged) past a
+    30 KB connection budget are not forwarded, and the answer (streamed: its length was unknown) is
+    cut off, audited `buffer_budget`; small ones are forwarded."""
+    def answer(fields: str) -> bytes:
+        return ("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-checksum\r\n\r\n"
+                f"1\r\nx\r\n0\r\n{fields}\r\n").encode()
+
+    upstream = _tls_origin(origin, pki, stall_address, answer=answer(HEAVY_HEAD))
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=30000")
+
+    def whole(path: str) -> bool:
+        """Whether the answer (200) arrived whole, its trailers with it."""
+        if http2:
+            client = _h2_to(gateway, "stall.test")
+            sid = client.send("stall.test", path, extra=[("te", "trailers")])
+            client.wait(sid, timeout=10)
+            client.conn.close()
+            entry = client.responses[sid]
+            assert entry["status"] == 200, entry
+            return not entry["reset"] and ("x-checksum", "abc") in entry["trailers"]
+        conn, reply = tunnel(gateway, "stall.test:443", timeout=10)
+        assert reply.status == 200
+        with start_tls(conn, gateway, "stall.test") as tls:
+            tls.send(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: stall.test\r\nTE: trailers\r\n\r\n")
+            assert tls.read_response(head_only=True).status == 200
+            try:  # the chunked body's one chunk, its last chunk, then the trailer section
+                return tls.read_until(b"\r\n\r\n") == b"1\r\nx\r\n0\r\nx-checksum: abc"
+            except ConnectionError:
+                return False
+
+    assert not whole("/heavy-trailers")
+    assert [line["reason"] for line in gateway.audit() if line.get("reason") == "buffer_budget"] == ["buffer_budget"]
+    upstream.answer = answer("x-checksum: abc\r\n")
+    assert whole("/light-trailers")
