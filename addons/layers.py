@@ -31,7 +31,7 @@ from mitmproxy.proxy.layers.http._http3 import Http3Server
 from mitmproxy.proxy.layers.http import is_h3_alpn
 from mitmproxy.proxy.layers.tcp import TCPLayer
 
-from gateway.options import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
+from gateway.options import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_IDLE_UPSTREAMS
 
 from . import read_ahead
 from .refusals import OnRefusal
@@ -54,6 +54,7 @@ class GatewayHttpLayer(HttpLayer):
         self.head_timeout = head_timeout
         self.body_limits = body_limits or BodyLimits()
         self._ended: set = set()  # upstream connections whose close was handled, not yet dropped
+        self._recent: dict = {}  # upstream connections, the least recently handed to a stream first
 
     _idle_wakeup: commands.RequestWakeup | None = None
 
@@ -144,6 +145,33 @@ class GatewayHttpLayer(HttpLayer):
             return
         self._forget_ended()  # those a stream still named when they closed
         yield from super().get_connection(event, reuse=reuse)
+        yield from self._close_idle_past_limit(stream)
+
+    def _close_idle_past_limit(self, stream) -> layer.CommandGenerator[None]:
+        """Keep at most `egress_max_idle_upstreams_per_connection` idle upstream connections: mitmproxy
+        keeps one open per destination for reuse and never closes an idle one, so plain-HTTP requests
+        on one proxy connection, each to another destination, held a socket and ~12 KB each for as
+        long as the client stayed (review 19: 10,600 sockets from one sandbox, other sandboxes' dials
+        then failed with EMFILE). The least recently used idle ones are closed; a later request to
+        their destination opens a new connection."""
+        for conn in [c for c in self._recent if c not in self.connections]:
+            del self._recent[conn]
+        for conn in self.connections:
+            if conn is not self.context.client and conn not in self._recent:
+                self._recent[conn] = None
+        server = getattr(getattr(stream, "context", None), "server", None)
+        if server in self._recent:  # handed to a stream: now the most recently used
+            del self._recent[server]
+            self._recent[server] = None
+        limit = max(1, int(getattr(self.context.options, "egress_max_idle_upstreams_per_connection",
+                                   DEFAULT_MAX_IDLE_UPSTREAMS)))
+        if len(self._recent) <= limit:
+            return
+        in_use = {s.context.server for s in self.streams.values()}
+        idle = [c for c in self._recent if c.connected and c not in in_use and c not in self.waiting_for_establishment]
+        for conn in idle[:max(0, len(idle) - limit)]:
+            del self._recent[conn]
+            yield commands.CloseConnection(conn)
 
     def make_stream(self, stream_id: int) -> layer.CommandGenerator[None]:
         stream = self.streams[stream_id] = self.stream_class(self.context.fork(), stream_id)

@@ -33,7 +33,7 @@ class ConnectionLimiter:
         self._keys: dict[str, str] = {}
 
     def load(self, loader):
-        declare(loader, "egress_max_connections_per_sandbox")
+        declare(loader, "egress_max_connections_per_sandbox", "egress_max_idle_upstreams_per_connection")
 
     def _key(self, conn) -> str:
         if self.state.engine is not None and self.state.engine.policy.sandboxes is not None:

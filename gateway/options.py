@@ -24,6 +24,7 @@ DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30
 DEFAULT_MAX_HEADER_FIELDS = 256
 DEFAULT_BODY_IDLE_TIMEOUT = 120.0
+DEFAULT_MAX_IDLE_UPSTREAMS = 8
 DEFAULT_CLIENT_HELLO_TIMEOUT = 10
 DEFAULT_SMALL_FRAME_BYTES = 4096  # mitmproxy's own WebSocket fragments are 4,000 bytes
 DEFAULT_SMALL_FRAMES_PER_SECOND = 5000.0
@@ -169,6 +170,10 @@ OPTIONS: dict[str, Option] = _table(
     Option('egress_max_connections_per_sandbox', int, 1000, 'addons.limits',
            'Concurrent client connections allowed per sandbox (per client address without a sandboxes '
            'section); 0 for no limit.'),
+    Option('egress_max_idle_upstreams_per_connection', int, DEFAULT_MAX_IDLE_UPSTREAMS, 'addons.limits',
+           'Idle upstream connections one client connection keeps open for reuse (plain-HTTP requests on '
+           'the proxy port may go to many destinations, one upstream connection each); past it the least '
+           'recently used idle one is closed. At least 1.'),
     # --- addons.rate_limits
     Option('egress_max_new_connections_per_second_per_sandbox', str, f'{DEFAULT_CONNECTIONS_PER_SECOND:g}', 'addons.rate_limits',
            'New client connections accepted per second per sandbox (per client address without a '

@@ -7,6 +7,12 @@ answer (an idle timeout, a server that closes after a POST) makes the next reque
 tunnel open another. One long client
 connection grew without bound (review 18: +66 MiB per 1,000 requests with a 30 KB cookie).
 
+Connections that are not over but idle are bounded too: plain-HTTP requests on one proxy
+connection may each go to another destination, and mitmproxy kept one open per destination for as
+long as the client stayed (review 19: 10,600 sockets from one sandbox; other sandboxes' dials then
+failed with EMFILE). Past `egress_max_idle_upstreams_per_connection` the least recently used idle
+ones are closed.
+
 The proxy counts its own live `Server` objects (tests/support/held_servers_probe.py); it runs as
 `mitmdump -s addons/egress.py -s <probe>`, the gateway's addons with one more script.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import policy_text
-from tests.e2e.helpers import H2Client, get, tls_tunnel
+from tests.e2e.helpers import H2Client, connect_proxy, get, tls_tunnel
 from tests.support import held_servers_probe
 from tests.support.gateway import wait_for_port
 from tests.support.mitmdump import clean_env, start_mitmdump, stop
@@ -78,3 +84,23 @@ def test_http2_client_to_an_http1_origin(gateway, upstreams):
         client.conn.close()
     assert upstreams.tls["allowed.test"].connections >= REQUESTS
     assert held <= HELD_AT_MOST, f"{held} upstream connections held after {REQUESTS} requests"
+
+
+def test_idle_upstream_connections_past_the_limit_are_closed(start_gateway, upstreams):
+    """One proxy connection, absolute-form GETs to four destinations, one idle connection allowed:
+    when a request takes a connection, the least recently used idle ones are closed (the origins see
+    them end while the client connection is still open); a later request to a closed one's
+    destination opens a new connection and is served."""
+    names = list(upstreams.plain)
+    rules = "".join(f"- id: r{i}\n  hosts: [{name}]\n  schemes: [http]\n" for i, name in enumerate(names))
+    gateway = start_gateway(rules, args=["--set", "egress_max_idle_upstreams_per_connection=1"])
+    with connect_proxy(gateway) as conn:
+        for name in names:
+            answer = get(conn, f"http://{name}/idle", name)
+            assert answer.status == 200, (name, answer)
+        first, second, *last = (upstreams.plain[name] for name in names)
+        wait_for(lambda: first.ended and second.ended, 5, "the two least recently used closed")
+        assert [upstream.ended for upstream in last] == [0] * len(last)
+        assert get(conn, f"http://{names[0]}/again", names[0]).status == 200
+        assert first.connections == 2
+

@@ -37,6 +37,7 @@ class RecordingUpstream:
     key: Path | None = None
     requests: list[Received] = field(default_factory=list)
     connections: int = 0
+    ended: int = 0  # connections whose peer closed them (the handler saw the end of its requests)
     written: int = 0  # body bytes /chunked/ wrote
     stalled: threading.Event = field(default_factory=threading.Event)  # a /chunked/ write blocked
 
@@ -101,6 +102,11 @@ class RecordingUpstream:
 
             do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_OPTIONS = do_PATCH = _handle
 
+            def finish(self):
+                super().finish()
+                with upstream._lock:
+                    upstream.ended += 1
+
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
@@ -145,6 +151,7 @@ class RecordingUpstream:
         with self._lock:
             self.requests.clear()
             self.connections = 0
+            self.ended = 0
             self.written = 0
             self.stalled.clear()
 
