@@ -1,4 +1,6 @@
-"""All gateway addons, in the order they must run; the file `mitmdump -s` loads.
+"""All gateway addons, in the order they must run; the file `mitmdump -s` loads. The order, and
+why each addon sits where it does, is the table `ADDON_ORDER` in addons/channels.py (checked
+against `make_addons()` by tests/unit/test_channels.py).
 
     mitmdump -s addons/egress.py --set egress_policy=policies/default.yaml
 """

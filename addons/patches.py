@@ -11,7 +11,9 @@ a change missing from this table, or a row that changes nothing, fails it.
 
 Not in the table because they change no code: the layer guard is registered under mitmproxy's
 addon name "nextlayer" (addons/runner.py), and addons/output_guard.py switches mitmproxy's flow
-writers off through their options.
+writers off through their options. The other hidden channels (flow.metadata keys, `_egress_*`
+attributes on mitmproxy's objects, private mitmproxy imports, the addon order) are tabled in
+addons/channels.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ what one sandbox can make every other one wait.
     PYTHONPATH=. python bench/method_scan.py [--size BYTES] [--chunk BYTES] [--only NAME,...]
 
 For each shape it reports µs per byte of the scanner as it is now ("after") and of the copy kept
-for the differential tests (tests/support/methods_reference.py, "before"), each also as a ratio to a
+for the differential tests (bench/lib/methods_reference.py, "before"), each also as a ratio to a
 baseline measured on the same body in the same run (one `re.findall` pass for the separators), so
 the machine's noise cancels. It checks the two scanners find the same overrides, and says so when
 the new one refused a body the old one read (more than SLOW_FIELDS_CAP fields in a charset without
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway import methods as new  # noqa: E402
 from gateway.decompress import streaming_decoder  # noqa: E402
-from tests.support import methods_reference as old  # noqa: E402
+from bench.lib import methods_reference as old  # noqa: E402
 
 FORM = "application/x-www-form-urlencoded"
 

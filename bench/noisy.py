@@ -6,7 +6,7 @@ sandbox costs another sandbox on the same gateway worker.
     .venv/bin/python bench/noisy.py --set egress_h2_max_concurrent_streams=1000   # a looser budget
 
 For each attack a fresh gateway (one worker, this checkout, its default budgets unless `--set`
-says otherwise) is started in front of a loopback TLS origin (tests/support/noisy.py). Sandbox B
+says otherwise) is started in front of a loopback TLS origin (bench/lib/noisy.py). Sandbox B
 (its own source address, `sandboxes` entry and process) times its simple request: a fresh CONNECT tunnel,
 TLS, `GET /ok`, close. First `--samples` of them alone (B's baseline, measured in the same run
 against the same process), then as many while sandbox A runs the attack, repeated until B has
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.processes import set_affinity  # noqa: E402  (bench/lib)
 from lib.procfs import process_tree  # noqa: E402
-from tests.support import noisy  # noqa: E402
+from lib import noisy  # noqa: E402
 
 BLOCK = "127.250.0"  # outside the blocks test sessions take (127.20-219.0.0/24)
 os.environ["EGRESS_WORKERS"] = "1"  # one worker: A and B share its event loop, and its RSS is the process's

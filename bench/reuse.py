@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.gateway import GatewayProcess  # noqa: E402
-from tests.support.pki import TestPKI  # noqa: E402
+from bench.lib.gateway_process import GatewayProcess  # noqa: E402
+from bench.lib.pki import TestPKI  # noqa: E402
 
 ORIGIN = "127.0.0.1"
 BODY = b"x" * 1024

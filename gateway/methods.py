@@ -435,7 +435,7 @@ def _override_names(raw: bytes, charsets: Sequence[str], percent: bool = True) -
 # override name if, once its percent-escapes are decoded, it holds "method" in ASCII letters of any
 # case. The tests below are necessary conditions only (never the verdict): whatever passes them goes
 # through the full reading, as before. tests/unit/test_method_scan_fast.py checks them against the
-# unabridged scanner (tests/support/methods_reference.py).
+# unabridged scanner (bench/lib/methods_reference.py).
 
 _MAYBE_KEY = re.compile(r"%|[Mm][Ee][Tt][Hh][Oo][Dd]")
 

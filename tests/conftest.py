@@ -17,7 +17,7 @@ import pytest
 
 from tests.support import failure_logs
 from tests.support.gateway import GatewayProcess
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.support.upstream import RecordingUpstream
 
 # Every gateway a test starts is one process unless the test asks for `--workers N` itself

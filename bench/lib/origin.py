@@ -36,7 +36,7 @@ def hosts_wrapper(workdir: Path, origin_ip: str) -> list[str]:
 
 def make_origin_files(setup: Setup, bulk_bytes: int) -> None:
     """The throw-away CA, a certificate for origin.bench and the document root (shared by both origins)."""
-    from tests.support.pki import TestPKI  # the project's throw-away CA
+    from lib.pki import TestPKI  # the project's throw-away CA (bench/lib/pki.py; the tests use it too)
 
     pki = TestPKI(setup.workdir / "pki")
     setup.origin_cert = pki.issue([ORIGIN_NAME], stem="origin")

@@ -1,5 +1,5 @@
-"""Transparent mode: the closed namespace topology of the transparent-mode tests (tests/support/topology.py),
-with the benchmark's own names, one sandbox per proxy."""
+"""Transparent mode: the closed namespace network the transparent-mode tests also build on
+(lib/closed_net.py), with the benchmark's own names, one sandbox per proxy."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import os
 import secrets
 from dataclasses import dataclass, field
 
+from lib.closed_net import ETC_NETNS, ClosedNetwork, Sandbox, unavailable_reason
 from lib.names import ORIGIN_NAME, TRANSPARENT_DNS_PORTS, TRANSPARENT_ORIGIN_IP, TRANSPARENT_PORTS, TRANSPARENT_SANDBOX_INDEX
 
 
 @dataclass
 class TransparentNet:
-    """Gateway + internet namespaces (tests/support/topology.py's Topology, with names of its own:
+    """Gateway + internet namespaces (lib/closed_net.py's ClosedNetwork, with names of its own:
     egb<tag>g, egb<tag>i) and one sandbox per proxy built by docker/sandbox-net.sh with GATEWAY_NS."""
 
     topology: object
@@ -22,9 +23,7 @@ class TransparentNet:
     def new(cls) -> "TransparentNet":
         """Names only; `build` creates the namespaces (keep the object first, so that a half-built
         network is still destroyed)."""
-        from tests.support.topology import Topology
-
-        topology = Topology(None)  # its PKI is only for the tests' upstreams: not used here
+        topology = ClosedNetwork()
         # Names distinct from the tests' (egt...), so that a stray namespace is recognisably the benchmark's.
         topology.tag = f"{os.getpid() % 10000}{secrets.token_hex(2)}"
         topology.gw, topology.inet = f"egb{topology.tag}g", f"egb{topology.tag}i"
@@ -37,8 +36,6 @@ class TransparentNet:
         self.topology.check_closed()
 
     def add_sandbox(self, role: str):
-        from tests.support.topology import ETC_NETNS, Sandbox
-
         t = self.topology
         index = TRANSPARENT_SANDBOX_INDEX[role]
         sandbox = Sandbox(role, f"egb{t.tag}s{index}", f"bh{t.tag}{index}"[:15], index, TRANSPARENT_PORTS[role],
@@ -59,6 +56,4 @@ class TransparentNet:
 
 
 def transparent_unavailable() -> str | None:
-    from tests.support.topology import unavailable_reason
-
     return unavailable_reason()

@@ -31,7 +31,7 @@ import textwrap
 import pytest
 
 from tests.support.gateway import free_port
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 
 from . import podman as pm
 from .compose_run import ComposeRun

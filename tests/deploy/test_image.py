@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.support.upstream import RecordingUpstream
 from tests.support.waiting import wait_for
 

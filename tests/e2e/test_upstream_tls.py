@@ -13,7 +13,7 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     shared_gateway,
     tls_tunnel,
 )
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 
 RULES = """
 - id: allowed

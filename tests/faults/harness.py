@@ -402,7 +402,7 @@ def issue_cert(pki, directory: Path, stem: str, names: list[str], ips: list[str]
     if self_signed:
         issuer_name, signing_key = subject, key
     else:
-        issuer_name, signing_key = pki._cert.subject, pki._key  # the session CA (tests/support/pki.py)
+        issuer_name, signing_key = pki._cert.subject, pki._key  # the session CA (bench/lib/pki.py)
     builder = (
         x509.CertificateBuilder()
         .subject_name(subject)

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.support import noisy
+from bench.lib import noisy
 from tests.support.gateway import free_port
 
 pytestmark = pytest.mark.load

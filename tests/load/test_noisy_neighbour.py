@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from tests.support import noisy
+from bench.lib import noisy
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.load

@@ -115,7 +115,7 @@ class AcceptCounter:
 
 @dataclass
 class Lab:
-    pki: object  # tests.support.pki.TestPKI
+    pki: object  # bench.lib.pki.TestPKI
     tag: str = field(default_factory=lambda: f"{os.getpid()}x{secrets.token_hex(2)}")
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@ certificates, real clients (curl, httpx, openssl s_client, Python ssl, hand-buil
 
 Upstreams (loopback, the session's 127.X.0.0/24 block; .161-.165 belong to this suite):
 - pass.test   (.161): TLS on 443 with a certificate for pass.test and *.pass.test from the session's
-                      test CA (the "upstream CA", tests/support/pki.py), plain HTTP on 80
+                      test CA (the "upstream CA", bench/lib/pki.py), plain HTTP on 80
 - pass2.test  (.162): TLS on 443, certificate for pass2.test (another passthrough name)
 The standard allowed.test (.2) stays an inspected destination, other.test (.3) has no rule.
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.gateway import GatewayProcess
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.transparent.clients import client_hello, curl, read_tls_record
 from tests.support.topology import Sandbox, Topology, dns_query, unavailable_reason
 

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.support.tcp_origin import TcpOrigin, read_head, server_tls
 from tests.support.upstream import RecordingUpstream
 

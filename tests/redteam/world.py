@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tests.support import waiting
 from tests.support.gateway import GatewayProcess
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.support.topology import (
     ALLOWED, ETC_NETNS, HOSTS, OTHER, TCP_HOST, TRAP_RESOLVER, Sandbox, Topology, dns_query, unavailable_reason,
 )

@@ -33,7 +33,7 @@ import pytest
 
 from tests.support.gateway import GatewayProcess
 from tests.support.waiting import wait_for
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.support.topology import (
     ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Sandbox, Topology, dns_query,
     unavailable_reason,

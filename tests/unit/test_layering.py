@@ -1,7 +1,11 @@
 """`gateway/` is the pure core: it imports neither mitmproxy (nor the protocol libraries under it)
 nor `addons/`, so explain, replay, policy tests and the session walk run, and are tested, without a
 proxy. Checked from the source (every import statement, nested ones too) and at run time (importing
-every gateway module loads no mitmproxy)."""
+every gateway module loads no mitmproxy).
+
+`bench/` uses no test internals: the tests may use bench's harness (bench/lib: the noisy-neighbour
+world, the frozen method scanner, the test CA, the closed namespace network), never the other way,
+so a benchmark does not break when a suite's helpers change."""
 
 from __future__ import annotations
 
@@ -56,3 +60,17 @@ def test_run_is_composed_outside_the_core():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "addons.run_command []"
+
+
+def test_bench_imports_nothing_from_tests():
+    found = []
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        for module in _imports(path):
+            if module.split(".")[0] == "tests":
+                found.append(f"{relative}: import {module}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            # a module run by name (`python -m tests...`) is an import too
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("tests."):
+                found.append(f"{relative}: {node.value!r}")
+    assert found == []

@@ -1,5 +1,5 @@
 """The body scan's fast paths (gateway/methods.py `_NameFilter`, `_Form.feed`, `_Json`, `_Multipart`)
-find exactly what the unabridged scanner finds (tests/support/methods_reference.py, the scanner before
+find exactly what the unabridged scanner finds (bench/lib/methods_reference.py, the scanner before
 them): for random bodies built from override names in every spelling the readings undo (case,
 percent-escapes of any characters, nested, `+`, brackets, whitespace, NULs, JSON escapes, multipart
 headers), random Content-Types and charsets, cut into random chunks. An override the fast path missed
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gateway import methods as new
 from gateway.decompress import streaming_decoder
-from tests.support import methods_reference as old
+from bench.lib import methods_reference as old
 
 WORDS = list(old.OVERRIDE_FIELDS) + ["method", "_method", "methodx", "x_http", "http_method", "override",
                                      "_method_overrid", "_httpmethod", "x-method", "a", "k1", ""]

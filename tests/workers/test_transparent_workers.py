@@ -36,7 +36,7 @@ import pytest
 
 from tests.netns.lab import read_response
 from tests.support import failure_logs
-from tests.support.pki import TestPKI
+from bench.lib.pki import TestPKI
 from tests.transparent.clients import curl, http_exchange, http_request
 from tests.support.topology import (
     ALLOWED, OTHER, TRAP_RESOLVER, Sandbox, Topology, dns_query, unavailable_reason,

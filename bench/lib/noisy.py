@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.gateway import GatewayProcess
-from tests.support.pki import TestPKI
+from .gateway_process import GatewayProcess
+from .pki import TestPKI
 
 ORIGIN_NAME = "origin.noisy"
 VICTIM_NAME = "b.noisy"  # B's origin: its own process, so that B never queues behind A's requests there
@@ -80,7 +80,7 @@ class Origin:
 def _child(*args: str) -> subprocess.Popen:
     """This module run as a process of its own (see the end of the file)."""
     root = Path(__file__).resolve().parents[2]
-    return subprocess.Popen([sys.executable, "-m", "tests.support.noisy", *args], cwd=root,
+    return subprocess.Popen([sys.executable, "-m", "bench.lib.noisy", *args], cwd=root,
                             env=dict(os.environ, PYTHONPATH=str(root)), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
 

@@ -1,6 +1,6 @@
 """A frozen copy of gateway/methods.py before the fast body scan (commit 1d064cd), for the differential
 test (tests/unit/test_method_scan_fast.py: the new scanner must find exactly what this one finds) and
-bench/method_scan.py's "before"; in tests/support so that bench/ imports no test internals.
+bench/method_scan.py's "before"; in bench/lib (with the benchmark's harness) so that bench/ imports no test internals.
 One change: a multipart `name=` with nothing after it raised IndexError in `_disposition_names`
 (the request was refused as a failed check, 500); both now read it as the empty name it is.
 
