@@ -12,24 +12,23 @@ A connection is in one of four named phases (`ClientSession.phase`):
   gets that refusal.
 
 Each event is a method (`connect`, `client_hello`, `request_head` are generators; `passthrough_hello`,
-`raw_tcp` and the query `dial` answer at once); an allowed CONNECT or SNI pins the connection when the
-adapter has audited it (`commit`), an allowed relay admits its upstream then (`relay`). Everything
-else that changes the connection's state is a named method too (`set_original`, `admit`, `poison`,
-`revoke`, `establish`, `keep_established`, `finish_request`), so the adapters only read it. It never
-does I/O: where it needs a
-name's addresses it yields `NeedAddresses` and is sent back the addresses (or the ResolveError);
-where a request's decision makes something long-lived it yields `Establish`, which the adapter hands
-to the gateway's reload bookkeeping (which may refuse the connection at once: `phase == refused`).
-It returns a step value: the decision, the pin, what the sandbox named (for the audit line), the
-facts the rules judged, and where the upstream goes. `drive_now` runs one with a fixed answer for
-every name (tests, `explain`); addons/session_driver.py runs one on the event loop.
+`raw_tcp` and the query `dial` answer at once); an allowed CONNECT or SNI pins the connection when
+the adapter has audited it (`commit`), an allowed relay admits its upstream then (`relay`).
+Everything else that changes the connection's state is a named method too (`set_original`, `admit`,
+`poison`, `revoke`, `establish`, `keep_established`, `finish_request`), so adapters only read it.
+It never does I/O: where it needs a name's addresses it yields `NeedAddresses` and is sent back the
+addresses (or the ResolveError); where a request's decision makes something long-lived it yields
+`Establish`, which the adapter hands to the gateway's reload bookkeeping (which may refuse the
+connection at once: `phase == refused`). It returns a step value: the decision, the pin, what the
+sandbox named (for the audit line), the facts the rules judged, and where the upstream goes.
+`drive_now` runs one with a fixed answer for every name (tests, `explain`); addons/session_driver.py runs one on the event loop.
 """
 
 from __future__ import annotations
 
 import inspect
 import ipaddress
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 
 from . import bodies
@@ -293,7 +292,7 @@ class ClientSession:
                                            "(inspect: false)")
         return Step(decision, pin, upstream=_upstream(pin), passthrough=rule)
 
-    def raw_tcp(self, engine: Engine, scope: Scope, names_for: Callable[[IPAddress], Sequence[str] | set[str]]) -> Step:
+    def raw_tcp(self, engine: Engine, scope: Scope, names_for: Callable[[IPAddress], Collection[str]]) -> Step:
         """Bytes that are neither TLS nor HTTP on a transparent connection: relayed only if a
         `protocol: tcp` rule allows the dialled address, by itself or by a name the gateway's DNS
         gave this client (`names_for`). Nothing to resolve: the dialled address is the destination.
