@@ -21,7 +21,8 @@ addresses (or the ResolveError); where a request's decision makes something long
 `Establish`, which the adapter hands to the gateway's reload bookkeeping (which may refuse the
 connection at once: `phase == refused`). It returns a step value: the decision, the pin, what the
 sandbox named (for the audit line), the facts the rules judged, and where the upstream goes.
-`drive_now` runs one with a fixed answer for every name (tests, `explain`); addons/session_driver.py runs one on the event loop.
+`drive_now` runs one with a fixed answer for every name (tests, `explain`); addons/session_driver.py
+runs one on the event loop.
 """
 
 from __future__ import annotations
