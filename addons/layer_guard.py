@@ -24,18 +24,14 @@ from collections.abc import Callable
 from mitmproxy import ctx
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer
-import ipaddress
-
 from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
 from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
 from mitmproxy.tls import ClientHello
 
 from gateway.clienthello import COMPLETE, NEED_MORE, TOO_LARGE, ClientHelloReader
 from gateway.decision import Decision, verdict_fields
-from gateway.engine import Pin
-from gateway.hostnames import ip_host
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
-from gateway.revocation import Established
+from gateway.session import PASSTHROUGH, ClientSession
 
 from . import passthrough
 from .audit_fields import connection_fields
@@ -221,21 +217,23 @@ class LayerGuard:
         ignore_hosts). True when decided here; False leaves the hello to the TLS layers, where the
         TLS guard refuses it."""
         conn = self.state.connections.get(nextlayer.context.client.id)
-        if conn is None or conn.passthrough_rule is None or conn.tunnel is None or conn.poisoned is not None:
+        if conn is None or conn.phase != PASSTHROUGH:
             return False
         extensions = list(hello.extensions)
-        if passthrough.decide(conn.tunnel, hello.sni, extensions) is not None:
+        step = conn.passthrough_hello(hello.sni, extensions)
+        if not step.admitted:
             return False
-        passthrough.record(self.state, conn, conn.tunnel, hello.sni, extensions, None)
-        passthrough.admit(conn, conn.tunnel, nextlayer.context.server)
+        passthrough.record(self.state, conn, step, hello.sni, extensions)
+        nextlayer.context.server.address = step.upstream
+        conn.relay(step)
         nextlayer.layer = TCPLayer(nextlayer.context, ignore=True)
         return True
 
     def _transparent_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         context = nextlayer.context
         conn = self.state.connection(context.client.id, context.client.peername, "transparent")
-        if conn.original_destination is None and context.server.address:
-            conn.original_destination = (str(context.server.address[0]), int(context.server.address[1]))
+        if context.server.address:
+            conn.set_original((str(context.server.address[0]), int(context.server.address[1])))
         kind = classify(data)
         if kind == WAIT:
             self._wait(nextlayer)
@@ -249,34 +247,28 @@ class LayerGuard:
         else:
             self._raw_tcp(nextlayer, conn)
 
-    def _raw_tcp(self, nextlayer: layer.NextLayer, conn) -> None:
-        """Bytes that are neither TLS nor HTTP: relayed only if a `protocol: tcp` rule allows the
-        original destination (by address, or by a name the gateway's DNS gave this client)."""
+    def _raw_tcp(self, nextlayer: layer.NextLayer, conn: ClientSession) -> None:
+        """Bytes that are neither TLS nor HTTP: the session decides whether a `protocol: tcp` rule
+        relays them (ClientSession.raw_tcp); this audits, records and applies its step."""
         engine = self.state.require_engine()
         scope = self.state.scope(conn)
-        if conn.original_destination is None:
-            self._refuse(nextlayer, "non_http", "no original destination for raw TCP", speak_http=False)
+        step = conn.raw_tcp(engine, scope, lambda address: self.state.dns_memory.names_for(conn.address, address)
+                            if conn.address else set())
+        if step.host is None:  # no destination to name: refused as the other bytes it cannot inspect
+            self._refuse(nextlayer, step.decision.reason, step.decision.message, speak_http=False)
             return
-        host, port = conn.original_destination
-        address = ipaddress.ip_address(host)
-        names = self.state.dns_memory.names_for(conn.address, address) if conn.address else set()
-        decision = engine.tcp_decision(address, port, names, scope)
         # allow, deny, or (report mode) would_deny: from the decision, never by hand.
         self.state.record(
-            event="connection", **connection_fields(conn, scope.sandbox), **verdict_fields(decision),
-            host=address.compressed, port=port, address=address.compressed if decision.allowed else None,
-            protocol="tcp",
+            event="connection", **connection_fields(conn, scope.sandbox), **verdict_fields(step.decision),
+            host=step.host, port=step.port, address=step.host if step.decision.allowed else None, protocol="tcp",
         )
-        if not decision.allowed:
-            nextlayer.layer = RefusalLayer(nextlayer.context, decision, speak_http=False)
+        if not step.admitted:
+            nextlayer.layer = RefusalLayer(nextlayer.context, step.decision, speak_http=False)
             return
-        pin = Pin(ip_host(address), port, address, (address,))
-        self.state.establish(nextlayer.context.client.id, conn, Established(
-            "tcp", pin, decision.rule, conn.address, engine.generation, names=tuple(sorted(names))))
-        if conn.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
+        self.state.establish(nextlayer.context.client.id, conn, step.establish)
+        if not conn.relay(step):  # decided under a policy that a reload replaced meanwhile, and revoked
             nextlayer.layer = RefusalLayer(nextlayer.context, conn.poisoned, speak_http=False)
             return
-        conn.admitted[(address.compressed, port)] = None
         nextlayer.layer = GatewayTcpLayer(nextlayer.context)
 
     def _inside_tls(self, nextlayer: layer.NextLayer, data: bytes) -> None:

@@ -100,7 +100,7 @@ class RequestGuard:
         if not decision.allowed or pin is None:
             refuse(flow, decision)
             return
-        conn.admitted[(pin.address.compressed, pin.port)] = pin.sni if flow.request.scheme == "https" else None
+        conn.admit(pin.address.compressed, pin.port, pin.sni if flow.request.scheme == "https" else None)
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin
         flow.metadata[GENERATION] = engine.generation  # with FACTS: what a WebSocket is judged again by

@@ -66,8 +66,7 @@ def close_client(client_id: str) -> bool:
 def _revoke_on_error(self: "Revoker", flow: http.HTTPFlow, error: Exception) -> None:
     conn = self.state.connections.get(flow.client_conn.id)
     if conn is not None:
-        conn.poisoned = Decision.deny("internal_error", "the gateway failed while registering this WebSocket")
-        conn.admitted.clear()
+        conn.poison(Decision.deny("internal_error", "the gateway failed while registering this WebSocket"))
     flow.kill()
     self.closer(flow.client_conn.id)
 
@@ -148,7 +147,7 @@ class Revoker:
         conn = self.state.connections.get(flow.client_conn.id)
         facts = flow.metadata.get(FACTS)
         if conn is not None and facts is not None:
-            conn.established[:] = [e for e in conn.established if not (e.kind == "request" and e.request is facts)]
+            conn.finish_request(facts)
 
     # --- judging ---------------------------------------------------------------------------------
 
@@ -165,10 +164,8 @@ class Revoker:
                     logger.exception("egress gateway: judging open connection %s failed; it is closed", conn.client)
                     if conn.poisoned is not None and not conn.established:
                         continue  # revoked and closed already: only its line failed
-                    conn.poisoned = Decision.deny("internal_error", "the gateway failed while judging this "
-                                                                    "connection after a policy change")
-                    conn.admitted.clear()
-                    conn.established.clear()
+                    conn.revoke(Decision.deny("internal_error", "the gateway failed while judging this "
+                                                                "connection after a policy change"))
                     self.closer(client_id)
 
     def judge(self, client_id: str, conn: ClientSession) -> bool:
@@ -179,7 +176,7 @@ class Revoker:
         if engine is None or not conn.established:
             return True
         if conn.poisoned is not None:
-            conn.established.clear()  # refused already: nothing of it reaches an upstream
+            conn.keep_established([])  # refused already: nothing of it reaches an upstream
             return False
         reported: tuple[Established, Decision] | None = None
         judged = []
@@ -198,7 +195,7 @@ class Revoker:
             if decision.would_deny and reported is None:
                 reported = (established, decision)
             judged.append(dataclasses.replace(established, generation=engine.generation))
-        conn.established[:] = judged
+        conn.keep_established(judged)
         if reported is not None:  # report mode: stays open, one line says what enforcing would close
             self._record(conn, *reported, engine, _kind(conn, reported[0]), _request(conn))
         return True
@@ -207,10 +204,7 @@ class Revoker:
                 engine: Engine) -> None:
         kind = _kind(conn, established)
         request = _request(conn)
-        conn.poisoned = revocation(established, decision)  # anything still arriving is refused, nothing admitted
-        conn.admitted.clear()
-        conn.passthrough_rule = None
-        conn.established.clear()
+        conn.revoke(revocation(established, decision))  # anything still arriving is refused, nothing admitted
         try:
             self._record(conn, established, decision, engine, kind, request)  # the line first, then the effect
             logger.info("egress gateway: revoked open %s %s -> %s (rule %s): %s", kind, conn.client,

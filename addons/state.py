@@ -127,7 +127,7 @@ class GatewayState:
         `established.generation`. If a reload installed another engine while that decision was under
         way (a CONNECT waiting for DNS, an upgrade waiting for its 101), it is judged again at once:
         no connection slips past a reload by being decided during it."""
-        conn.established.append(established)
+        conn.establish(established)
         if self.engine is not None and established.generation != self.engine.generation:
             for listener in self.stale_listeners:
                 try:

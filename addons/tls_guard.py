@@ -13,7 +13,7 @@ from __future__ import annotations
 from mitmproxy import tls
 
 from gateway.decision import Decision, verdict_fields
-from gateway.engine import Pin
+from gateway.session import PASSTHROUGH
 
 from . import passthrough
 from .audit_fields import connection_fields
@@ -28,7 +28,7 @@ def _poison_on_error(self: "TlsGuard", data: tls.ClientHelloData, error: Excepti
     data.context.server.error = "egress gateway: refused (internal error in TLS check)"
     conn = self.state.connections.get(data.context.client.id)
     if conn is not None:
-        conn.poisoned = Decision.deny("internal_error", "the gateway failed while checking the TLS ClientHello")
+        conn.poison(Decision.deny("internal_error", "the gateway failed while checking the TLS ClientHello"))
     data.ignore_connection = True
 
 
@@ -76,21 +76,21 @@ class TlsGuard:
         if session.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
             data.context.server.error = "egress gateway: revoked"
             return
-        if session.passthrough_rule is not None:
-            self._passthrough(data, session, step.pin)
+        if session.phase == PASSTHROUGH:
+            self._passthrough(data, session)
 
-    def _passthrough(self, data: tls.ClientHelloData, conn: ClientSession, pin: Pin) -> None:
+    def _passthrough(self, data: tls.ClientHelloData, conn: ClientSession) -> None:
         """An inspect: false rule allowed the pinned destination: relay the TLS unread, to the pinned
-        address only, if this ClientHello can only mean that destination (addons/passthrough.py)."""
+        address only, if this ClientHello can only mean that destination (the session decides)."""
         hello = data.client_hello
         extensions = list(hello.extensions)
-        refusal = passthrough.decide(pin, hello.sni, extensions)
-        passthrough.record(self.state, conn, pin, hello.sni, extensions, refusal)
-        if refusal is not None:
-            conn.poisoned = refusal
-            conn.passthrough_rule = None
+        step = conn.passthrough_hello(hello.sni, extensions)
+        passthrough.record(self.state, conn, step, hello.sni, extensions)
+        if not step.admitted:
+            conn.poison(step.decision)
             data.context.server.error = "egress gateway: ClientHello refused for passthrough"
             return
         # mitmproxy relays the buffered ClientHello and everything after it; no HTTP hook fires.
-        passthrough.admit(conn, pin, data.context.server)
+        data.context.server.address = step.upstream
+        conn.relay(step)
         data.ignore_connection = True

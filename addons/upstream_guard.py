@@ -7,7 +7,6 @@ in another guard, a mitmproxy code path we did not foresee), an unapproved addre
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 
 from mitmproxy.proxy import server_hooks
@@ -30,17 +29,10 @@ class UpstreamGuard:
     @fail_closed(_refuse_on_error)
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         conn = self.state.connections.get(data.client.id)
-        address = data.server.address
-        key = None
-        if address is not None:
-            try:
-                key = (ipaddress.ip_address(address[0]).compressed, int(address[1]))
-            except ValueError:
-                key = None
-        if conn is None or key is None or key not in conn.admitted:
-            logger.warning("egress gateway: refused unapproved upstream connection to %r", address)
+        dial = conn.dial(data.server.address) if conn is not None else None  # gateway/session.py decides
+        if dial is None or not dial.allowed:
+            logger.warning("egress gateway: refused unapproved upstream connection to %r", data.server.address)
             data.server.error = REFUSED
             return
-        server_name = conn.admitted[key]
-        if server_name is not None:
-            data.server.sni = server_name
+        if dial.server_name is not None:
+            data.server.sni = dial.server_name

@@ -11,24 +11,29 @@ A connection is in one of four named phases (`ClientSession.phase`):
 - `refused`: a TLS ClientHello or a reload's revocation refused the connection; every request on it
   gets that refusal.
 
-Each event is a generator method (`connect`, `client_hello`, `request_head`); an allowed CONNECT or
-SNI pins the connection when the adapter has audited it (`commit`). It never does I/O: where it needs a
-name's addresses it yields `NeedAddresses` and is sent back the addresses (or the ResolveError);
-where a request's decision makes something long-lived it yields `Establish`, which the adapter hands
-to the gateway's reload bookkeeping (which may refuse the connection at once: `phase == refused`).
-It returns a step value: the decision, the pin, what the sandbox named (for the audit line), the
-facts the rules judged, and where the upstream goes. `drive_now` runs one with a fixed answer for
-every name (tests, `explain`); addons/session_driver.py runs one on the event loop.
+Each event is a method (`connect`, `client_hello`, `request_head` are generators; `passthrough_hello`,
+`raw_tcp` and the query `dial` answer at once); an allowed CONNECT or SNI pins the connection when
+the adapter has audited it (`commit`), an allowed relay admits its upstream then (`relay`).
+Everything else that changes the connection's state is a named method too (`set_original`, `admit`,
+`poison`, `revoke`, `establish`, `keep_established`, `finish_request`), so adapters only read it.
+It never does I/O: where it needs a name's addresses it yields `NeedAddresses` and is sent back the
+addresses (or the ResolveError); where a request's decision makes something long-lived it yields
+`Establish`, which the adapter hands to the gateway's reload bookkeeping (which may refuse the
+connection at once: `phase == refused`). It returns a step value: the decision, the pin, what the
+sandbox named (for the audit line), the facts the rules judged, and where the upstream goes.
+`drive_now` runs one with a fixed answer for every name (tests, `explain`); addons/session_driver.py
+runs one on the event loop.
 """
 
 from __future__ import annotations
 
 import inspect
 import ipaddress
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass, field
 
 from . import bodies
+from .clienthello import check_passthrough_hello
 from .decision import Decision
 from .engine import Engine, Pin, RequestFacts
 from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host, parse_authority
@@ -101,6 +106,15 @@ class Step:
         return self.decision.allowed and self.pin is not None
 
 
+@dataclass(frozen=True)
+class Dial:
+    """The answer to "may this connection open an upstream socket to (address, port)?", and if so
+    the TLS server name to give it (None: plain HTTP, or bytes relayed unread)."""
+
+    allowed: bool
+    server_name: str | None = None
+
+
 @dataclass
 class ClientSession:
     """One client connection: what it is pinned to, what it may dial. Holds no proxy objects, so a
@@ -130,6 +144,58 @@ class ClientSession:
         if self.tunnel is None:
             return UNPINNED
         return PASSTHROUGH if self.passthrough_rule is not None else PINNED
+
+    # --- what the adapters and the reload bookkeeping change: only through these -------------------
+
+    def set_original(self, dialled: tuple[str, int]) -> None:
+        """Transparent mode: the address the sandbox dialled, kept from the first time it is seen
+        (audit lines, `strict_original_destination`, raw TCP rules); never dialled for a name."""
+        if self.original_destination is None:
+            self.original_destination = dialled
+
+    def admit(self, address: str, port: int, server_name: str | None) -> None:
+        """A request (or relay) passed every check, and was audited: the upstream guard may now open
+        a socket to (address, port), with this TLS server name (`dial`)."""
+        self.admitted[(address, port)] = server_name
+
+    def poison(self, refusal: Decision) -> None:
+        """The connection is refused from now on: every later request gets `refusal`, no upstream
+        socket may open (even to an address admitted before), and nothing is relayed unread."""
+        self.poisoned = refusal
+        self.admitted.clear()
+        self.passthrough_rule = None
+
+    def revoke(self, refusal: Decision) -> None:
+        """`poison`, for a connection being closed (a reload no longer allows it, or judging it
+        failed): nothing long-lived is left on it to judge again."""
+        self.poison(refusal)
+        self.established.clear()
+
+    def establish(self, established: Established) -> None:
+        """Something long-lived is on the connection now (addons/state.py GatewayState.establish):
+        every policy change judges it again (addons/revocation.py)."""
+        self.established.append(established)
+
+    def keep_established(self, judged: Sequence[Established]) -> None:
+        """A reload judged the connection's long-lived records again: these stay (with the
+        generation that judged them), the rest are gone."""
+        self.established[:] = judged
+
+    def finish_request(self, request: RequestFacts) -> None:
+        """A request in flight is over (its body and its response through, or it failed): a reload
+        has nothing of it left to judge."""
+        self.established[:] = [e for e in self.established if not (e.kind == "request" and e.request is request)]
+
+    def dial(self, address: tuple | None) -> Dial:
+        """May an upstream socket open to `address` (host, port)? Only to an (IP, port) a request or
+        relay on this connection was admitted for, whatever path in the proxy led to the dial."""
+        try:
+            key = (ipaddress.ip_address(address[0]).compressed, int(address[1])) if address is not None else None
+        except ValueError:
+            key = None
+        if key is None or key not in self.admitted:
+            return Dial(False)
+        return Dial(True, self.admitted[key])
 
     # --- CONNECT -----------------------------------------------------------------------------------
 
@@ -197,14 +263,9 @@ class ClientSession:
         pin = self.tunnel
         if pin is None or not sni:
             return Step(Decision.allow(None, "the SNI restates nothing"), pin)
-        try:
-            same = canonical_host(sni).value == pin.host.value
-        except HostError:
-            same = False
-        if same:
+        if (mismatch := _sni_refusal(sni, pin)) is None:
             return Step(Decision.allow(None, "the SNI names the pinned destination"), pin)
-        self.poisoned = Decision.deny(
-            "sni_mismatch", f"TLS SNI {sni[:100]!r} is not the pinned destination {pin.host.authority(pin.port)}")
+        self.poisoned = mismatch
         return Step(self.poisoned, pin)
 
     def _refused(self, decision: Decision, host: Host | None, port: int) -> Step:
@@ -212,6 +273,54 @@ class ClientSession:
         self.poisoned = decision
         self.named = (host.value, port) if host is not None else None  # for the requests' audit lines
         return Step(decision, None, host.value if host is not None else None, port)
+
+    # --- relayed unread: a passthrough ClientHello, raw TCP ----------------------------------------
+
+    def passthrough_hello(self, sni: str | None, extensions: Sequence[tuple[int, bytes]]) -> Step:
+        """A `passthrough` connection's ClientHello: relayed unread only if it can only mean the
+        pinned destination (the SNI names it; gateway/clienthello.py: no ECH, no ambiguity). Changes
+        nothing: the adapter audits the step, then applies it (`relay`, or `poison` on a refusal),
+        so a hook that only looks (addons/layer_guard.py) can leave a refusal to the TLS guard."""
+        pin, rule = self.tunnel, self.passthrough_rule
+        if self.phase != PASSTHROUGH or pin is None or rule is None:
+            raise ValueError("only a passthrough connection relays a ClientHello unread")
+        refusal = _sni_refusal(sni, pin)
+        if refusal is None:
+            refusal = check_passthrough_hello(sni, extensions)
+        if refusal is not None:
+            return Step(refusal, pin, passthrough=rule)
+        decision = Decision.allow(rule.id, f"rule {rule.id} relays TLS to {pin.host.authority(pin.port)} unread "
+                                           "(inspect: false)")
+        return Step(decision, pin, upstream=_upstream(pin), passthrough=rule)
+
+    def raw_tcp(self, engine: Engine, scope: Scope, names_for: Callable[[IPAddress], Collection[str]]) -> Step:
+        """Bytes that are neither TLS nor HTTP on a transparent connection: relayed only if a
+        `protocol: tcp` rule allows the dialled address, by itself or by a name the gateway's DNS
+        gave this client (`names_for`). Nothing to resolve: the dialled address is the destination.
+        Like a CONNECT, the adapter audits the step, records its `establish`, then `relay`s it."""
+        if self.original_destination is None:
+            return Step(Decision.deny("non_http", "no original destination for raw TCP"))
+        host, port = self.original_destination
+        address = ipaddress.ip_address(host)
+        names = names_for(address)
+        decision = engine.tcp_decision(address, port, names, scope)
+        if not decision.allowed:
+            return Step(decision, None, address.compressed, port)
+        pin = Pin(ip_host(address), port, address, (address,))
+        return Step(decision, pin, address.compressed, port, upstream=_upstream(pin),
+                    establish=Established("tcp", pin, decision.rule, self.address, engine.generation,
+                                          names=tuple(sorted(names))))
+
+    def relay(self, step: "Step") -> bool:
+        """A relay's allowed step (`passthrough_hello`, `raw_tcp`) takes effect once audited: its
+        upstream, and only that, may be dialled, with no server name of the gateway's (the bytes go
+        through unread). False when a reload revoked the connection meanwhile (`poisoned`)."""
+        if not step.admitted or step.upstream is None:
+            raise ValueError("only an allowed step with an upstream is relayed")
+        if self.poisoned is not None:
+            return False
+        self.admit(*step.upstream, None)
+        return True
 
     # --- a request head ----------------------------------------------------------------------------
 
@@ -334,6 +443,20 @@ def _admit(engine: Engine, decision: Decision, host: Host, port: int):
     if resolved is UNCHECKED:
         return decision, Pin(host, port, None, ())
     return engine.admit_resolved(decision, host, port, resolved)
+
+
+def _sni_refusal(sni: str | None, pin: Pin) -> Decision | None:
+    """`sni_mismatch` when a TLS SNI names another host than the pin; None when it names the pin or
+    there is none."""
+    if not sni:
+        return None
+    try:
+        if canonical_host(sni).value == pin.host.value:
+            return None
+    except HostError:
+        pass
+    return Decision.deny("sni_mismatch",
+                         f"TLS SNI {sni[:100]!r} is not the pinned destination {pin.host.authority(pin.port)}")
 
 
 def _upstream(pin: Pin) -> tuple[str, int] | None:

@@ -12,10 +12,12 @@ import pytest
 from addons import revocation as revocation_addon
 from addons.revocation import Revoker
 from addons.state import GatewayState
+from gateway.decision import Decision
 from gateway.engine import Engine
 from gateway.hostnames import canonical_host
 from gateway.policy import compile_policy
 from gateway.revocation import Established
+from gateway.session import Step
 
 POLICY = """\
 version: 1
@@ -47,8 +49,8 @@ class World:
         conn = self.state.connection(client_id, ("10.0.0.9", 40000 + len(self.state.connections)))
         current = self.state.engine
         _, pin = asyncio.run(current.pin(canonical_host(host), 443))
-        conn.tunnel = pin
-        conn.admitted[(pin.address.compressed, 443)] = host
+        conn.commit(Step(Decision.allow(rule, "test"), pin))
+        conn.admit(pin.address.compressed, 443, host)
         self.state.establish(client_id, conn, Established(kind, pin, rule, conn.address, current.generation))
         return conn
 
@@ -136,9 +138,7 @@ def test_report_mode_keeps_it_open_with_one_would_deny_line_per_connection():
 def test_a_poisoned_connection_is_not_judged_again():
     world = World()
     conn = world.open("c-a", "a.test")
-    from gateway.decision import Decision
-
-    conn.poisoned = Decision.deny("sni_mismatch", "x")
+    conn.poison(Decision.deny("sni_mismatch", "x"))
     world.state.install(engine(B))
     assert world.closed == [] and conn.established == []
 

@@ -17,6 +17,8 @@ from gateway.engine import Engine
 from gateway.hostnames import Host
 from gateway.policy import EVERY_RULE, compile_policy
 from gateway.resolver import ResolveError
+from gateway.clienthello import ECH, SERVER_NAME
+from gateway.revocation import Established
 from gateway.session import (PASSTHROUGH, PINNED, REFUSED, UNPINNED, ClientSession, Establish, NeedAddresses,
                              RequestHead, Step, drive_now)
 
@@ -202,7 +204,7 @@ def test_http2_without_host_uses_its_authority():
 
 def test_a_refused_connection_answers_every_request_with_its_refusal():
     session = tunnel()
-    session.poisoned = Decision.deny("sni_mismatch", "TLS SNI 'plain.test' is not the pinned destination")
+    session.poison(Decision.deny("sni_mismatch", "TLS SNI 'plain.test' is not the pinned destination"))
     assert session.phase == REFUSED
     for request_head in (head(), head(host="plain.test"), head("POST")):
         step = request(session, request_head)
@@ -246,7 +248,7 @@ def test_a_refused_absolute_form_request_is_never_resolved(request_head, reason)
 
 def transparent(dialled="203.0.113.20", port=80) -> ClientSession:
     session = ClientSession("10.0.0.2:5000", "transparent", ip("10.0.0.2"))
-    session.original_destination = (dialled, port)
+    session.set_original((dialled, port))
     return session
 
 
@@ -294,7 +296,7 @@ def test_a_reload_that_revokes_while_pinning_refuses_the_request():
     revoked = Decision.deny("revoked", "the policy changed")
 
     def establish(established):
-        session.poisoned = revoked  # what addons/revocation.py does for a stale decision
+        session.revoke(revoked)  # what addons/revocation.py does for a stale decision
 
     step = request(session, head(host="plain.test", scheme="http", path="/"), establish=establish)
     assert step.decision is revoked and step.upstream is None and session.phase == REFUSED
@@ -372,6 +374,159 @@ def test_a_refused_sni_refuses_the_connection_and_every_request_on_it(sni, diall
     assert session.phase == REFUSED and session.tunnel is None
     later = request(session, head(host="api.test"))
     assert later.decision is session.poisoned
+
+
+# --- a passthrough ClientHello ---------------------------------------------------------------------
+
+
+def sni_extension(name: bytes) -> list[tuple[int, bytes]]:
+    entry = b"\x00" + len(name).to_bytes(2, "big") + name
+    return [(SERVER_NAME, len(entry).to_bytes(2, "big") + entry)]
+
+
+def passthrough_tunnel() -> ClientSession:
+    session = ClientSession("10.0.0.2:5000", "regular", ip("10.0.0.2"))
+    rule = ENGINE.policy.rules_by_id["api"]
+    connect(session, "api.test:443", passthrough_rule=lambda decision: rule)
+    assert session.phase == PASSTHROUGH
+    return session
+
+
+def test_a_passthrough_hello_naming_the_pin_is_relayed_to_the_pinned_address_only():
+    session = passthrough_tunnel()
+    step = session.passthrough_hello("API.test.", sni_extension(b"API.test."))
+    assert step.admitted and step.decision.rule == "api" and step.upstream == ("203.0.113.10", 443)
+    assert session.admitted == {}  # nothing until the adapter has audited it
+    assert session.relay(step) and session.dial(("203.0.113.10", 443)).allowed
+    assert session.dial(("203.0.113.10", 443)).server_name is None  # the sandbox's own TLS, unread
+    assert not session.dial(("203.0.113.11", 443)).allowed
+
+
+@pytest.mark.parametrize("sni, extensions, reason", [
+    ("plain.test", sni_extension(b"plain.test"), "sni_mismatch"),  # checked here, as client_hello does
+    ("api.test", sni_extension(b"api.test") + [(ECH, b"\x00")], "ech_refused"),
+    (None, [], "sni_required"),
+    ("api.test", sni_extension(b"plain.test"), "bad_client_hello"),
+])
+def test_a_passthrough_hello_that_could_mean_another_host_is_refused_and_changes_nothing(sni, extensions, reason):
+    """The step changes nothing: the layer guard only looks, and leaves a refusal to the TLS guard."""
+    session = passthrough_tunnel()
+    step = session.passthrough_hello(sni, extensions)
+    assert step.decision.reason == reason and not step.admitted and step.upstream is None
+    assert step.passthrough is session.passthrough_rule and session.phase == PASSTHROUGH
+    with pytest.raises(ValueError):
+        session.relay(step)
+    session.poison(step.decision)  # what the TLS guard does once the line is written
+    assert session.phase == REFUSED and session.passthrough_rule is None
+
+
+def test_only_a_passthrough_connection_relays_a_hello_unread():
+    with pytest.raises(ValueError):
+        tunnel().passthrough_hello("api.test", sni_extension(b"api.test"))
+
+
+# --- raw TCP ---------------------------------------------------------------------------------------
+
+TCP_ENGINE = Engine.build(compile_policy(textwrap.dedent(
+    """\
+    version: 1
+    network:
+      allow_ip_ranges: [203.0.113.0/24]
+    rules:
+      - id: ssh
+        protocol: tcp
+        hosts: [203.0.113.7]
+        ports: [22]
+      - id: git
+        protocol: tcp
+        hosts: [git.test]
+        ports: [22]
+    """), "tcp.yaml"))
+
+
+def raw(session: ClientSession, names=()) -> Step:
+    return session.raw_tcp(TCP_ENGINE, EVERY_RULE, lambda address: set(names))
+
+
+@pytest.mark.parametrize("dialled, names, rule", [("203.0.113.7", (), "ssh"), ("203.0.113.8", ("git.test",), "git")])
+def test_raw_tcp_to_an_allowed_address_is_relayed_there_once_audited(dialled, names, rule):
+    session = transparent(dialled, 22)
+    step = raw(session, names)
+    assert step.admitted and step.decision.rule == rule and (step.host, step.port) == (dialled, 22)
+    assert step.upstream == (dialled, 22) and step.establish.kind == "tcp" and step.establish.names == names
+    assert session.admitted == {} and session.established == []  # the adapter audits, records, then relays
+    assert session.relay(step) and session.dial((dialled, 22)).allowed and session.phase == UNPINNED
+
+
+@pytest.mark.parametrize("dialled, port, reason", [("203.0.113.8", 22, "no_rule"), ("203.0.113.7", 2222, None)])
+def test_raw_tcp_no_rule_allows_is_refused_and_admits_nothing(dialled, port, reason):
+    session = transparent(dialled, port)
+    step = raw(session, ())
+    assert not step.admitted and step.upstream is None and step.host == dialled
+    assert reason is None or step.decision.reason == reason
+    assert session.admitted == {} and session.phase == UNPINNED
+
+
+def test_raw_tcp_without_an_original_destination_names_nothing():
+    step = raw(ClientSession("10.0.0.2:5000", "transparent"))
+    assert step.decision.reason == "non_http" and step.host is None and not step.admitted
+
+
+def test_raw_tcp_revoked_while_it_was_recorded_is_not_relayed():
+    session = transparent("203.0.113.7", 22)
+    step = raw(session)
+    session.revoke(Decision.deny("revoked", "the policy changed"))  # a stale decision, judged at establish
+    assert not session.relay(step) and session.admitted == {} and session.phase == REFUSED
+
+
+# --- the session's own state: changed only through its methods -----------------------------------------
+
+
+def test_the_first_dialled_address_is_the_original_destination():
+    session = transparent("203.0.113.20", 80)
+    session.set_original(("203.0.113.99", 8080))
+    assert session.original_destination == ("203.0.113.20", 80)
+
+
+def test_only_an_admitted_address_may_be_dialled_with_its_server_name():
+    session = tunnel()
+    assert not session.dial(("203.0.113.10", 443)).allowed  # the CONNECT alone admits nothing: lazy upstreams
+    session.admit("203.0.113.10", 443, "api.test")
+    session.admit("2001:db8::1", 80, None)
+    assert session.dial(("203.0.113.10", 443)) == session.dial(("203.0.113.10", "443"))
+    assert session.dial(("203.0.113.10", 443)).server_name == "api.test"
+    assert session.dial(("2001:db8:0::1", 80)).allowed and session.dial(("2001:db8::1", 80)).server_name is None
+    for address in (("203.0.113.10", 80), ("203.0.113.11", 443), ("api.test", 443), ("203.0.113.10", "x"), None):
+        assert not session.dial(address).allowed
+
+
+def test_a_poisoned_connection_dials_nothing_and_relays_nothing():
+    session = passthrough_tunnel()
+    session.establish(Established("passthrough", session.tunnel, "api", session.address, 1))
+    session.admit("203.0.113.10", 443, None)
+    refusal = Decision.deny("internal_error", "failed")
+    session.poison(refusal)
+    assert session.phase == REFUSED and session.poisoned is refusal and session.passthrough_rule is None
+    assert not session.dial(("203.0.113.10", 443)).allowed
+    assert session.established  # still there for a reload to find (the TLS guard's failure)
+    session.revoke(refusal)
+    assert session.established == []  # closed: nothing left to judge again
+
+
+def test_what_is_long_lived_is_recorded_judged_again_and_finished_through_the_session():
+    session = tunnel()
+    facts = head().facts(session.tunnel.host, 443, "https")
+    first = Established("tunnel", session.tunnel, "api", session.address, 1)
+    inflight = Established("request", session.tunnel, "api", session.address, 1, request=facts)
+    session.establish(first)
+    session.establish(inflight)
+    assert session.established == [first, inflight]
+    session.finish_request(head().facts(session.tunnel.host, 443, "https"))  # equal, but another request
+    assert session.established == [first, inflight]
+    session.finish_request(facts)
+    assert session.established == [first]
+    session.keep_established([])
+    assert session.established == []
 
 
 # --- the property: a pin never moves ----------------------------------------------------------------
