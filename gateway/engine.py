@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
-from . import bodies, foreign, methods, placeholders
+from . import bodies, methods
 from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
 from .paths import PathError, check_target, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
@@ -396,56 +396,3 @@ def body_override_refusal(rule: Rule | None, method: str, found: list[methods.Ov
     return Decision.deny("method_not_allowed", f"rule {rule.id} allows {method.upper()} here, but the request body "
                                                f"names the method override {override.describe()}, not in [{allowed}]; "
                                                "its end was not sent", rule.id)
-
-
-def credential_refusal(rule: Rule, scheme: str, host: Host) -> Decision | None:
-    """The checks before a rule's credentials go into a request: never over plain http, and only to
-    the rule's exact hosts, unless the rule says otherwise. (The proxy, explain and replay all ask.)"""
-    if not rule.secrets:
-        return None
-    if scheme != "https" and not rule.allow_plaintext_credentials:
-        return Decision.deny("plaintext_credentials",
-                             f"rule {rule.id} injects credentials, which never go over plain http", rule.id)
-    exact = {p.value for p in rule.hosts if p.kind == "exact"}
-    if host.value not in exact and not rule.allow_wildcard_credentials:
-        return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id)
-    return None
-
-
-@dataclass(frozen=True)
-class BoundCheck:
-    """What a request on a rule bound to secrets may carry (see `check_bound_request`)."""
-
-    refusal: Decision | None
-    swaps: placeholders.Swaps
-    location: str | None = None  # where the refusal points: "header X-Api-Key", "path", ... (never a value)
-    audit_target: str | None = None  # the target for the audit line, when it must differ (foreign values blanked)
-
-
-def check_bound_request(rule: Rule, headers, target: str, tokens, swap: bool = True) -> BoundCheck:
-    """The sandbox's side of a bound request, before anything is injected: every placeholder stands
-    where the rule swaps it (403 `placeholder_misuse` otherwise), and no credential but the
-    platform's is on it (403 `foreign_credential`). `tokens` maps this sandbox's placeholders for
-    the rule's secrets to secret names. `swap=False` (report mode's would_deny: nothing is swapped
-    or injected, so what the sandbox sent under an injected name goes as it is) checks foreign
-    credentials only. The proxy, explain and replay all ask this."""
-    injected_headers = frozenset(i.name.lower() for i in rule.injections if i.target == "header")
-    injected_query = frozenset(i.name for i in rule.injections if i.target == "query")
-    swaps = placeholders.Swaps()
-    if swap:
-        planned = placeholders.plan(headers, target, tokens, rule.placeholders, rule.id, injected_headers,
-                                    injected_query)
-        if isinstance(planned, placeholders.Misuse):
-            message = (f"placeholder in the {planned.location} refused: {planned.why}; rule {rule.id} swaps "
-                       f"placeholders only as {rule.placeholders.describe()}; nothing was sent")
-            return BoundCheck(Decision.deny("placeholder_misuse", message, rule.id), swaps, planned.location)
-        swaps = planned
-    where = foreign.find(headers, target, rule.foreign_credentials, tokens, rule.placeholders.query,
-                         injected_headers, injected_query, replaced=swap)
-    if where is not None:
-        message = (f"rule {rule.id} sends only the platform's credential, and this request carries another "
-                   f"one in the {where}; nothing was sent")
-        scrubbed = foreign.scrub_target(target, rule.foreign_credentials, injected_query)
-        return BoundCheck(Decision.deny("foreign_credential", message, rule.id), swaps, where,
-                          scrubbed if scrubbed != target else None)
-    return BoundCheck(None, swaps)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .decision import Decision
 from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine
-from .engine import check_bound_request, credential_refusal
+from .credential_checks import credential_verdict
 from .hostnames import Host, HostError, IPAddress, canonical_host
 from .methods import Override, described_query_overrides, parse_described
 from .placeholders import ShapeTokens
@@ -294,13 +294,10 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
                                   record.headers, answer, record.query_overrides)
         decision = _unknown_address(record, decision, answer)
         rule = policy.rules_by_id.get(decision.rule or "")
-        if decision.allowed and not decision.would_deny and rule is not None:  # report mode injects nothing
-            decision = credential_refusal(rule, scheme, host) or decision
-            if decision.allowed and rule.secrets:  # the recorded path only: no headers are recorded
-                decision = check_bound_request(rule, (), record.path or "/", ShapeTokens(rule.secrets)).refusal \
-                    or decision
-            if decision.allowed:
-                injected = rule.secrets
+        if rule is not None:  # the recorded path only: no headers are recorded
+            verdict = credential_verdict(rule, decision, scheme, host, (), record.path or "/",
+                                         ShapeTokens(rule.secrets))
+            decision, injected = verdict.decision, rule.secrets if verdict.inject else ()
     else:  # connect, tls: the destination before any request
         answer = _answer(engine, record, host)
         decision = _unknown_address(record, decide_destination(engine, scope, host, record.port, answer).decision,
