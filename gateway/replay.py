@@ -26,7 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .decision import Decision
-from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine
+from .dns_answer import DnsAnswer, dns_answer, dns_question
+from .engine import Engine
 from .credential_checks import credential_verdict
 from .hostnames import Host, HostError, IPAddress, canonical_host
 from .methods import Override, described_query_overrides, parse_described
@@ -259,23 +260,6 @@ def _unknown_address(record: Record, decision: Decision, answer) -> Decision:
     return decision
 
 
-def _check_addresses(engine: Engine, record: Record, host: Host, decision: Decision, port: int | None) -> Decision:
-    if host.ip is not None:
-        addresses: tuple[IPAddress, ...] = (host.ip,)
-    elif host.value in engine.policy.static_hosts:
-        addresses = engine.policy.static_hosts[host.value]
-    else:
-        addresses = _recorded_addresses(record)
-    if not addresses:
-        if record.reason == "denied_address":
-            return Decision.deny("denied_address", "address unknown: the recorded refusal stands", decision.rule)
-        return decision
-    for verdict in engine.check_addresses(addresses, port):
-        if not verdict.allowed:
-            return Decision.deny(verdict.reason, f"{host} resolves to {verdict.describe()}", decision.rule)
-    return decision
-
-
 def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
     policy = engine.policy
     scope = _scope(policy, record)
@@ -285,7 +269,7 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
         return Verdict("deny", "bad_host", None, (), str(exc)), scope
     injected: tuple[str, ...] = ()
     if record.event == "dns":
-        decision = _dns(engine, record, host, scope)
+        decision = _dns(engine, record, scope)
     elif record.event == "request":
         scheme = record.scheme.lower()
         # the live walk (gateway/session.py): for https the CONNECT is judged first, as it was
@@ -305,20 +289,14 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
     return Verdict(decision.verdict, decision.reason, decision.rule, injected, decision.message), scope
 
 
-def _dns(engine: Engine, record: Record, host: Host, scope: Scope) -> Decision:
-    """Engine.answer_dns without the lookup: covered names answer, others are NXDOMAIN."""
-    if host.is_ip:
-        return Decision.deny("bad_host", "an IP address is not a DNS name")
-    covering = [engine.policy.rules[i] for i in engine.policy.index.candidates(host) if scope.grants(engine.policy.rules[i])]
-    if not covering:
-        return Decision.deny("no_rule", f"no rule covers {host}")
-    rule = covering[0].id
-    query_type = (record.dns_type or "A").upper()
-    if query_type in NODATA_TYPES:
-        return Decision.allow(rule, f"{query_type} answered empty")
-    if query_type not in ADDRESS_TYPES:
-        return Decision.deny("dns_type_refused", f"{query_type} queries are refused")
-    return _check_addresses(engine, record, host, Decision.allow(rule, f"rule {rule} covers {host}"), None)
+def _dns(engine: Engine, record: Record, scope: Scope) -> Decision:
+    """The live DNS guard's decision (gateway/dns_answer.py), told the addresses replay knows."""
+    question = dns_question(engine.policy, record.host, (record.dns_type or "A").upper(), scope)
+    if isinstance(question, DnsAnswer):
+        return question.decision
+    answer = _answer(engine, record, question.host)
+    found = dns_answer(engine, question, () if answer is UNCHECKED else answer)
+    return _unknown_address(record, found.decision, answer)
 
 
 def replay(policy: Policy, records: Iterable[Record], result: ReplayResult | None = None) -> ReplayResult:
