@@ -5,6 +5,7 @@ GatewayState.record). The property tests for `explain` and `replay` compare agai
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 
 import yaml
@@ -115,6 +116,16 @@ def addresses(host):
     return [ipaddress.ip_address(a) for a in ADDRESSES[host.value]]
 
 
+class _Table:
+    """A resolver that answers from ADDRESSES."""
+
+    async def resolve(self, host):
+        found = addresses(host)
+        if isinstance(found, ResolveError):
+            raise found
+        return tuple(found)
+
+
 def _fields(authority: str, headers) -> tuple:
     """The head a client sends: its own Host if it gives one (-H Host), else the URL's authority."""
     given = tuple(headers)
@@ -187,6 +198,17 @@ class Live:
             self.session.commit(step)
             passthrough.record(self.state, self.session, step.pin, sni, [], None)
         return step.decision
+
+    def dns(self, name: str, query_type: str):
+        """A DNS-mode question, with the line DnsGuard writes for it (the engine resolves from
+        ADDRESSES, as `addresses` does)."""
+        self.engine.resolver = _Table()
+        answer = asyncio.run(self.engine.answer_dns(name, query_type, self.scope))
+        self.state.record(event="dns", **connection_fields(self.session, self.scope.sandbox),
+                          **verdict_fields(answer.decision, status_sent=False), host=answer.name or name[:253],
+                          address=",".join(a.compressed for a in answer.addresses) or None, dns_type=query_type,
+                          rcode=answer.rcode)
+        return answer.decision
 
     def _record(self, event: str, step, decision=None, **sent) -> None:
         fields = connection_fields(self.session, self.scope.sandbox) | sent

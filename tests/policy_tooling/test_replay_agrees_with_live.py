@@ -100,3 +100,17 @@ def test_replayed_under_another_policy_a_client_hello_gets_what_live_traffic_get
     now.client_hello(sni, (dialled, port))
     assume(not _unresolved(now))
     _replay(after, recorded.lines, lambda line: _verdict(now.lines[-1]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policies(sandboxes=True), policies(sandboxes=True, every_address=True),
+       st.sampled_from(NAMES + ["203.0.113.1", "bad..name"]), st.sampled_from(["A", "AAAA", "HTTPS", "TXT"]))
+def test_replayed_a_dns_question_gets_what_live_traffic_gets(old, new, name, query_type):
+    """Under its own policy a dns line keeps its verdict; under another, it gets that policy's."""
+    before, after = (Engine.build(compile_policy(text, "random.yaml")) for text, _ in (old, new))
+    recorded, now = Live(before, "dns"), Live(after, "dns")
+    recorded.dns(name, query_type)
+    _replay(before, recorded.lines, _verdict)
+    now.dns(name, query_type)
+    assume(not _unresolved(now))
+    _replay(after, recorded.lines, lambda line: _verdict(now.lines[-1]))
