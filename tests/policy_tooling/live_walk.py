@@ -20,7 +20,7 @@ from gateway.credentials import placeholder
 from gateway.decision import verdict_fields
 from gateway.engine import Engine
 from gateway.resolver import ResolveError
-from gateway.session import PASSTHROUGH, ClientSession, RequestHead, drive_now
+from gateway.session import PASSTHROUGH, RequestHead, drive_now
 
 NAMES = ["a.test", "b.a.test", "c.test", "meta.test", "gone.test"]
 ADDRESSES = {"a.test": ["203.0.113.1"], "b.a.test": ["203.0.113.2", "203.0.113.3"], "c.test": ["198.51.100.7"],
