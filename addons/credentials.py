@@ -24,7 +24,8 @@ from mitmproxy.utils import human
 
 from gateway.credentials import placeholder
 from gateway.decision import Decision, verdict_fields
-from gateway.engine import BoundCheck, Engine, Pin, check_bound_request, credential_refusal
+from gateway.credential_checks import BoundCheck, credential_verdict, secret_unavailable
+from gateway.engine import Engine, Pin
 from gateway.policy import Rule, Scope
 from gateway.decompress import (DEFAULT_BUFFERED_LIMIT, DecodedTooLarge, OverBudget, decode_pieces, stream_decoder,
                                 window_size)
@@ -55,29 +56,26 @@ class CredentialInjector:
 
         Before anything is injected, the sandbox's own request must have its placeholders only
         where the rule swaps them and carry no credential but the platform's
-        (gateway/engine.check_bound_request). A would_deny request (report mode) is let through
+        (gateway/credential_checks.credential_verdict). A would_deny request (report mode) is let through
         without any credential, and never with one of the sandbox's own."""
         rule: Rule | None = engine.policy.rules_by_id.get(decision.rule or "")
         if rule is None or not rule.secrets:
             return decision, []
         request = flow.request
         headers = list(request.headers.items(multi=True))
-        tokens = self._placeholders(rule, scope)
-        if decision.would_deny:
-            check = check_bound_request(rule, headers, request.path, tokens, swap=False)
-            return (self._refused(flow, check), []) if check.refusal else (decision, [])
-        if refusal := credential_refusal(rule, request.scheme, pin.host):
-            return refusal, []
-        check = check_bound_request(rule, headers, request.path, tokens)
-        if check.refusal is not None:
-            return self._refused(flow, check), []
+        verdict = credential_verdict(rule, decision, request.scheme, pin.host, headers, request.path,
+                                     self._placeholders(rule, scope))
+        if not verdict.inject:
+            if verdict.check is not None and verdict.check.refusal is not None:
+                self._refused(flow, verdict.check)
+            return verdict.decision, []
+        check = verdict.check
         try:
             values = engine.secrets.values(rule.secrets)
         except SecretUnavailable as exc:
             # The why (a path, an env variable) goes to the operator's log; the sandbox learns the name only.
             logging.getLogger("egress").warning("egress gateway: %s", exc)
-            return Decision.deny("secret_unavailable", f"secret {exc.name!r} is unavailable; nothing was sent",
-                                 rule.id), []
+            return secret_unavailable(rule, exc.name), []
         _swap(request, check, values)
         used: list[str] = []
         for injection in rule.injections:
@@ -109,12 +107,11 @@ class CredentialInjector:
             return {}
         return {placeholder(key, name, scope.sandbox): name for name in rule.secrets}
 
-    def _refused(self, flow: http.HTTPFlow, check: BoundCheck) -> Decision:
+    def _refused(self, flow: http.HTTPFlow, check: BoundCheck) -> None:
         audit = {"location": check.location}
         if check.audit_target is not None:
             audit["path"] = check.audit_target  # the sandbox's own credential is not logged either
         flow.metadata[self.AUDIT] = audit
-        return check.refusal
 
     def audit_fields(self, flow: http.HTTPFlow) -> dict:
         """Extra audit fields of a placeholder_misuse or foreign_credential refusal: `location`

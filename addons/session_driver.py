@@ -6,18 +6,11 @@ from __future__ import annotations
 
 from gateway import session as sessions
 from gateway.engine import Engine
-from gateway.hostnames import Host
-from gateway.resolver import ResolveError
 from gateway.session import ClientSession, Step, Steps
 
 from .state import GatewayState
 
 
 async def drive(steps: Steps, engine: Engine, state: GatewayState, client_id: str, session: ClientSession) -> Step:
-    async def resolve(host: Host):
-        try:
-            return await engine.resolver.resolve(host)
-        except ResolveError as exc:
-            return exc
-
-    return await sessions.drive(steps, resolve, lambda established: state.establish(client_id, session, established))
+    return await sessions.drive(steps, engine.resolved,
+                                lambda established: state.establish(client_id, session, established))

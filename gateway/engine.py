@@ -1,9 +1,10 @@
 """The decision core: policy rules, address checks and pinning, with no proxy types in sight.
 
-The proxy adapters call three things: `check_destination` when a destination is first named
-(CONNECT, absolute URL), `pin` to resolve it and check every address, and `check_request` for
-each request (method, path, scheme). Everything here is deterministic given the policy and the
-resolver, which is what makes `explain` and replay possible.
+The connection's session (gateway/session.py) asks three things: `check_destination` when a
+destination is first named (CONNECT, absolute URL), `admit_resolved` to check every address it
+resolved to and pin one, and `check_request` for each request (method, path, scheme). Everything
+here is deterministic given the policy and the addresses, which is what makes `explain` and
+`replay` possible.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
-from . import bodies, foreign, methods, placeholders
-from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host
+from . import bodies, methods
+from .hostnames import Host, IPAddress, ip_host
 from .paths import PathError, check_target, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
 from .resolver import ResolveError, Resolver
 from .secrets import SecretStore
+from .dns_answer import DnsAnswer, dns_answer, dns_question
 
 
 @dataclass(frozen=True)
@@ -244,53 +246,18 @@ class Engine:
                              f"{', '.join(a.compressed for a in addresses)}", rule)
 
     async def answer_dns(self, raw_name: str, query_type: str, scope: Scope = EVERY_RULE) -> DnsAnswer:
-        """Answer A/AAAA only for names some rule this client may use covers, with checked addresses.
-
-        Anything else gets NXDOMAIN (or REFUSED for other query types) *without* looking the name
-        up anywhere: a name like `<secret>.attacker.example` never leaves the gateway."""
-        try:
-            host = canonical_host(raw_name)
-        except HostError as exc:
-            return DnsAnswer("NXDOMAIN", (), Decision.deny("bad_host", f"bad DNS name: {exc}"))
-        if host.is_ip:
-            return DnsAnswer("NXDOMAIN", (), Decision.deny("bad_host", "an IP address is not a DNS name"), host.value)
-        covering = [
-            self.policy.rules[i] for i in self.policy.index.candidates(host) if scope.grants(self.policy.rules[i])
-        ]
-        if not covering:
-            return DnsAnswer("NXDOMAIN", (), Decision.deny("no_rule", f"no rule covers {host}{_for(scope)}"), host.value)
-        rule = covering[0].id
-        if query_type in NODATA_TYPES:
-            return DnsAnswer("NOERROR", (), Decision.allow(rule, f"{query_type} answered empty"), host.value)
-        if query_type not in ADDRESS_TYPES:
-            return DnsAnswer("REFUSED", (), Decision.deny("dns_type_refused", f"{query_type} queries are refused"), host.value)
-        try:
-            addresses = await self.resolver.resolve(host)
-        except ResolveError as exc:
-            return DnsAnswer("SERVFAIL", (), Decision.deny("resolve_failed", str(exc), rule), host.value)
-        refused = [v for v in self.check_addresses(addresses, None) if not v.allowed]
-        if refused:
-            decision = Decision.deny(refused[0].reason, f"{host} resolves to {refused[0].describe()}", rule)
-            return DnsAnswer("NXDOMAIN", (), decision, host.value)
-        version = ADDRESS_TYPES[query_type]
-        matching = tuple(a for a in addresses if a.version == version)
-        return DnsAnswer("NOERROR", matching, Decision.allow(rule, f"rule {rule} covers {host}"), host.value)
+        """DNS mode's answer (gateway/dns_answer.py decides): the name is looked up only when some
+        rule this client may use covers it and the question is for its addresses."""
+        question = dns_question(self.policy, raw_name, query_type, scope)
+        if isinstance(question, DnsAnswer):
+            return question
+        return dns_answer(self, question, await self.resolved(question.host))
 
     def check_addresses(self, addresses: Iterable[IPAddress], port: int) -> list[AddressVerdict]:
         return [self.guard.check(a, port) for a in addresses]
 
-    async def admit(self, decision: Decision, host: Host, port: int) -> tuple[Decision, Pin | None]:
-        """After a policy check: if it let the request through, resolve and check the addresses.
-        Returns the decision that stands (the address verdict wins a refusal) and the pin."""
-        if not decision.allowed:
-            return decision, None
-        return self.admit_resolved(decision, host, port, await self._resolved(host))
-
-    async def pin(self, host: Host, port: int) -> tuple[Decision, Pin | None]:
-        """Resolve once, check every address, choose the one to dial."""
-        return self.pin_resolved(host, port, await self._resolved(host))
-
-    async def _resolved(self, host: Host) -> Sequence[IPAddress] | ResolveError:
+    async def resolved(self, host: Host) -> Sequence[IPAddress] | ResolveError:
+        """The resolver's answer for `host`, a failure included: what a sans-I/O walk is sent back."""
         try:
             return await self.resolver.resolve(host)
         except ResolveError as exc:
@@ -298,8 +265,9 @@ class Engine:
 
     def admit_resolved(self, decision: Decision, host: Host, port: int,
                        resolved: Sequence[IPAddress] | ResolveError) -> tuple[Decision, Pin | None]:
-        """`admit` once the caller has resolved `host` (gateway/session.py asks for the addresses
-        instead of resolving: sans-I/O): the decision that stands, and the pin."""
+        """After a policy check that let it through, `host`'s addresses (resolved by the caller:
+        gateway/session.py asks for them, sans I/O) checked: the decision that stands (an address
+        refusal wins) and the pin."""
         if not decision.allowed:
             return decision, None
         addresses, pin = self.pin_resolved(host, port, resolved)
@@ -321,28 +289,14 @@ class Engine:
 
     def address_refusal(self, host: Host, addresses: Iterable[IPAddress], port: int) -> Decision | None:
         """Every address of a destination against the deny list (and the gateway's own sockets): the
-        refusal for the first one refused, or None. `pin` asks for a new destination, revocation for
-        the addresses an open connection was pinned to."""
+        refusal for the first one refused, or None. `pin_resolved` asks for a new destination,
+        revocation for the addresses an open connection was pinned to."""
         verdicts = self.check_addresses(addresses, port)
         refused = [v for v in verdicts if not v.allowed]
         if not refused:
             return None
         first = refused[0]
         return Decision.deny(first.reason, f"{host} resolves to {first.describe()}", notes=[v.describe() for v in verdicts])
-
-
-@dataclass(frozen=True)
-class DnsAnswer:
-    """What the gateway's DNS says: rcode (NOERROR, NXDOMAIN, REFUSED, SERVFAIL) and addresses."""
-
-    rcode: str
-    addresses: tuple[IPAddress, ...]
-    decision: Decision
-    name: str | None = None
-
-
-ADDRESS_TYPES = {"A": 4, "AAAA": 6}
-NODATA_TYPES = frozenset({"HTTPS", "SVCB"})  # answered empty for allowed names: no ECH keys, no hints
 
 
 def _for(scope: Scope) -> str:
@@ -396,56 +350,3 @@ def body_override_refusal(rule: Rule | None, method: str, found: list[methods.Ov
     return Decision.deny("method_not_allowed", f"rule {rule.id} allows {method.upper()} here, but the request body "
                                                f"names the method override {override.describe()}, not in [{allowed}]; "
                                                "its end was not sent", rule.id)
-
-
-def credential_refusal(rule: Rule, scheme: str, host: Host) -> Decision | None:
-    """The checks before a rule's credentials go into a request: never over plain http, and only to
-    the rule's exact hosts, unless the rule says otherwise. (The proxy, explain and replay all ask.)"""
-    if not rule.secrets:
-        return None
-    if scheme != "https" and not rule.allow_plaintext_credentials:
-        return Decision.deny("plaintext_credentials",
-                             f"rule {rule.id} injects credentials, which never go over plain http", rule.id)
-    exact = {p.value for p in rule.hosts if p.kind == "exact"}
-    if host.value not in exact and not rule.allow_wildcard_credentials:
-        return Decision.deny("credential_host", f"rule {rule.id} binds credentials to its exact hosts only", rule.id)
-    return None
-
-
-@dataclass(frozen=True)
-class BoundCheck:
-    """What a request on a rule bound to secrets may carry (see `check_bound_request`)."""
-
-    refusal: Decision | None
-    swaps: placeholders.Swaps
-    location: str | None = None  # where the refusal points: "header X-Api-Key", "path", ... (never a value)
-    audit_target: str | None = None  # the target for the audit line, when it must differ (foreign values blanked)
-
-
-def check_bound_request(rule: Rule, headers, target: str, tokens, swap: bool = True) -> BoundCheck:
-    """The sandbox's side of a bound request, before anything is injected: every placeholder stands
-    where the rule swaps it (403 `placeholder_misuse` otherwise), and no credential but the
-    platform's is on it (403 `foreign_credential`). `tokens` maps this sandbox's placeholders for
-    the rule's secrets to secret names. `swap=False` (report mode's would_deny: nothing is swapped
-    or injected, so what the sandbox sent under an injected name goes as it is) checks foreign
-    credentials only. The proxy, explain and replay all ask this."""
-    injected_headers = frozenset(i.name.lower() for i in rule.injections if i.target == "header")
-    injected_query = frozenset(i.name for i in rule.injections if i.target == "query")
-    swaps = placeholders.Swaps()
-    if swap:
-        planned = placeholders.plan(headers, target, tokens, rule.placeholders, rule.id, injected_headers,
-                                    injected_query)
-        if isinstance(planned, placeholders.Misuse):
-            message = (f"placeholder in the {planned.location} refused: {planned.why}; rule {rule.id} swaps "
-                       f"placeholders only as {rule.placeholders.describe()}; nothing was sent")
-            return BoundCheck(Decision.deny("placeholder_misuse", message, rule.id), swaps, planned.location)
-        swaps = planned
-    where = foreign.find(headers, target, rule.foreign_credentials, tokens, rule.placeholders.query,
-                         injected_headers, injected_query, replaced=swap)
-    if where is not None:
-        message = (f"rule {rule.id} sends only the platform's credential, and this request carries another "
-                   f"one in the {where}; nothing was sent")
-        scrubbed = foreign.scrub_target(target, rule.foreign_credentials, injected_query)
-        return BoundCheck(Decision.deny("foreign_credential", message, rule.id), swaps, where,
-                          scrubbed if scrubbed != target else None)
-    return BoundCheck(None, swaps)

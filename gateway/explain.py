@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from .addresses import AddressVerdict
 from .decision import Decision
-from .engine import Engine, RequestFacts, check_bound_request, credential_refusal
+from .credential_checks import credential_verdict
+from .engine import Engine, RequestFacts
 from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
 from .methods import overrides as overrides_in
 from .paths import PathError, normalise_path
@@ -303,20 +304,14 @@ def explain(
     if decision.would_deny:
         notes.append("report mode: the allowlist would refuse this request; the gateway lets it through, "
                      "logged as would_deny, without any credential")
-        if bound and decision.allowed:
-            check = check_bound_request(rule, tuple(headers), target.target, ShapeTokens(rule.secrets), swap=False)
-            decision = check.refusal or decision
-    elif decision.allowed and rule is not None and target.scheme != "tcp":
-        refusal = credential_refusal(rule, target.scheme, host)
-        if refusal is None and bound:
-            refusal = check_bound_request(rule, tuple(headers), target.target, ShapeTokens(rule.secrets)).refusal
-        if refusal is not None:
-            decision = refusal
-        else:
+    if bound:
+        verdict = credential_verdict(rule, decision, target.scheme, host, tuple(headers), target.target,
+                                     ShapeTokens(rule.secrets))
+        decision = verdict.decision
+        if verdict.inject:
             credentials = credentials_of(rule)
-            if credentials:
-                notes.append("credentials: only secret names are shown; a secret that cannot be read at "
-                             "request time makes the gateway refuse (502 secret_unavailable)")
+            notes.append("credentials: only secret names are shown; a secret that cannot be read at "
+                         "request time makes the gateway refuse (502 secret_unavailable)")
     if bound and rule.id == decision.rule:
         notes.append(f"placeholders: rule {rule.id} swaps them only as {rule.placeholders.describe()}; "
                      "anywhere else a placeholder is refused (403 placeholder_misuse)")

@@ -1,8 +1,10 @@
 """Replay: re-decide recorded decisions under another policy and say what would change.
 
 Input is the gateway's audit log (one JSON object per line). Lines for `request`, `connect`, `tls`
-and `dns` events are re-decided with the new policy's engine, using the recorded host, port,
-scheme, method, path, header and query method overrides (`method_override`; the recorded path is
+and `dns` events are re-decided with the new policy's engine, by the code live traffic runs
+(gateway/session.py: a `tls` line of a transparent connection as its ClientHello, one of a CONNECT
+tunnel as the CONNECT; gateway/dns_answer.py; gateway/credential_checks.py), using the recorded
+host, port, scheme, method, path, header and query method overrides (`method_override`; the recorded path is
 capped, so the query overrides are judged as recorded, not only from it) and client (the client's address
 picks the sandbox, as the gateway would; the recorded `sandbox` id is used only when there is no
 client address). `request_body` lines (an override in a body) are not replayed: bodies are not logged. What the policy does not
@@ -26,12 +28,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .decision import Decision
-from .engine import ADDRESS_TYPES, NODATA_TYPES, Engine
-from .engine import check_bound_request, credential_refusal
+from .dns_answer import DnsAnswer, dns_answer, dns_question
+from .engine import Engine
+from .credential_checks import credential_verdict
 from .hostnames import Host, HostError, IPAddress, canonical_host
 from .methods import Override, described_query_overrides, parse_described
 from .placeholders import ShapeTokens
-from .session import UNCHECKED, decide_destination, decide_request
+from .session import UNCHECKED, ClientSession, decide_destination, decide_request, drive_now
 from .policy import Policy, Scope
 
 REPLAYED_EVENTS = ("request", "connect", "tls", "dns")
@@ -72,6 +75,10 @@ class Record:
     # Query method overrides the audit line recorded: the recorded path is capped at
     # gateway/audit.py's MAX_VALUE_LENGTH, so its query may no longer hold them.
     query_overrides: tuple[Override, ...] = ()
+    # A tls line: the connection's mode, the ClientHello's SNI and what a transparent sandbox dialled.
+    mode: str | None = None
+    sni: str | None = None
+    original_destination: str | None = None
 
     def describe(self) -> str:
         if self.event == "request":
@@ -190,7 +197,8 @@ def _record(source: str, number: int, raw: str) -> tuple[Record | None, str]:
         return None, "no host"
     if event != "dns" and (not isinstance(port, int) or isinstance(port, bool)):
         return None, "no port"
-    fields = {k: entry.get(k) for k in ("scheme", "method", "path", "sandbox", "client", "address", "dns_type", "rule")}
+    fields = {k: entry.get(k) for k in ("scheme", "method", "path", "sandbox", "client", "address", "dns_type", "rule",
+                                         "mode", "sni", "original_destination")}
     if any(v is not None and not isinstance(v, str) for v in fields.values()):
         return None, "malformed fields"
     if event == "request" and not (fields["scheme"] and fields["method"] and fields["path"]):
@@ -205,7 +213,7 @@ def _record(source: str, number: int, raw: str) -> tuple[Record | None, str]:
         source, number, event, host, port if event != "dns" else None, verdict, reason, fields["rule"],
         fields["scheme"], fields["method"], fields["path"], fields["sandbox"], fields["client"], fields["address"],
         fields["dns_type"], tuple(injected), tuple(parse_described(overrides)),
-        tuple(described_query_overrides(overrides)),
+        tuple(described_query_overrides(overrides)), fields["mode"], fields["sni"], fields["original_destination"],
     ), ""
 
 
@@ -259,23 +267,6 @@ def _unknown_address(record: Record, decision: Decision, answer) -> Decision:
     return decision
 
 
-def _check_addresses(engine: Engine, record: Record, host: Host, decision: Decision, port: int | None) -> Decision:
-    if host.ip is not None:
-        addresses: tuple[IPAddress, ...] = (host.ip,)
-    elif host.value in engine.policy.static_hosts:
-        addresses = engine.policy.static_hosts[host.value]
-    else:
-        addresses = _recorded_addresses(record)
-    if not addresses:
-        if record.reason == "denied_address":
-            return Decision.deny("denied_address", "address unknown: the recorded refusal stands", decision.rule)
-        return decision
-    for verdict in engine.check_addresses(addresses, port):
-        if not verdict.allowed:
-            return Decision.deny(verdict.reason, f"{host} resolves to {verdict.describe()}", decision.rule)
-    return decision
-
-
 def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
     policy = engine.policy
     scope = _scope(policy, record)
@@ -285,7 +276,7 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
         return Verdict("deny", "bad_host", None, (), str(exc)), scope
     injected: tuple[str, ...] = ()
     if record.event == "dns":
-        decision = _dns(engine, record, host, scope)
+        decision = _dns(engine, record, scope)
     elif record.event == "request":
         scheme = record.scheme.lower()
         # the live walk (gateway/session.py): for https the CONNECT is judged first, as it was
@@ -294,34 +285,57 @@ def redecide(engine: Engine, record: Record) -> tuple[Verdict, Scope]:
                                   record.headers, answer, record.query_overrides)
         decision = _unknown_address(record, decision, answer)
         rule = policy.rules_by_id.get(decision.rule or "")
-        if decision.allowed and not decision.would_deny and rule is not None:  # report mode injects nothing
-            decision = credential_refusal(rule, scheme, host) or decision
-            if decision.allowed and rule.secrets:  # the recorded path only: no headers are recorded
-                decision = check_bound_request(rule, (), record.path or "/", ShapeTokens(rule.secrets)).refusal \
-                    or decision
-            if decision.allowed:
-                injected = rule.secrets
-    else:  # connect, tls: the destination before any request
+        if rule is not None:  # the recorded path only: no headers are recorded
+            verdict = credential_verdict(rule, decision, scheme, host, (), record.path or "/",
+                                         ShapeTokens(rule.secrets))
+            decision, injected = verdict.decision, rule.secrets if verdict.inject else ()
+    elif record.event == "tls" and (dialled := _dialled(record)) is not None:
+        decision = _client_hello(engine, record, scope, host, dialled)
+    else:  # connect, and a tls line of a CONNECT tunnel (passthrough): the destination the CONNECT named
         answer = _answer(engine, record, host)
         decision = _unknown_address(record, decide_destination(engine, scope, host, record.port, answer).decision,
                                     answer)
     return Verdict(decision.verdict, decision.reason, decision.rule, injected, decision.message), scope
 
 
-def _dns(engine: Engine, record: Record, host: Host, scope: Scope) -> Decision:
-    """Engine.answer_dns without the lookup: covered names answer, others are NXDOMAIN."""
-    if host.is_ip:
-        return Decision.deny("bad_host", "an IP address is not a DNS name")
-    covering = [engine.policy.rules[i] for i in engine.policy.index.candidates(host) if scope.grants(engine.policy.rules[i])]
-    if not covering:
-        return Decision.deny("no_rule", f"no rule covers {host}")
-    rule = covering[0].id
-    query_type = (record.dns_type or "A").upper()
-    if query_type in NODATA_TYPES:
-        return Decision.allow(rule, f"{query_type} answered empty")
-    if query_type not in ADDRESS_TYPES:
-        return Decision.deny("dns_type_refused", f"{query_type} queries are refused")
-    return _check_addresses(engine, record, host, Decision.allow(rule, f"rule {rule} covers {host}"), None)
+def _dns(engine: Engine, record: Record, scope: Scope) -> Decision:
+    """The live DNS guard's decision (gateway/dns_answer.py), told the addresses replay knows."""
+    question = dns_question(engine.policy, record.host, (record.dns_type or "A").upper(), scope)
+    if isinstance(question, DnsAnswer):
+        return question.decision
+    answer = _answer(engine, record, question.host)
+    found = dns_answer(engine, question, () if answer is UNCHECKED else answer)
+    return _unknown_address(record, found.decision, answer)
+
+
+def _dialled(record: Record) -> tuple[str, int] | None:
+    """What a transparent sandbox dialled (its TLS then names the destination), from the line."""
+    if record.mode != "transparent" or not record.original_destination:
+        return None
+    address, _, port = record.original_destination.rpartition(":")  # "IP:PORT", an IPv6 IP unbracketed
+    try:
+        return ipaddress.ip_address(address.strip("[]")).compressed, int(port)
+    except ValueError:
+        return None
+
+
+def _client_hello(engine: Engine, record: Record, scope: Scope, host: Host, dialled: tuple[str, int]) -> Decision:
+    """A transparent connection's ClientHello, as the session decides it (SNI, else the dialled IP,
+    names the destination; `strict_original_destination` holds it to the name's addresses)."""
+    session = ClientSession(record.client or "replay", "transparent", _client_ip(record.client))
+    session.original_destination = dialled
+    step = drive_now(session.client_hello(record.sni, dialled, engine, scope, engine.passthrough_rule),
+                     lambda name: _answer(engine, record, name))
+    answer = _answer(engine, record, host)
+    if step.decision.reason == "original_destination_mismatch" and not _all_known(engine, host):
+        # The line recorded the one address dialled, not all the name's: a mismatch cannot be told.
+        return _unknown_address(record, decide_destination(engine, scope, host, dialled[1], answer).decision, answer)
+    return _unknown_address(record, step.decision, answer)
+
+
+def _all_known(engine: Engine, host: Host) -> bool:
+    """Whether replay knows every address of `host` (an IP, or a name in static_hosts)."""
+    return host.ip is not None or host.value in engine.policy.static_hosts
 
 
 def replay(policy: Policy, records: Iterable[Record], result: ReplayResult | None = None) -> ReplayResult:

@@ -15,7 +15,7 @@ credential there. Then it checks and states, as properties with findings:
   `rules_by_id`, each rule's secrets are exactly what its templates reference, all declared, and
   the engine's host index holds exactly the rules' host patterns (a rebuilt index is equal).
 - `https-only` (b): no bound rule reaches a scheme other than https unless it says
-  `allow_plaintext_credentials` (the loader refuses it; the engine's `credential_refusal` refuses
+  `allow_plaintext_credentials` (the loader refuses it; `credential_refusal` (gateway/credential_checks.py) refuses
   it again at request time, `plaintext_credentials`).
 - `exact-hosts-only` (c): no bound rule reaches a wildcard name or a CIDR range unless it says
   `allow_wildcard_credentials` (the loader refuses it; `credential_refusal` refuses it again,
@@ -45,7 +45,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from .credentials import Template
-from .engine import credential_refusal
+from .credential_checks import credential_refusal
 from .hostnames import Host
 from .lint import _pattern_covers
 from .matcher import HostIndex, HostPattern
@@ -71,11 +71,11 @@ ENFORCED_BY: dict[str, tuple[str, ...]] = {
                          "values and placeholder tokens for rule.secrets only",
                          "gateway/policy.py: unique rule ids; inject templates name declared secrets"),
     "https-only": ("gateway/policy.py: inject with http in schemes needs allow_plaintext_credentials",
-                   "gateway/engine.py credential_refusal: plaintext_credentials"),
+                   "gateway/credential_checks.py credential_refusal: plaintext_credentials"),
     "exact-hosts-only": ("gateway/policy.py: inject with a wildcard or CIDR host needs allow_wildcard_credentials",
-                         "gateway/engine.py credential_refusal: credential_host"),
+                         "gateway/credential_checks.py credential_refusal: credential_host"),
     "no-unbound-overlap": ("check warning bound-host-also-unbound (gateway/lint.py)",),
-    "foreign-credentials-on": ("gateway/engine.py check_bound_request: foreign_credential",),
+    "foreign-credentials-on": ("gateway/credential_checks.py check_bound_request: foreign_credential",),
     "inspected-only": ("gateway/policy.py: inject is a load error on inspect: false and protocol: tcp rules",),
 }
 

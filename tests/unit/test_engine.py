@@ -14,6 +14,7 @@ from gateway.hostnames import canonical_host
 from gateway.matcher import HostIndex, HostPattern
 from gateway.policy import compile_policy
 from gateway.resolver import ResolveError, Resolver
+from tests.support.pins import pin_of
 
 C = canonical_host
 ip = ipaddress.ip_address
@@ -234,7 +235,7 @@ def test_lower_case_method_is_upper_cased(engine):
 
 
 def pin(engine: Engine, host: str, port: int = 443):
-    return asyncio.run(engine.pin(C(host), port))
+    return pin_of(engine, C(host), port)
 
 
 def test_pin_static_host_all_addresses_checked(engine):
@@ -304,7 +305,7 @@ def test_pin_resolve_failure(policy):
             raise ResolveError(f"cannot resolve {host.value}: nope")
 
     engine = Engine.build(policy, resolver=Failing())
-    decision, result = asyncio.run(engine.pin(C("nowhere.test"), 443))
+    decision, result = pin_of(engine, C("nowhere.test"), 443)
     assert result is None
     assert decision == Decision(False, "resolve_failed", "cannot resolve nowhere.test: nope", None, [])
     assert decision.status == 502

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from gateway.engine import Engine, RequestFacts
 from gateway.hostnames import canonical_host, ip_host
-from gateway.policy import compile_policy
+from gateway.policy import EVERY_RULE, compile_policy
+from gateway.session import ClientSession, drive
 from gateway.revocation import KINDS, PASSTHROUGH_WITHDRAWN, Established, rejudge, revocation
+from tests.support.pins import pin_of
 
 ip = ipaddress.ip_address
 C = canonical_host
@@ -54,7 +56,7 @@ def engine_of(*ids: str, extra: str = "") -> Engine:
 
 
 def pinned(engine: Engine, host: str, port: int = 443):
-    decision, pin = asyncio.run(engine.pin(C(host), port))
+    decision, pin = pin_of(engine, C(host), port)
     assert pin is not None, decision
     return pin
 
@@ -202,7 +204,10 @@ subsets = st.lists(st.sampled_from(RULE_IDS), unique=True)
 def _established(engine: Engine, host: str, port: int, kind: str, path: str):
     """What a new connection would establish under `engine`, or None if it is refused (exactly as
     the guards decide: check_destination / check_request, then the pinned addresses)."""
-    decision, pin = asyncio.run(engine.admit(engine.check_destination(C(host), port), C(host), port))
+    session = ClientSession("10.0.0.2:1", "regular")
+    step = asyncio.run(drive(session.connect(C(host).authority(port), engine, EVERY_RULE), engine.resolved,
+                             lambda established: None))
+    decision, pin = step.decision, step.pin
     if pin is None or not decision.allowed:
         return None
     if kind == "passthrough":

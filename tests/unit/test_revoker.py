@@ -14,10 +14,10 @@ from addons.revocation import Revoker
 from addons.state import GatewayState
 from gateway.decision import Decision
 from gateway.engine import Engine
-from gateway.hostnames import canonical_host
 from gateway.policy import compile_policy
 from gateway.revocation import Established
 from gateway.session import Step
+from tests.support.pins import pin_of
 
 POLICY = """\
 version: 1
@@ -48,7 +48,7 @@ class World:
     def open(self, client_id: str, host: str, kind: str = "tunnel", rule: str = "a"):
         conn = self.state.connection(client_id, ("10.0.0.9", 40000 + len(self.state.connections)))
         current = self.state.engine
-        _, pin = asyncio.run(current.pin(canonical_host(host), 443))
+        _, pin = pin_of(current, host)
         conn.commit(Step(Decision.allow(rule, "test"), pin))
         conn.admit(pin.address.compressed, 443, host)
         self.state.establish(client_id, conn, Established(kind, pin, rule, conn.address, current.generation))
@@ -108,12 +108,12 @@ def test_a_connection_decided_under_a_replaced_engine_is_judged_at_once():
     old = world.state.engine
     world.state.install(engine(B))
     conn = world.state.connection("late", ("10.0.0.9", 50000))
-    _, pin = asyncio.run(old.pin(canonical_host("a.test"), 443))
+    _, pin = pin_of(old, "a.test")
     world.state.establish("late", conn, Established("tunnel", pin, "a", conn.address, old.generation))
     assert world.closed == ["late"] and conn.poisoned is not None
     # decided under the current engine: not judged twice
     ok = world.state.connection("fresh", ("10.0.0.9", 50001))
-    _, pin_b = asyncio.run(world.state.engine.pin(canonical_host("b.test"), 443))
+    _, pin_b = pin_of(world.state.engine, "b.test")
     world.state.establish("fresh", ok, Established("tunnel", pin_b, "b", ok.address, world.state.engine.generation))
     assert world.closed == ["late"]
 
