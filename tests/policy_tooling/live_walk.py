@@ -196,7 +196,8 @@ class Live:
                               address=step.pin.address.compressed if step.pin else None, sni=sni, ech=False)
         else:
             self.session.commit(step)
-            passthrough.record(self.state, self.session, step.pin, sni, [], None)
+            # the line TlsGuard._passthrough writes for a hello that passes its checks (no hello is drawn here)
+            passthrough.record(self.state, self.session, step, sni, [])
         return step.decision
 
     def dns(self, name: str, query_type: str):

@@ -74,6 +74,8 @@ def test_replayed_under_another_policy_a_request_gets_what_live_traffic_gets_the
     recorded.request(scheme, host, port, path, method, headers)
     now.request(scheme, host, port, path, method, headers)
     assume(not _unresolved(now))
+    # what the line does not keep (headers, a query's placeholder) cannot be judged again: replay's blind spot
+    assume(not any(line["reason"] in HEADER_REASONS for line in now.lines))
     by_event = {line["event"]: line for line in now.lines}
     # a request line is re-decided as the whole walk: under the new policy its CONNECT may be what refuses it
     _replay(after, recorded.lines, lambda line: _verdict(by_event.get(line["event"], now.lines[-1])))
