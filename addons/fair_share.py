@@ -27,6 +27,7 @@ callbacks keep their order, and each sandbox has one load for all its connection
 from __future__ import annotations
 
 import asyncio
+import selectors
 import contextvars
 import itertools
 import logging
@@ -199,6 +200,7 @@ def _lighter_ready(ready, handler, key, load: float) -> bool:
 
 
 DEFERRED = "_egress_deferred"  # a selector loop's callbacks set aside until its next poll (`_defer`)
+DEFERRED_IDS = "_egress_deferred_ids"  # ... and their ids: a handle is set aside once
 
 
 def _next_poll() -> None:
@@ -214,7 +216,30 @@ def _defer(handle) -> None:
     deferred = loop.__dict__.setdefault(DEFERRED, [])
     if not deferred:
         loop.call_soon(_next_poll)  # (in the loop's own context: never set aside itself)
+        loop.__dict__[DEFERRED_IDS] = set()
+    ids = loop.__dict__[DEFERRED_IDS]
+    if id(handle) in ids:
+        return  # a socket's reader, made ready again by a poll while it waited: once is enough
+    ids.add(id(handle))
     deferred.append(handle)
+
+
+def _without_queued_readers(event_list, queued_ids):
+    """The poll's events, less the reads whose callback is already back in the ready queue: a socket
+    whose reader waited is reported readable at every poll until it is read, and each report
+    queued the same callback once more (each copy looked at again, at every poll, while its
+    sandbox waited)."""
+    if not queued_ids:
+        return event_list
+    kept = []
+    for key, mask in event_list:
+        reader = key.data[0] if key.data else None
+        if mask & selectors.EVENT_READ and reader is not None and id(reader) in queued_ids:
+            mask &= ~selectors.EVENT_READ
+            if not mask:
+                continue
+        kept.append((key, mask))
+    return kept
 
 
 def _client_transport(handler):
@@ -370,6 +395,7 @@ def install(state) -> None:
         if deferred:  # back at the front: before all that was made ready since they were set aside
             self._ready.extendleft(reversed(deferred))
             deferred.clear()
+            event_list = _without_queued_readers(event_list, self.__dict__.get(DEFERRED_IDS) or ())
         return process_events(self, event_list)
 
     async def turn(self, may_slice: bool = True) -> None:
