@@ -41,6 +41,10 @@ from .refusals import REFUSAL_ATTR, OnRefusal, _report, protocol_error_decision
 
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
 HOLD_BODY = "egress_hold_body"  # flow.metadata key: the body is buffered, never streamed (set by addons/body_checks.py)
+# A response head charged at most this is held even past the budget: the request already went
+# upstream (it may have acted), so an ordinary answer is not refused because the sandbox's other
+# buffers fill its budget just then (~15 fields; its next requests then find no room instead).
+RESPONSE_HEAD_GRACE = 8 * 1024
 QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
 _TRAILERS_OVER_BUDGET = Decision.deny("buffer_budget", "holding this request's trailers for as long as its stream "
                                                       "lasts would pass the connection's or the sandbox's buffer "
@@ -178,16 +182,21 @@ class GatewayHttpStream(HttpStream):
         size = len(request.data.method) + len(request.data.authority) + len(request.data.path)
         return self._charge_fields(request.data.headers.fields, size)
 
-    def _charge_fields(self, fields, size: int = 0) -> bool:
+    def _charge_fields(self, fields, size: int = 0, grace: int = 0) -> bool:
         """Charge a head's or a trailer section's fields (and `size` more bytes of its own) to the
-        stream's head account, for as long as the stream lasts; False if over budget."""
+        stream's head account, for as long as the stream lasts; False if over budget. A charge of
+        at most `grace` is held even past the budget (new buffers then find no room)."""
         if self._head_account is None:
             account = self._new_account()
             if account is None:
                 return True
             self._head_account = account
         size += sum(len(name) + len(value) for name, value in fields)
-        return self._head_account.reserve(head_cost(size, len(fields)))
+        cost = head_cost(size, len(fields))
+        if cost <= grace:
+            self._head_account.hold(cost)
+            return True
+        return self._head_account.reserve(cost)
 
     def _charge_trailers(self, event: RequestTrailers) -> bool:
         """The request's trailers, kept on the flow like its head; charged once."""
@@ -575,7 +584,8 @@ class GatewayHttpStream(HttpStream):
         if isinstance(event, ResponseHeaders):
             response = event.response
             if not self._charge_fields(response.data.headers.fields,
-                                       len(response.data.http_version) + len(response.data.reason)):
+                                       len(response.data.http_version) + len(response.data.reason),
+                                       grace=RESPONSE_HEAD_GRACE):
                 return (yield from self._refuse_response_part("head", status_sent=True))
         return (yield from super().state_wait_for_response_headers(event))
 
