@@ -26,6 +26,18 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def terminate(process: subprocess.Popen, grace: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Stop a child the way the gateway is meant to stop (SIGTERM: it drains), killed if it takes
+    longer than `grace` seconds."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
 @dataclass
 class GatewayProcess:
     policy: Path | None
@@ -81,13 +93,7 @@ class GatewayProcess:
     def stop(self) -> int | None:
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)
         self._log.close()
         return self.process.returncode
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lib.gateway_process import terminate
 from lib.log import BenchError
 
 
@@ -87,13 +88,7 @@ class Service:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(self.stop_signal)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate(self.proc, grace=20, sig=self.stop_signal)
         self._log.close()
 
     def tail(self, lines: int = 30) -> str:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.lib.gateway_process import terminate
 from tests.support.waiting import wait_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -99,13 +99,7 @@ class GatewayProcess:
     def stop(self) -> int | None:
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        terminate(self.process)
         self._log.close()
         return self.process.returncode
 
