@@ -19,6 +19,7 @@ from gateway import bodies, methods
 from gateway.decision import Decision
 from gateway.decompress import REQUEST_LIMIT, request_decoder
 from gateway.engine import Engine, Pin, body_override_refusal
+from gateway.identity import scope_of
 
 from .audit_fields import decision_fields
 from .http_stream import HOLD_BODY
@@ -86,7 +87,8 @@ def _override_check(state: GatewayState, flow: http.HTTPFlow, decision: Decision
         current, current_rule = state.engine or engine, rule
         if current is not engine and facts is not None:
             conn = state.connections.get(client)
-            head = current.check_request(facts, current.policy.scope_for(conn.address if conn else None))
+            scope = scope_of(current.policy, conn.address, conn.identity) if conn else current.policy.scope_for(None)
+            head = current.check_request(facts, scope)
             if not head.allowed:
                 judged_by[0] = current
                 return head

@@ -133,7 +133,7 @@ class Limiter:
         sandbox = scope.sandbox
         rule = policy.rules_by_id.get(rule_id or "")
         sets = []
-        own = policy.sandbox_limits(sandbox)
+        own = policy.sandbox_limits(scope.profile)
         if own:
             sets.append((own, ("sandbox", sandbox, None)))
         if rule is not None and rule.limits:

@@ -29,6 +29,7 @@ from mitmproxy import ctx, http
 
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine
+from gateway.identity import scope_of
 from gateway.revocation import Established, failure, rejudge, revocation
 
 from .audit_fields import connection_fields
@@ -185,7 +186,7 @@ class Revoker:
                 judged.append(established)
                 continue
             try:
-                decision = rejudge(engine, established)
+                decision = rejudge(engine, established, scope_of(engine.policy, conn.address, conn.identity))
             except Exception:
                 logger.exception("egress gateway: judging an open connection failed; it is closed")
                 decision = failure(established)
@@ -220,7 +221,7 @@ class Revoker:
         verdict (`revoked`, deny or would_deny) and `cause`, the new policy's reason code."""
         pin = established.pin
         request = request or established.request
-        fields = connection_fields(conn, engine.policy.scope_for(conn.address).sandbox)
+        fields = connection_fields(conn, scope_of(engine.policy, conn.address, conn.identity).sandbox)
         fields |= verdict_fields(revocation(established, decision), status_sent=False)
         fields |= {
             "host": pin.host.value, "port": pin.port, "address": pin.address.compressed,

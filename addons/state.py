@@ -17,6 +17,7 @@ from gateway.decision import Decision
 from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine
 from gateway.hostnames import IPAddress
+from gateway.identity import scope_of
 from gateway.policy import Scope
 from gateway.redact import Redactor, SecretMemory
 from gateway.revocation import Established
@@ -179,8 +180,11 @@ class GatewayState:
 
     def scope(self, conn: ClientSession | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a
-        reloaded policy applies at once)."""
-        return self.require_engine().policy.scope_for(conn.address if conn else None)
+        reloaded policy applies at once): by its identity if it proved one, else by its address."""
+        policy = self.require_engine().policy
+        if conn is None:
+            return policy.scope_for(None)
+        return scope_of(policy, conn.address, conn.identity)
 
     def forget(self, client_id: str) -> None:
         self.connections.pop(client_id, None)

@@ -117,7 +117,7 @@ def applied_limits(policy: Policy, scope: Scope, rule: Rule | None, injected: Se
     out: list[AppliedLimit] = []
     who = f"sandbox {scope.sandbox}" if scope.sandbox else "all clients (no sandboxes section)"
     if scope.sandbox is not None:
-        for key, value in policy.sandbox_limits(scope.sandbox).items():
+        for key, value in policy.sandbox_limits(scope.profile).items():
             if key == "requests_per_credential_per_minute":
                 for secret in injected:
                     out.append(AppliedLimit(f"sandbox {scope.sandbox}", key, value,

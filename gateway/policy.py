@@ -152,8 +152,9 @@ class Sandbox:
 class Scope:
     """Which rules a client may use: all of them (no `sandboxes` section) or one sandbox's."""
 
-    sandbox: str | None
+    sandbox: str | None  # the id the audit line names (a static entry's id, a token's or registration's)
     rule_ids: frozenset[str] | None  # None: every rule
+    profile: str | None = None  # the `sandboxes:` entry whose limits apply (None: no entry)
 
     def grants(self, rule: Rule) -> bool:
         return self.rule_ids is None or rule.id in self.rule_ids
@@ -183,7 +184,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         self.rules_by_id = {r.id: r for r in self.rules}
-        self._scopes = {s.id: Scope(s.id, s.rule_ids) for s in self.sandboxes or ()}
+        self._scopes = {s.id: Scope(s.id, s.rule_ids, s.id) for s in self.sandboxes or ()}
         self.sandboxes_by_id = {s.id: s for s in self.sandboxes or ()}
 
     def sandbox_limits(self, sandbox_id: str | None) -> Limits:

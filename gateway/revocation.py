@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from .decision import Decision
 from .engine import Engine, Pin, RequestFacts
 from .hostnames import IPAddress
+from .policy import Scope
 
 KINDS = ("tunnel", "http", "passthrough", "tcp", "websocket", "request")
 
@@ -65,10 +66,13 @@ class Established:
             raise ValueError(f"a {self.kind} needs its request")
 
 
-def rejudge(engine: Engine, established: Established) -> Decision:
+def rejudge(engine: Engine, established: Established, scope: Scope | None = None) -> Decision:
     """The decision a new connection like `established` would get from `engine` now: allowed (maybe
-    `would_deny`, report mode) or refused, with the refusal's reason code. Pure: no I/O, no clock."""
-    scope = engine.policy.scope_for(established.client)
+    `would_deny`, report mode) or refused, with the refusal's reason code. `scope`: the connection's
+    rules under `engine` (gateway/identity.py `scope_of`); by default, its source address's. Pure:
+    no I/O, no clock."""
+    if scope is None:
+        scope = engine.policy.scope_for(established.client)
     pin = established.pin
     if established.kind == "tcp":
         return engine.tcp_decision(pin.address, pin.port, established.names, scope)

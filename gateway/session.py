@@ -37,6 +37,7 @@ from .clienthello import check_passthrough_hello
 from .decision import Decision
 from .engine import Engine, Pin, RequestFacts
 from .hostnames import Host, HostError, IPAddress, canonical_host, ip_host, parse_authority
+from .identity import Identity
 from .policy import Rule, Scope
 from .requestcheck import DEFAULT_PORTS, check_headers, check_restated
 from .resolver import ResolveError
@@ -122,7 +123,8 @@ class ClientSession:
 
     client: str
     mode: str
-    address: IPAddress | None = None  # the client's IP: names its sandbox
+    address: IPAddress | None = None  # the client's IP: names its sandbox, unless `identity` does
+    identity: Identity | None = None  # who the connection proved it is (gateway/identity.py), once set
     tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
     # The rule that allowed the tunnel's destination, when it is a passthrough (inspect: false) rule:
     # the connection is relayed unread once its ClientHello passes (addons/passthrough.py).
@@ -152,6 +154,11 @@ class ClientSession:
         (audit lines, `strict_original_destination`, raw TCP rules); never dialled for a name."""
         if self.original_destination is None:
             self.original_destination = dialled
+
+    def identify(self, identity: Identity) -> None:
+        """The connection proved who it is: every later decision on it is judged as `identity`
+        (gateway/identity.py `scope_of`)."""
+        self.identity = identity
 
     def admit(self, address: str, port: int, server_name: str | None) -> None:
         """A request (or relay) passed every check, and was audited: the upstream guard may now open

@@ -1,0 +1,41 @@
+"""Who a client connection is: the one place that turns a connection into the rules it may use.
+
+Today a client is named by its source address alone (the policy's static `sandboxes:` table). A
+connection may instead carry an `Identity` established by something stronger than its address (a
+verified token, a registration from the platform); once set on the `ClientSession` it names the
+sandbox for every later decision on that connection. Its `profile` is an entry of `sandboxes:`: the
+envelope of rules and limits the policy file grants. An identity selects and may narrow that
+envelope, never widen it.
+
+Every decision asks `scope_of`, so live traffic, revocation and the audit agree on who is asking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hostnames import IPAddress
+from .policy import NO_RULE, Policy, Scope
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A connection's sandbox, established beyond its source address."""
+
+    sandbox: str  # the id the audit names (a token's subject, a registration's id)
+    profile: str  # the `sandboxes:` entry whose rules and limits apply
+    via: str  # how it was established ("token", "registration"): audit and metrics
+    rule_ids: frozenset[str] | None = None  # a narrowing of the profile's rules (None: all of them)
+
+
+def scope_of(policy: Policy, address: IPAddress | None, identity: Identity | None = None) -> Scope:
+    """The rules a connection may use under `policy`: its identity's profile (narrowed, never
+    widened), else the static table by source address. A profile the policy no longer has (a
+    reload removed it) grants no rule."""
+    if identity is None:
+        return policy.scope_for(address)
+    entry = policy.sandboxes_by_id.get(identity.profile) if policy.sandboxes is not None else None
+    if entry is None:
+        return Scope(identity.sandbox, NO_RULE.rule_ids, None)
+    rules = entry.rule_ids if identity.rule_ids is None else entry.rule_ids & identity.rule_ids
+    return Scope(identity.sandbox, rules, entry.id)
