@@ -797,8 +797,6 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
                 elif sandbox_id is not None:
                     seen_ranges[network] = sandbox_id
                     sources.add(network, sandbox_id)
-        elif sandbox_id is not None and sandbox_id != DEFAULT_SANDBOX_ID:
-            v.error(item, path, "missing required key 'source_ips' (only the 'default' sandbox may omit it)")
         granted: set[str] = set()
         if "rules" in fields:
             for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or []):

@@ -24,6 +24,8 @@ POLICY = compile_policy(textwrap.dedent(
         source_ips: [10.8.0.0/16]
         rules: [a, b]
         limits: {requests_per_minute: 10}
+      - id: agent
+        rules: [b]
       - id: default
         rules: [c]
     """), "identity.yaml")
@@ -52,3 +54,8 @@ def test_an_identity_narrows_its_profile_and_never_widens_it(narrowed):
     assert scope.rule_ids <= frozenset({"a", "b"})
     if narrowed is not None:
         assert scope.rule_ids <= narrowed
+
+
+def test_an_entry_without_source_ips_is_a_profile_no_address_selects():
+    assert scope_of(POLICY, ipaddress.ip_address("10.9.9.9")).sandbox == "default"
+    assert scope_of(POLICY, None, Identity("t", "agent", "token")).rule_ids == frozenset({"b"})

@@ -159,7 +159,7 @@ def test_dns_memory_expires_and_is_bounded():
         ("rules:\n  - id: t\n    protocol: udp\n    hosts: [1.2.3.4]\n", "rules[0].protocol: 'udp'"),
         ("rules:\n  - id: t\n    protocol: tcp\n    hosts: ['*.x.test']\n    ports: [22]\n", "wildcards are not allowed"),
         ("sandboxes:\n  - id: s\n    source_ips: [10.0.0.0/8]\n    rules: [nope]\nrules: []\n", "sandboxes[0].rules[0]: 'nope': no rule has this id"),
-        ("sandboxes:\n  - id: s\n    rules: []\nrules: []\n", "missing required key 'source_ips'"),
+        ("sandboxes:\n  - id: s\n    source_ips: []\n    rules: [nope]\nrules: []\n", "sandboxes[0].rules[0]: 'nope'"),
         ("sandboxes:\n  - id: s\n    source_ips: [10.0.0.0/8]\n    rules: []\n  - id: s\n    source_ips: [11.0.0.0/8]\n    rules: []\nrules: []\n",
          "duplicate sandbox id 's'"),
         ("sandboxes:\n  - id: s\n    source_ips: [10.0.0.0/8]\n    rules: []\n  - id: t\n    source_ips: [10.0.0.0/8]\n    rules: []\nrules: []\n",
