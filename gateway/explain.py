@@ -29,7 +29,7 @@ from .paths import PathError, normalise_path
 from .placeholders import ShapeTokens
 from .policy import DEFAULT_PORTS, LIMIT_KEYS, Policy, Rule, Scope
 from .resolver import ResolveError
-from .session import UNCHECKED, decide_request
+from .session import UNCHECKED, decide_raw_tcp, decide_request
 
 Resolve = Callable[[Host], Sequence[IPAddress]]  # raises ResolveError
 
@@ -271,7 +271,9 @@ def explain(
     notes: list[str] = []
     if target.scheme == "tcp":
         policy_decision, candidates, path = _tcp(engine, policy, host, port, found, scope)
-        decision = _address_verdict(policy_decision, host, verdicts, resolve_error)
+        # The live walk (gateway/session.py raw_tcp) on the address the sandbox would dial.
+        decision = policy_decision if not found else decide_raw_tcp(
+            engine, scope, found[0], port, () if host.is_ip else (host.value,))
     else:
         # The live walk itself (gateway/session.py), as a sandbox sends this request: once as if every
         # address passed (the rules' verdict), once with the addresses explain has.
@@ -339,20 +341,6 @@ def explain(
     return Explanation(target, method, scope, scope_text, policy_decision, decision, candidates, path,
                        resolution, verdicts, resolve_error, credentials, mode, notes, tuple(headers), overrides,
                        limits)
-
-
-def _address_verdict(decision: Decision, host: Host, verdicts: list[AddressVerdict],
-                     resolve_error: str | None) -> Decision:
-    """tcp://: the rules' decision, unless an address (or the lookup) refuses it."""
-    if not decision.allowed:
-        return decision
-    refused = [v for v in verdicts if not v.allowed]
-    if resolve_error is not None:
-        return Decision.deny("resolve_failed", resolve_error, decision.rule)
-    if refused:
-        return Decision.deny(refused[0].reason, f"{host} resolves to {refused[0].describe()}",
-                             decision.rule, [v.describe() for v in verdicts])
-    return decision
 
 
 def _resolve(policy: Policy, host: Host, given: Sequence[IPAddress] | None, resolve: Resolve | None):

@@ -533,3 +533,11 @@ def decide_request(engine: Engine, scope: Scope, scheme: str, host: Host, port: 
         head = RequestHead(method, scheme, target, "HTTP/1.1", fields, authority, authority, "absolute",
                            recorded=recorded)
     return drive_now(session.request_head(head, engine, scope), lambda name: answer).decision
+
+
+def decide_raw_tcp(engine: Engine, scope: Scope, address: IPAddress, port: int, names: Collection[str] = ()) -> Decision:
+    """The decision live traffic gets for bytes that are neither TLS nor HTTP, sent in transparent
+    mode to address:port, with `names` the gateway's DNS answered with that address."""
+    session = ClientSession("offline", "transparent")
+    session.set_original((address.compressed, port))
+    return session.raw_tcp(engine, scope, lambda dialled: names).decision
