@@ -30,7 +30,7 @@ from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
 from .placeholders import NO_POSITIONS, Positions
 from .ratelimit import parse_size
-from .refusal_page import DEFAULT_STYLE, FORMATS, MessageTemplate, RefusalStyle, TemplateError
+from .refusal_page import DEFAULT_STYLE, FORMATS, MessageTemplate, MessageTemplateError, RefusalStyle
 from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
 
 SCHEMES = ("http", "https")
@@ -650,7 +650,7 @@ def _refusals(v: _Validator, node: Node) -> RefusalStyle:
         if text is not None:
             try:
                 template = MessageTemplate.parse(text)
-            except TemplateError as exc:
+            except MessageTemplateError as exc:
                 v.error(fields["message"], "refusals.message", str(exc))
     style = "text"
     if "format" in fields:

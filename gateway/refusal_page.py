@@ -52,7 +52,7 @@ _UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 REPLACEMENT = "\ufffd"
 
 
-class TemplateError(ValueError):
+class MessageTemplateError(ValueError):
     """A message template that cannot be compiled (the policy loader reports it at its key)."""
 
 
@@ -76,13 +76,13 @@ class MessageTemplate:
 
     @classmethod
     def parse(cls, text: str) -> "MessageTemplate":
-        """`{name}` for a placeholder, `{{` and `}}` for literal braces; raises TemplateError."""
+        """`{name}` for a placeholder, `{{` and `}}` for literal braces; raises MessageTemplateError."""
         if not text:
-            raise TemplateError("must not be empty")
+            raise MessageTemplateError("must not be empty")
         if len(text) > MAX_TEMPLATE_CHARS:
-            raise TemplateError(f"is {len(text)} characters long, more than {MAX_TEMPLATE_CHARS}")
+            raise MessageTemplateError(f"is {len(text)} characters long, more than {MAX_TEMPLATE_CHARS}")
         if (bad := _TEMPLATE_FORBIDDEN.search(text)) is not None:
-            raise TemplateError(f"contains the control character U+{ord(bad.group()):04X} at offset {bad.start()} "
+            raise MessageTemplateError(f"contains the control character U+{ord(bad.group()):04X} at offset {bad.start()} "
                                 "(a message is one line of printable text)")
         parts: list[tuple[bool, str]] = []
         literal: list[str] = []
@@ -96,10 +96,10 @@ class MessageTemplate:
                 continue
             name = match.group(1)
             if name is None:
-                raise TemplateError(f"unmatched {token!r} at offset {match.start()} (write {token * 2} for a literal one)")
+                raise MessageTemplateError(f"unmatched {token!r} at offset {match.start()} (write {token * 2} for a literal one)")
             if name not in PLACEHOLDERS:
                 allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
-                raise TemplateError(f"unknown placeholder {token} (allowed: {allowed})")
+                raise MessageTemplateError(f"unknown placeholder {token} (allowed: {allowed})")
             if literal:
                 parts.append((False, "".join(literal)))
                 literal = []
