@@ -14,7 +14,7 @@ from gateway.session import Step
 
 from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .failclosed import fail_closed
-from .respond import refuse
+from .respond import flow_page, refuse
 from .session_driver import drive
 from . import passthrough
 from .state import GatewayState
@@ -22,7 +22,7 @@ from .state import GatewayState
 
 def _deny_on_error(self: "ConnectGuard", flow: http.HTTPFlow, error: Exception) -> None:
     decision = Decision.deny("internal_error", "the gateway failed while deciding this CONNECT")
-    refuse(flow, decision)
+    refuse(flow, decision, flow_page(self.state, flow, decision))
     self.state.record(event="connect", **fallback_fields(self.state, flow.client_conn), **verdict_fields(decision))
 
 
@@ -45,7 +45,7 @@ class ConnectGuard:
         fields["path"] = None
         self.state.record(event="connect", **fields)
         if not step.admitted:
-            refuse(flow, step.decision)
+            refuse(flow, step.decision, flow_page(self.state, flow, step.decision, step.host))
             return
         flow.request.data.host = str(step.pin.address)
         flow.request.data.port = step.pin.port
@@ -54,4 +54,4 @@ class ConnectGuard:
         if step.establish is not None:
             self.state.establish(flow.client_conn.id, session, step.establish)
         if session.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
-            refuse(flow, session.poisoned)
+            refuse(flow, session.poisoned, flow_page(self.state, flow, session.poisoned))

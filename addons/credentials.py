@@ -37,7 +37,7 @@ from gateway.streaming import Plan, codings, response_plan
 from . import decode_pool, fair_share
 from .audit_fields import connection_fields
 from .failclosed import QuietAuditFailures, fail_closed
-from .respond import replace_response
+from .respond import flow_page, refusal_headers, replace_response
 from .state import GatewayState
 
 BOUND = "egress_bound"  # flow.metadata key: names of the secrets this request carried
@@ -380,7 +380,7 @@ class ResponseRedactor:
             self._count(flow, hits, where)
 
     def _refuse_body(self, flow: http.HTTPFlow, decision: Decision) -> None:
-        replace_response(flow.response, decision)
+        replace_response(flow.response, decision, flow_page(self.state, flow, decision))
         self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
                           host=flow.request.pretty_host)
 
@@ -441,7 +441,8 @@ class ResponseRedactor:
             flow.request.trailers = None
 
     def _refuse_buffered(self, flow: http.HTTPFlow, decision: Decision) -> None:
-        flow.response = http.Response.make(decision.status, decision.body(), {"X-Egress-Reason": decision.reason})
+        page = flow_page(self.state, flow, decision)
+        flow.response = http.Response.make(decision.status, page.body, refusal_headers(decision, page.content_type))
         self.state.record(event="response", **self._where(flow), **verdict_fields(decision),
                           host=flow.request.pretty_host)
 

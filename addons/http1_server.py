@@ -27,7 +27,7 @@ from gateway.options import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
 from . import frame_limits
 from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood, TooManyFields, max_header_fields
-from .respond import raw_http_refusal
+from .respond import PageFor, accept_of, default_page, raw_http_refusal
 from .refusals import REFUSAL_ATTR, _ERROR_REASONS, OnRefusal, _report, _too_many_fields, protocol_error_decision
 
 PIPELINE_HEADS = 2  # bytes sent ahead of a response (HTTP/1 pipelining) are bounded by this many max heads
@@ -59,8 +59,9 @@ def _classify_bad_head(head: list[bytes], error: ValueError) -> Decision:
 class GatewayHttp1Server(ServerFraming, Http1Server):
     def __init__(self, context, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
                  head_timeout: float = DEFAULT_HEAD_TIMEOUT, sandbox: str | None = None, streams: dict | None = None,
-                 account: Account | None = None):
+                 account: Account | None = None, page_for: PageFor | None = None):
         super().__init__(context)
+        self.page_for = page_for  # how the policy words a refusal (None: the default text body)
         self._unparsed_account = account  # the bytes read and not parsed yet (buffer budget)
         self.on_refusal = on_refusal
         self._take_small = functools.partial(frame_limits.take, sandbox or "unknown")
@@ -74,9 +75,16 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
 
     def _refuse(self, decision: Decision, request=None, method: str | None = None) -> layer.CommandGenerator[None]:
         decision = _report(self.on_refusal, self.context, decision, request, method)
-        yield commands.SendData(self.conn, raw_http_refusal(decision))
+        yield commands.SendData(self.conn, self._refusal(decision, request))
         yield commands.CloseConnection(self.conn)
         self.state = self.done
+
+    def _refusal(self, decision: Decision, request) -> bytes:
+        """The refusal's bytes, worded as the policy says for this request (its Accept header, when
+        its head was parsed)."""
+        accept = accept_of(request)
+        page = self.page_for(self.context, decision, accept) if self.page_for is not None else default_page(decision)
+        return raw_http_refusal(decision, page)
 
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.Wakeup):
@@ -138,7 +146,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         decision = _report(self.on_refusal, self.context, decision, self.request,
                            status_sent=self.response is None)
         if self.response is None and self.conn.state & ConnectionState.CAN_WRITE:
-            yield commands.SendData(self.conn, raw_http_refusal(decision))
+            yield commands.SendData(self.conn, self._refusal(decision, self.request))
         yield commands.CloseConnection(self.conn)
         self.state = self.done
         self.buf = ReceiveBuffer()
@@ -253,7 +261,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
                 decision = _report(self.on_refusal, self.context, protocol_error_decision(event), self.request)
             if decision is not None and event.code.http_status_code() is not None:
                 if self.conn.state & ConnectionState.CAN_WRITE:
-                    yield commands.SendData(self.conn, raw_http_refusal(decision))
+                    yield commands.SendData(self.conn, self._refusal(decision, self.request))
                     yield commands.CloseConnection(self.conn)
                 return
         yield from super().send(event)

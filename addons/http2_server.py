@@ -31,7 +31,7 @@ from gateway.budget import Account
 from gateway.decision import Decision
 
 from . import frame_limits, h2_backpressure, h2_limits
-from .respond import COUNTS_AS_RESET, refusal_headers
+from .respond import COUNTS_AS_RESET, PageFor, accept_of, default_page, refusal_headers
 from .refusals import REFUSAL_ATTR, _ERROR_REASONS, OnRefusal, _report, _too_many_fields, protocol_error_decision
 from .refusal_layers import in_tunnel
 
@@ -77,8 +77,9 @@ class GatewayHttp2Server(Http2Server):
     STEP_SECONDS = 0.001
 
     def __init__(self, context, on_refusal: OnRefusal, streams: dict | None = None, sandbox: str | None = None,
-                 account: Account | None = None):
+                 account: Account | None = None, page_for: PageFor | None = None):
         super().__init__(context)
+        self.page_for = page_for  # how the policy words a refusal (None: the default text body)
         self._sandbox = sandbox  # what waits for this client's window is summed per sandbox too
         self._frames_account = account  # the incomplete frame and header block held (buffer budget)
         self.on_refusal = on_refusal
@@ -310,7 +311,8 @@ class GatewayHttp2Server(Http2Server):
         head = (b":method", b"HEAD") in event.headers
         if head:
             self._head_requests.add(event.stream_id)
-        self._send_refusal(event.stream_id, decision)
+        accept = b", ".join(bytes(v) for k, v in event.headers if bytes(k).lower() == b"accept")
+        self._send_refusal(event.stream_id, decision, accept.decode("latin-1") or None)
         self._head_requests.discard(event.stream_id)
         if not self.is_closed(event.stream_id):
             self.h2_conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)  # RFC 9113 8.1
@@ -390,7 +392,7 @@ class GatewayHttp2Server(Http2Server):
         decision = yield from self._audit(decision, request)
         stream = self.h2_conn.streams.get(stream_id)
         if self.is_open_for_us(stream_id) and stream is not None and not stream.state_machine.headers_sent:
-            self._send_refusal(stream_id, decision)
+            self._send_refusal(stream_id, decision, accept_of(request))
         if not self.is_closed(stream_id):
             self.h2_conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)  # stop sending the body
         yield commands.SendData(self.conn, self.h2_conn.data_to_send())
@@ -468,10 +470,11 @@ class GatewayHttp2Server(Http2Server):
 
     # --- answers in the gateway's format --------------------------------------------------------
 
-    def _send_refusal(self, stream_id: int, decision: Decision) -> None:
-        body = decision.body().encode()
+    def _send_refusal(self, stream_id: int, decision: Decision, accept: str | None = None) -> None:
+        page = self.page_for(self.context, decision, accept) if self.page_for is not None else default_page(decision)
+        body = page.body
         headers = [(b":status", b"%d" % decision.status)]
-        headers += [(k.lower().encode(), v.encode()) for k, v in refusal_headers(decision).items()]
+        headers += [(k.lower().encode(), v.encode()) for k, v in refusal_headers(decision, page.content_type).items()]
         headers.append((b"content-length", b"%d" % len(body)))
         if stream_id in self._head_requests:
             self.h2_conn.send_headers(stream_id, headers, end_stream=True)
@@ -486,7 +489,8 @@ class GatewayHttp2Server(Http2Server):
             decision = getattr(event, REFUSAL_ATTR, None)  # a refusal the gateway decided and audited itself
             if decision is None:
                 decision = _report(self.on_refusal, self.context, protocol_error_decision(event))
-            self._send_refusal(event.stream_id, decision)
+            flow = getattr(self._streams.get(event.stream_id), "flow", None)
+            self._send_refusal(event.stream_id, decision, accept_of(getattr(flow, "request", None)))
             yield commands.SendData(self.conn, self.h2_conn.data_to_send())
             if decision.reason == "buffer_budget":
                 # A stream refused before any hook took a token (a head over the budget): a

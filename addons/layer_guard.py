@@ -41,6 +41,7 @@ from .http_stream import BodyLimits
 from .layers import GatewayHttpLayer, GatewayTcpLayer, TargetFormHttpLayer
 from .options import declare
 from .refusal_layers import TLS_ALERT_HANDSHAKE_FAILURE, HoldLayer, RefusalLayer
+from .respond import page_for
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -185,7 +186,8 @@ class LayerGuard:
         elif kind == OTHER:
             self._refuse(nextlayer, "non_http", "the proxy port speaks HTTP/1 only")
         else:
-            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal, *self._head_limits())
+            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal, *self._head_limits(),
+                                                  page_for=self._page)
 
     def _tunnel_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         kind = _no_wait_for_http(classify(data), data)
@@ -196,7 +198,8 @@ class LayerGuard:
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused in tunnels")
         elif kind == HTTP:
-            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
+            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
+                                               page_for=self._page)
         else:
             self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
 
@@ -243,7 +246,8 @@ class LayerGuard:
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
         elif kind == HTTP:
-            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
+            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
+                                               page_for=self._page)
         else:
             self._raw_tcp(nextlayer, conn)
 
@@ -275,7 +279,8 @@ class LayerGuard:
         alpn = nextlayer.context.client.alpn
         if alpn == b"h2":
             if data.startswith(H2_PREFACE[: len(data)]):
-                nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
+                nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
+                                                   page_for=self._page)
             else:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
@@ -285,7 +290,8 @@ class LayerGuard:
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 without ALPN negotiation is refused")
         elif kind == HTTP:
-            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits())
+            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
+                                               page_for=self._page)
         else:
             self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
 
@@ -298,6 +304,11 @@ class LayerGuard:
 
     def _sandbox_key(self, context) -> str:
         return self.state.sandbox_key(self.state.connections.get(context.client.id))
+
+    def _page(self, context, decision: Decision, accept: str | None = None):
+        """How the current policy words a refusal on this client connection (addons/respond.py
+        `page_for`): what the gateway's HTTP servers and refusal layers send."""
+        return page_for(self.state, context.client.id, decision, accept)
 
     def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
                     status_sent: bool = True, **fields) -> Decision:
@@ -418,4 +429,5 @@ class LayerGuard:
             port=pin.port if pin else None,
             sni=context.client.sni,
         )
-        nextlayer.layer = RefusalLayer(context, decision, speak_http, farewell)
+        page = self._page(context, decision) if speak_http and not farewell else None
+        nextlayer.layer = RefusalLayer(context, decision, speak_http, farewell, page)

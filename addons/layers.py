@@ -35,6 +35,7 @@ from gateway.options import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES, DEFAUL
 
 from . import read_ahead
 from .refusals import OnRefusal
+from .respond import PageFor
 from .http1_server import GatewayHttp1Server
 from .http2_server import GatewayHttp2Server
 from .http_stream import END_STREAM_ATTR, BodyIdleCheck, BodyLimits, GatewayHttpStream
@@ -47,9 +48,11 @@ class GatewayHttpLayer(HttpLayer):
     """HttpLayer whose HTTP/1 client side is a `GatewayHttp1Server`."""
 
     def __init__(self, context, mode, on_refusal: OnRefusal, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
-                 head_timeout: float = DEFAULT_HEAD_TIMEOUT, body_limits: BodyLimits | None = None):
+                 head_timeout: float = DEFAULT_HEAD_TIMEOUT, body_limits: BodyLimits | None = None,
+                 page_for: PageFor | None = None):
         super().__init__(context, mode)
         self.on_refusal = on_refusal
+        self.page_for = page_for  # how the policy words the servers' refusals (addons/respond.py)
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
         self.body_limits = body_limits or BodyLimits()
@@ -103,11 +106,12 @@ class GatewayHttpLayer(HttpLayer):
                 server = Http3Server(self.context.fork())
             elif self.context.client.alpn == b"h2":
                 server = GatewayHttp2Server(self.context.fork(), self.on_refusal, self.streams,
-                                            self._sandbox_key(), make(self.context) if make is not None else None)
+                                            self._sandbox_key(), make(self.context) if make is not None else None,
+                                            self.page_for)
             else:
                 server = GatewayHttp1Server(self.context.fork(), self.on_refusal, self.max_head_bytes,
                                             self.head_timeout, self._sandbox_key(), self.streams,
-                                            make(self.context) if make is not None else None)
+                                            make(self.context) if make is not None else None, self.page_for)
             self.connections.setdefault(self.context.client, server)
             yield from self.event_to_child(self.connections[self.context.client], event)
             return

@@ -43,7 +43,7 @@ from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_r
 from .audit_fields import connection_fields, decision_fields, flow_fields
 from .method_body import BODY_CHECK
 from .options import declare
-from .respond import COUNTS_AS_RESET, refusal_headers, replace_response
+from .respond import COUNTS_AS_RESET, flow_page, refusal_headers, replace_response
 from .revocation import close_client
 from .streaming import counting_stream
 from .state import ClientSession, GatewayState
@@ -434,7 +434,7 @@ class DownloadMeter:
     def _refuse(self, flow: http.HTTPFlow, charge: Charge, decision: Decision) -> None:
         """Replace the response's head with the refusal; its body is read from upstream and dropped."""
         response = flow.response
-        replace_response(response, decision)
+        replace_response(response, decision, flow_page(self.state, flow, decision))
         if not (flow.request.is_http2 or flow.request.is_http3):
             response.headers["Connection"] = "close"  # like every 429 (addons/respond.py refuse)
         setattr(response, COUNTS_AS_RESET, True)

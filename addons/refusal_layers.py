@@ -18,7 +18,9 @@ from mitmproxy.proxy.layers.http import HttpStream
 
 from gateway.decision import Decision
 
-from .respond import raw_http_refusal
+from gateway.refusal_page import Page
+
+from .respond import default_page, raw_http_refusal
 
 
 def in_tunnel(context) -> bool:
@@ -44,9 +46,11 @@ class RefusalLayer(layer.Layer):
 
     LINGER = 2.0
 
-    def __init__(self, context, decision: Decision, speak_http: bool = True, farewell: bytes = b""):
+    def __init__(self, context, decision: Decision, speak_http: bool = True, farewell: bytes = b"",
+                 page: Page | None = None):
         super().__init__(context)
         self.decision = decision
+        self.page = page  # the HTTP answer's body as the policy words it (None: the default text body)
         self.speak_http = speak_http
         self.farewell = farewell
         self.refused = False
@@ -62,7 +66,8 @@ class RefusalLayer(layer.Layer):
             return
         self.refused = True
         if self.speak_http:
-            yield commands.SendData(self.context.client, raw_http_refusal(self.decision))
+            page = self.page if self.page is not None else default_page(self.decision)
+            yield commands.SendData(self.context.client, raw_http_refusal(self.decision, page))
         elif self.farewell:
             yield commands.SendData(self.context.client, self.farewell)
             if not in_tunnel(self.context):

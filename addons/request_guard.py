@@ -21,7 +21,7 @@ from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
-from .respond import refuse
+from .respond import flow_page, refuse
 from .session_driver import drive
 from .revocation import FACTS, GENERATION
 from .state import GatewayState
@@ -29,7 +29,7 @@ from .state import GatewayState
 
 def _deny_on_error(self: "RequestGuard", flow: http.HTTPFlow, error: Exception) -> None:
     decision = Decision.deny("internal_error", "the gateway failed while deciding this request")
-    refuse(flow, decision)
+    refuse(flow, decision, flow_page(self.state, flow, decision))
     self.state.record(event="request", **fallback_fields(self.state, flow.client_conn), **verdict_fields(decision))
 
 
@@ -99,7 +99,7 @@ class RequestGuard:
         fields.update(self.credentials.audit_fields(flow))  # placeholder_misuse, foreign_credential
         self.state.record(event="request", **fields)
         if not decision.allowed or pin is None:
-            refuse(flow, decision)
+            refuse(flow, decision, flow_page(self.state, flow, decision, pin.host.value if pin else step.host))
             return
         conn.admit(pin.address.compressed, pin.port, pin.sni if flow.request.scheme == "https" else None)
         flow.metadata["egress_decision"] = decision

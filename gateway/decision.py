@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .refusal_page import DEFAULT_STYLE
+
 REASON_HEADER = "X-Egress-Reason"
 RULE_HEADER = "X-Egress-Rule"
 
@@ -143,12 +145,9 @@ class Decision:
         return cls(False, reason, message, rule, notes or [], retry_after=retry_after)
 
     def body(self) -> str:
-        """The short text body of a refusal: what happened, which reason and rule."""
-        lines = [f"egress gateway: {self.message}", f"reason: {self.reason}"]
-        if self.rule:
-            lines.append(f"rule: {self.rule}")
-        lines.extend(self.notes)
-        return "\n".join(lines) + "\n"
+        """The short text body of a refusal when the policy sets no `refusals:`: what happened,
+        which reason and rule (worded, cleaned and bounded by gateway/refusal_page.py)."""
+        return DEFAULT_STYLE.page(self).body.decode("utf-8")
 
 
 def verdict_fields(decision: Decision, status_sent: bool = True) -> dict[str, object]:

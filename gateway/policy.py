@@ -30,6 +30,7 @@ from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
 from .placeholders import NO_POSITIONS, Positions
 from .ratelimit import parse_size
+from .refusal_page import DEFAULT_STYLE, FORMATS, MessageTemplate, MessageTemplateError, RefusalStyle
 from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
 
 SCHEMES = ("http", "https")
@@ -41,7 +42,9 @@ _RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 _QUERY_NAME_RE = re.compile(r"^[!-\"$%'-<>@-~]{1,64}\Z")  # printable ASCII but '#', '&', '=', '?'
 
 
-TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode", "foreign_credentials"}
+TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode", "foreign_credentials",
+            "refusals"}
+REFUSALS_KEYS = {"message", "format"}
 NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destination"}
 RESOLVER_KEYS = {"static_hosts"}
 RULE_KEYS = {
@@ -181,6 +184,7 @@ class Policy:
     mode: str = "enforce"
     rules_by_id: dict[str, Rule] = field(default_factory=dict)
     foreign_credentials: ForeignCredentials = DEFAULT_FOREIGN  # the default of every bound rule
+    refusals: RefusalStyle = DEFAULT_STYLE  # how refusal bodies are worded (gateway/refusal_page.py)
 
     def __post_init__(self) -> None:
         self.rules_by_id = {r.id: r for r in self.rules}
@@ -633,6 +637,32 @@ PASSTHROUGH_FORBIDDEN_KEYS = {
 }
 
 
+def _refusals(v: _Validator, node: Node) -> RefusalStyle:
+    """`refusals: {message: TEMPLATE, format: text | json | negotiate}`: the template compiled here,
+    once, so a refusal only fills it in."""
+    fields = v.mapping(node, "refusals", REFUSALS_KEYS)
+    if fields is None:
+        return DEFAULT_STYLE
+    if not fields:
+        v.error(node, "refusals", f"must set at least one of {', '.join(sorted(REFUSALS_KEYS))}")
+    template = None
+    if "message" in fields:
+        text = v.string(fields["message"], "refusals.message")
+        if text is not None:
+            try:
+                template = MessageTemplate.parse(text)
+            except MessageTemplateError as exc:
+                v.error(fields["message"], "refusals.message", str(exc))
+    style = "text"
+    if "format" in fields:
+        value = v.string(fields["format"], "refusals.format")
+        if value is not None and value not in FORMATS:
+            v.error(fields["format"], "refusals.format", f"{value!r}: format must be one of {', '.join(FORMATS)}")
+        elif value is not None:
+            style = value
+    return RefusalStyle(template, style)
+
+
 def _is_ip_text(value: str) -> bool:
     try:
         return canonical_host(value).is_ip
@@ -744,6 +774,8 @@ def compile_policy(text: str, source: str) -> Policy:
     if "foreign_credentials" in top:
         foreign = _foreign_credentials(v, top["foreign_credentials"], "foreign_credentials", DEFAULT_FOREIGN)
 
+    refusals = _refusals(v, top["refusals"]) if "refusals" in top else DEFAULT_STYLE
+
     rules: list[Rule] = []
     if "rules" in top:
         seen: dict[str, Location] = {}
@@ -764,7 +796,7 @@ def compile_policy(text: str, source: str) -> Policy:
     return Policy(
         tuple(rules), index, deny, allow, static_hosts, source, digest,
         sandboxes=sandboxes, sandbox_sources=sources, strict_original_destination=strict,
-        secrets=secrets, mode=policy_mode, foreign_credentials=foreign,
+        secrets=secrets, mode=policy_mode, foreign_credentials=foreign, refusals=refusals,
     )
 
 

@@ -157,3 +157,39 @@ def test_inject_value_templates_agree_on_edge_cases(value):
 @given(st.lists(_TEMPLATE_PIECES, min_size=1, max_size=9).map("".join))
 def test_inject_value_templates_agree(value):
     _template_verdicts_agree(value)
+
+
+REFUSAL_MESSAGE = jsonschema.Draft202012Validator(SCHEMA["$defs"]["refusalMessage"])
+_MESSAGE_PIECES = st.sampled_from(["{", "}", "{{", "}}", "reason", "rule", "host", "status", "sandbox", "owner",
+                                   " ", "x", ":", "\t", "\n", "\x7f", "\x85", "\u2028", "é", "{host:>9}", "{0}"])
+
+
+def _message_verdicts_agree(value: str) -> None:
+    from gateway.refusal_page import MessageTemplate, MessageTemplateError
+
+    by_schema = REFUSAL_MESSAGE.is_valid(value)
+    try:
+        MessageTemplate.parse(value)
+        by_loader = True
+    except MessageTemplateError:
+        by_loader = False
+    assert by_schema == by_loader, value
+
+
+TRICKY_MESSAGES = [
+    "Blocked ({reason}); ask in #access quoting {rule} and {host}", "{{host}}", "{{{host}}}", "{host", "host}",
+    "{}", "{ host }", "{HOST}", "{status}{sandbox}", "tab\there", "", "a" * 500, "a" * 501, "{host}" * 83,
+    "bell\x07", "next line\x85", "ok – é ✓",
+]
+
+
+@pytest.mark.parametrize("value", TRICKY_MESSAGES)
+def test_refusal_message_templates_agree_on_edge_cases(value):
+    """The schema's refusals.message pattern accepts exactly the templates the loader compiles."""
+    _message_verdicts_agree(value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_MESSAGE_PIECES, min_size=1, max_size=9).map("".join))
+def test_refusal_message_templates_agree(value):
+    _message_verdicts_agree(value)

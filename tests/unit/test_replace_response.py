@@ -3,7 +3,7 @@
 
 from mitmproxy import http
 
-from addons.respond import refusal_headers, replace_response
+from addons.respond import default_page, refusal_headers, replace_response
 from gateway.decision import Decision
 
 
@@ -15,7 +15,7 @@ def _upstream_response() -> http.Response:
 def test_the_head_is_the_refusal_and_nothing_of_the_upstream_head_stays():
     decision = Decision.deny("response_too_large", "the decoded body is over its budget", rule="model-api")
     response = _upstream_response()
-    replace_response(response, decision)
+    replace_response(response, decision, default_page(decision))
     body = decision.body().encode()
     assert response.status_code == decision.status == 502
     assert response.reason == "Bad Gateway"
@@ -27,6 +27,6 @@ def test_the_head_is_the_refusal_and_nothing_of_the_upstream_head_stays():
 def test_the_upstream_body_is_dropped_and_the_refusal_sent_once():
     decision = Decision.deny("undecodable_response", "the response could not be decoded")
     response = _upstream_response()
-    replace_response(response, decision)
+    replace_response(response, decision, default_page(decision))
     pieces = [response.stream(b"secret upstream bytes"), response.stream(b"more"), response.stream(b"")]
     assert pieces == [decision.body().encode(), b"", b""]
