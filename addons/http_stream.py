@@ -41,10 +41,11 @@ from .refusals import REFUSAL_ATTR, OnRefusal, _report, protocol_error_decision
 
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
 HOLD_BODY = "egress_hold_body"  # flow.metadata key: the body is buffered, never streamed (set by addons/body_checks.py)
-# A response head charged at most this is held even past the budget: the request already went
-# upstream (it may have acted), so an ordinary answer is not refused because the sandbox's other
-# buffers fill its budget just then (~15 fields; its next requests then find no room instead).
-RESPONSE_HEAD_GRACE = 8 * 1024
+# Room for the response head, reserved with the request head (while refusing the request is still
+# possible): the request goes upstream, where it may act, only if its ordinary answer (~15 fields)
+# can then be held. A heavier head must find room of its own when it comes. Held past the budget
+# instead, many streams' heads took a sandbox 6x over it (review 22: 100,000 streams x 8 KiB).
+RESPONSE_HEAD_ROOM = 8 * 1024
 QUEUE_ALLOWANCE = 256 * 1024  # body bytes a paused stream may queue past its budget (see GatewayHttpStream.handle_event)
 _TRAILERS_OVER_BUDGET = Decision.deny("buffer_budget", "holding this request's trailers for as long as its stream "
                                                       "lasts would pass the connection's or the sandbox's buffer "
@@ -105,7 +106,7 @@ DROP_BODY_AT = 64 * 1024
 
 def _upgraded(flow) -> bool:
     """A flow that lives on after its stream (a WebSocket, another 101 upgrade)."""
-    return flow is not None and (flow.websocket is not None or (
+    return flow is not None and flow.error is None and (flow.websocket is not None or (
         flow.response is not None and flow.response.status_code == 101))
 
 
@@ -156,6 +157,7 @@ class GatewayHttpStream(HttpStream):
     body_limits: BodyLimits = BodyLimits()
     _account: Account | None = None
     _head_account: Account | None = None  # the request head, for as long as the stream lasts
+    _response_room: int = 0  # of it: bytes reserved for the response head (RESPONSE_HEAD_ROOM)
     _request_moved: float | None = None  # when the request body last moved (None: not under way)
     _response_moved: float | None = None
 
@@ -178,23 +180,39 @@ class GatewayHttpStream(HttpStream):
         return self._account.reserve(n)
 
     def _charge_head(self, request: http.Request) -> bool:
-        """Charge the request head, held until the stream is over; False if over budget (nothing charged)."""
+        """Charge the request head, held until the stream is over, and the room its answer's head
+        will take (not for a CONNECT: the gateway answers it); False if over budget (nothing charged)."""
         size = len(request.data.method) + len(request.data.authority) + len(request.data.path)
-        return self._charge_fields(request.data.headers.fields, size)
+        room = 0 if request.data.method.upper() == b"CONNECT" else RESPONSE_HEAD_ROOM
+        if not self._charge_fields(request.data.headers.fields, size, room):
+            return False
+        self._response_room = room if self._head_account is not None else 0
+        return True
 
-    def _charge_fields(self, fields, size: int = 0, grace: int = 0) -> bool:
-        """Charge a head's or a trailer section's fields (and `size` more bytes of its own) to the
-        stream's head account, for as long as the stream lasts; False if over budget. A charge of
-        at most `grace` is held even past the budget (new buffers then find no room)."""
+    def _charge_fields(self, fields, size: int = 0, extra: int = 0) -> bool:
+        """Charge a head's or a trailer section's fields (and `size` more bytes of its own, and
+        `extra` bytes of room) to the stream's head account, for as long as the stream lasts;
+        False if over budget (nothing charged)."""
         if self._head_account is None:
             account = self._new_account()
             if account is None:
                 return True
             self._head_account = account
         size += sum(len(name) + len(value) for name, value in fields)
-        cost = head_cost(size, len(fields))
-        if cost <= grace:
-            self._head_account.hold(cost)
+        return self._head_account.reserve(head_cost(size, len(fields)) + extra)
+
+    def _charge_response_head(self, response: http.Response) -> bool:
+        """The response head, held until the stream is over: in the room its request reserved,
+        else (a heavier head, or no room) it must fit the budget now; False if it does not."""
+        size = len(response.data.http_version) + len(response.data.reason)
+        size += sum(len(name) + len(value) for name, value in response.data.headers.fields)
+        cost = head_cost(size, len(response.data.headers.fields))
+        room, self._response_room = self._response_room, 0
+        if self._head_account is None:
+            return self._charge_fields((), 0, cost)
+        self._head_account.release(room)
+        if cost <= room:
+            self._head_account.hold(cost)  # (within what was just given back: never past the budget)
             return True
         return self._head_account.reserve(cost)
 
@@ -218,6 +236,7 @@ class GatewayHttpStream(HttpStream):
         if self._head_account is not None:
             self._head_account.close()
             self._head_account = None
+        self._response_room = 0
 
     def _release(self, done: bool = True) -> None:
         """Give back what this stream's buffers held; `done`: the stream is over (its account
@@ -582,10 +601,7 @@ class GatewayHttpStream(HttpStream):
     def state_wait_for_response_headers(self, event) -> layer.CommandGenerator[None]:
         """The response head stays on the flow until the stream is over: charged like the request's."""
         if isinstance(event, ResponseHeaders):
-            response = event.response
-            if not self._charge_fields(response.data.headers.fields,
-                                       len(response.data.http_version) + len(response.data.reason),
-                                       grace=RESPONSE_HEAD_GRACE):
+            if not self._charge_response_head(event.response):
                 return (yield from self._refuse_response_part("head", status_sent=True))
         return (yield from super().state_wait_for_response_headers(event))
 

@@ -23,6 +23,7 @@ from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_h
 from tests.support.waiting import wait_for
 
 STALL_OCTET = 210
+ROOM = 8 * 1024  # what each request reserves for its answer's head (addons/http_stream.py RESPONSE_HEAD_ROOM)
 RULES = """
 - id: allowed
   hosts: [allowed.test]
@@ -244,9 +245,10 @@ def test_a_stalled_request_body_on_an_http2_stream_is_408(gateway_with, upstream
 
 def test_a_request_body_over_the_connection_budget_streams_instead_of_growing(gateway_with, origin):
     """5,000 bytes of declared body, under stream_large_bodies (1m), would be buffered whole; over a
-    2,000-byte budget it streams: the origin has its first bytes before the body is complete."""
+    budget with ~2,000 bytes left once its head and its answer's room are charged, it streams: the
+    origin has its first bytes before the body is complete."""
     upstream = origin()
-    gateway = gateway_with("egress_max_buffered_bytes_per_connection=2000")
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_connection={2000 + ROOM}")
     conn = connect_proxy(gateway, timeout=10)
     conn.send(_post_head("http://stall.test/upload", "stall.test", 5000) + b"x" * 3000)
     wait_for(lambda: upstream.received >= 3000, 10.0, "3,000 bytes upstream", detail=lambda: repr(upstream.received))
@@ -257,10 +259,11 @@ def test_a_request_body_over_the_connection_budget_streams_instead_of_growing(ga
 def test_a_request_body_over_the_sandbox_budget_streams_and_the_other_connection_still_completes(
         gateway_with, origin, upstreams):
     """Two connections of one client address (one sandbox): the first holds 2,000 buffered bytes
-    (and its head, ~1.3 KB charged while its body comes) of a 5,000-byte sandbox budget, so the
-    second's body cannot be buffered too (its head, ~1.3 KB, still fits): it streams."""
+    (and its head, ~1.3 KB charged while its body comes, and its answer's room) of a sandbox budget
+    of 5,000 bytes and two answers' room, so the second's body cannot be buffered too (its head,
+    ~1.3 KB, and its answer's room still fit): it streams."""
     upstream = origin()
-    gateway = gateway_with("egress_max_buffered_bytes_per_sandbox=5000")
+    gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={5000 + 2 * ROOM}")
     first = connect_proxy(gateway, timeout=10)
     first.send(_post_head("http://allowed.test/upload", "allowed.test", 2500) + b"a" * 2000)
     # The first body is buffered (no upstream connection): its request line is written when its
@@ -858,6 +861,29 @@ def test_upstream_response_heads_are_charged_for_as_long_as_their_stream_lasts(g
     statuses = [client.responses[s]["status"] for s in sids]
     assert 1 <= statuses.count(200) < 5 and statuses.count(200) + statuses.count(503) == 5, statuses
     assert {client.header(s, "x-egress-reason") for s in sids if client.responses[s]["status"] == 503} == {"buffer_budget"}
+
+
+def test_room_for_each_answer_head_is_reserved_with_its_request(gateway_with, origin, pki, stall_address):
+    """Review 22: answers' heads of up to 8 KiB were held even past the budget, and a sandbox whose
+    streams all got such heads from an upstream it picked, never ending, held 7.85x its budget (all
+    its requests had gone upstream first). Now each request reserves its answer's room with its own
+    head: past the budget the next request is 503 `buffer_budget` before it goes anywhere, and
+    every answer that came is within it."""
+    pad = "x" * 3000  # one field: charged ~6.5 KB with the rest of the head, under the room
+    upstream = _tls_origin(origin, pki, stall_address,  # (an event stream: its head is forwarded at once)
+                           answer=(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                   f"Transfer-Encoding: chunked\r\nx-pad: {pad}\r\n\r\n").encode())
+    gateway = gateway_with("egress_max_buffered_bytes_per_connection=45000", "egress_body_idle_timeout=60")
+    client = _h2_to(gateway, "stall.test")
+    sids = [client.send("stall.test", f"/room{i}") for i in range(12)]
+    wait_for(lambda: (_answered(client), all(client.responses[s]["status"] for s in sids))[1], 10.0,
+             "every stream's answer")
+    statuses = [client.responses[s]["status"] for s in sids]
+    assert 1 <= statuses.count(200) <= 5 and statuses.count(200) + statuses.count(503) == 12, statuses
+    refused = [s for s in sids if client.responses[s]["status"] == 503]
+    assert {client.header(s, "x-egress-reason") for s in refused} == {"buffer_budget"}
+    paths = {sid: f"/room{i}".encode() for i, sid in enumerate(sids)}
+    assert not [s for s in refused if any(b" " + paths[s] + b" " in head for head in upstream.heads)]
 
 
 @pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
