@@ -1,0 +1,29 @@
+"""Explicit mode's proxy credential: the CONNECT's (or a first absolute-form request's)
+`Proxy-Authorization` read from the flow and judged by gateway/proxyauth.py `authenticate`, which
+sets the connection's identity once. Only proxy-level requests count: a request inside a tunnel
+(the connection is pinned) or on a transparent connection carries no proxy credential."""
+
+from __future__ import annotations
+
+from mitmproxy import http
+
+from gateway.decision import Decision
+from gateway.engine import Engine
+from gateway.proxyauth import HEADER, authenticate, presented_fingerprint
+from gateway.session import ClientSession
+
+
+def is_proxy_level(session: ClientSession) -> bool:
+    """A request addressed to the gateway as a proxy: a CONNECT, or an absolute-form request on an
+    explicit-mode connection that no CONNECT pinned."""
+    return session.mode == "regular" and session.tunnel is None
+
+
+def check(flow: http.HTTPFlow, session: ClientSession, engine: Engine) -> tuple[Decision | None, dict]:
+    """(a refusal or None, audit fields: the presented token's short hash, never the token)."""
+    if engine.tokens is None or not is_proxy_level(session):
+        return None, {}
+    values = flow.request.headers.get_all(HEADER)
+    refusal = authenticate(session, values, engine.tokens)
+    shown = presented_fingerprint(values)
+    return refusal, ({"token": shown} if shown is not None else {})
