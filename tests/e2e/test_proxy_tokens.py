@@ -256,3 +256,18 @@ def test_explain_sandbox_profile_agrees_with_a_token_of_that_profile(token_gatew
                              capture_output=True, text=True, env=dict(os.environ), timeout=60)
         assert json.loads(out.stdout)["decision"]["reason"] == live, out.stdout + out.stderr
 
+
+
+def test_limits_come_from_the_profile_and_count_per_token_subject(start_gateway, tmp_path, upstreams):
+    write_jwks(tmp_path / "jwks.json", SIGNER)
+    extra = _extra().replace("  - id: agent\n    rules: [web]\n",
+                             "  - id: agent\n    rules: [web]\n    limits: {requests_per_minute: 2}\n")
+    gateway = start_gateway(RULES, extra=extra)
+    one, two = SIGNER.mint(claims("task-1", "agent")), SIGNER.mint(claims("task-2", "agent"))
+
+    def status(token: str) -> int:
+        with httpx.Client(proxy=_proxy(gateway, token)) as client:
+            return client.get("http://allowed.test/limited").status_code
+
+    assert [status(one), status(one), status(one)] == [200, 200, 429]
+    assert [status(two), status(two), status(two)] == [200, 200, 429]  # its own window, the same limit
