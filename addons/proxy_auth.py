@@ -5,6 +5,8 @@ sets the connection's identity once. Only proxy-level requests count: a request 
 
 from __future__ import annotations
 
+import logging
+
 from mitmproxy import http
 
 from gateway.decision import Decision
@@ -25,5 +27,19 @@ def check(flow: http.HTTPFlow, session: ClientSession, engine: Engine) -> tuple[
         return None, {}
     values = flow.request.headers.get_all(HEADER)
     refusal = authenticate(session, values, engine.tokens)
+    _log_key_problem(engine)
     shown = presented_fingerprint(values)
     return refusal, ({"token": shown} if shown is not None else {})
+
+
+_logged: list = [None, -1]  # (verifier, key generation) whose key problem was logged
+
+
+def _log_key_problem(engine: Engine) -> None:
+    """Say once per change of the key files that they cannot be used (every token is refused until
+    they are fixed): the operator's log names the file, never a token."""
+    tokens = engine.tokens
+    if tokens.key_error is not None and _logged != [tokens, tokens.key_generation]:
+        _logged[:] = [tokens, tokens.key_generation]
+        logging.getLogger("egress").error("egress gateway: proxy token keys unusable, every token is refused: %s",
+                                          tokens.key_error)
