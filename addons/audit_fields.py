@@ -14,12 +14,17 @@ from .state import ClientSession
 
 def connection_fields(conn: ClientSession | None, sandbox: str | None = None) -> dict:
     original = conn.original_destination if conn else None
-    return {
+    fields = {
         "client": conn.client if conn else None,
         "sandbox": sandbox,
         "mode": conn.mode if conn else None,
         "original_destination": f"{original[0]}:{original[1]}" if original else None,
     }
+    identity = conn.identity if conn else None
+    if identity is not None:  # named by a token (or a registration), not its address: say how, and its profile
+        fields["identity"] = identity.via
+        fields["profile"] = identity.profile
+    return fields
 
 
 def fallback_fields(state, client_conn) -> dict:

@@ -16,7 +16,7 @@ from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .failclosed import fail_closed
 from .respond import flow_page, refuse
 from .session_driver import drive
-from . import passthrough
+from . import passthrough, proxy_auth
 from .state import GatewayState
 
 
@@ -34,8 +34,12 @@ class ConnectGuard:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         session = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()
+        # Who is asking first (the proxy token sets the connection's identity), then its gates.
+        refused, auth_fields = proxy_auth.check(flow, session, engine)
         scope = self.state.scope(session)
-        if (gated := self.state.gate(session, scope)) is not None:  # before any decision work
+        if refused is not None:
+            step = Step(refused)
+        elif (gated := self.state.gate(session, scope)) is not None:  # before any decision work
             step = Step(gated)
         else:
             authority = flow.request.data.authority.decode("utf-8", "surrogateescape")
@@ -43,7 +47,7 @@ class ConnectGuard:
             step = await drive(events, engine, self.state, flow.client_conn.id, session)
         fields = flow_fields(flow, session, scope.sandbox) | decision_fields(step.decision, step.pin, step.host, step.port)
         fields["path"] = None
-        self.state.record(event="connect", **fields)
+        self.state.record(event="connect", **fields, **auth_fields)
         if not step.admitted:
             refuse(flow, step.decision, flow_page(self.state, flow, step.decision, step.host))
             return

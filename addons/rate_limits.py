@@ -69,7 +69,7 @@ class Charge:
 
 
 def _describe(key: Hashable) -> str:
-    kind, sandbox, rule, secret, name = key  # type: ignore[misc]
+    kind, sandbox, rule, secret, name, _profile = key  # type: ignore[misc]
     if kind == "sandbox":
         where = f"sandbox {sandbox}" + (f" credential {secret}" if secret else "")
     elif kind == "credential":
@@ -80,10 +80,12 @@ def _describe(key: Hashable) -> str:
 
 
 def limit_of(policy: Policy, key: Hashable) -> int | None:
-    """The limit `key` has under `policy`, or None when the policy no longer has it (a reload)."""
-    kind, sandbox, rule_id, secret, name = key  # type: ignore[misc]
+    """The limit `key` has under `policy`, or None when the policy no longer has it (a reload). A
+    window is a sandbox's (its id: what the audit names) and its limit its profile's (the
+    `sandboxes:` entry: the sandbox's own, or the one its token named)."""
+    kind, sandbox, rule_id, secret, name, profile = key  # type: ignore[misc]
     if kind == "sandbox":
-        found = policy.sandboxes_by_id.get(sandbox)
+        found = policy.sandboxes_by_id.get(profile)
         if found is None or (secret is not None and secret not in policy.secrets):
             return None
         return getattr(found.limits, name)
@@ -96,7 +98,7 @@ def limit_of(policy: Policy, key: Hashable) -> int | None:
         return None
     if sandbox is None:
         return getattr(rule.limits, name) if policy.sandboxes is None else None
-    found = policy.sandboxes_by_id.get(sandbox)
+    found = policy.sandboxes_by_id.get(profile)
     if found is None or rule_id not in found.rule_ids:
         return None
     return getattr(rule.limits, name)
@@ -128,9 +130,10 @@ class Limiter:
 
     def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):
         """(key, window, LIMIT_KEYS name) for every policy limit on this request: its sandbox's, then its
-        rule's (a credential limit once per injected secret). Windows are made on first use: their
-        keys come from the policy, so they are bounded by it, not by traffic."""
-        sandbox = scope.sandbox
+        rule's (a credential limit once per injected secret). Windows are made on first use, per
+        sandbox (scope.sandbox: a token's subject too), with the limits of its profile (scope.profile);
+        since tokens name sandboxes, traffic can make new ones: Quotas bounds them."""
+        sandbox, profile = scope.sandbox, scope.profile
         rule = policy.rules_by_id.get(rule_id or "")
         sets = []
         own = policy.sandbox_limits(scope.profile)
@@ -148,12 +151,12 @@ class Limiter:
                             # One counter per secret, shared by every rule that injects it and every
                             # sandbox: the credential's own quota at the provider. Each rule checks
                             # its own limit against that shared count.
-                            key = ("credential", None, None, secret, name)
+                            key = ("credential", None, None, secret, name, None)
                         else:
-                            key = (kind, sid, None, secret, name)
+                            key = (kind, sid, None, secret, name, profile)
                         out.append((key, self.quotas.window(key, limit, period), name))
                 else:
-                    key = (kind, sid, rid, None, name)
+                    key = (kind, sid, rid, None, name, profile)
                     out.append((key, self.quotas.window(key, limit, period), name))
         return out
 

@@ -14,9 +14,9 @@ from gateway.decision import Decision, verdict_fields
 from gateway.engine import RequestFacts
 from gateway.identity import scope_of
 from gateway.session import RequestHead, Step
-from gateway.hopbyhop import forwardable
+from gateway.hopbyhop import forwardable, without_proxy_credentials
 
-from . import body_checks
+from . import body_checks, proxy_auth
 from .audit_fields import decision_fields, fallback_fields, flow_fields
 from .credentials import CredentialInjector
 from .failclosed import fail_closed
@@ -56,6 +56,13 @@ def _drop_hop_by_hop(request: http.Request) -> None:
         request.headers.fields = tuple(fields)
 
 
+def _drop_proxy_credentials(request: http.Request) -> None:
+    """The sandbox's Proxy-Authorization (its proxy token) was for the gateway: never sent upstream."""
+    fields = without_proxy_credentials(request.headers.fields)
+    if fields is not None:
+        request.headers.fields = tuple(fields)
+
+
 class RequestGuard:
     def __init__(self, state: GatewayState):
         self.state = state
@@ -65,8 +72,12 @@ class RequestGuard:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
+        # An absolute-form request is addressed to the proxy: its credential first (addons/proxy_auth.py).
+        refused, auth_fields = proxy_auth.check(flow, conn, engine)
         scope = scope_of(engine.policy, conn.address, conn.identity)
-        if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
+        if refused is not None:
+            step = Step(refused)
+        elif (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
             step = Step(gated)
         else:
             step = await drive(conn.request_head(_head(flow), engine, scope), engine, self.state,
@@ -93,7 +104,7 @@ class RequestGuard:
                 if (limited := limiter(flow, decision, scope, engine, injected)) is not None:
                     decision, injected = limited, []  # refused: nothing injected goes anywhere
                     break
-        fields = sent | decision_fields(decision, pin, *destination)
+        fields = sent | decision_fields(decision, pin, *destination) | auth_fields
         if injected:
             fields["injected"] = injected
         fields.update(self.credentials.audit_fields(flow))  # placeholder_misuse, foreign_credential
@@ -101,6 +112,7 @@ class RequestGuard:
         if not decision.allowed or pin is None:
             refuse(flow, decision, flow_page(self.state, flow, decision, pin.host.value if pin else step.host))
             return
+        _drop_proxy_credentials(flow.request)  # after the credential verdict: never upstream
         conn.admit(pin.address.compressed, pin.port, pin.sni if flow.request.scheme == "https" else None)
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin

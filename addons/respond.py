@@ -14,6 +14,7 @@ from collections.abc import Callable
 from mitmproxy import http
 
 from gateway.decision import REASON_HEADER, RULE_HEADER, Decision
+from gateway.proxyauth import CHALLENGES
 from gateway.ratelimit import retry_after_header
 from gateway.refusal_page import DEFAULT_STYLE, TEXT_TYPE, Page
 
@@ -47,7 +48,7 @@ def page_for(state: GatewayState, client_id: str | None, decision: Decision, acc
         conn = state.connections.get(client_id) if client_id is not None else None
         if host is None and conn is not None and conn.tunnel is not None:
             host = conn.tunnel.host.value
-        sandbox = engine.policy.scope_for(conn.address).sandbox if engine is not None and conn is not None else None
+        sandbox = state.scope(conn).sandbox if engine is not None and conn is not None else None
         style = engine.policy.refusals if engine is not None else DEFAULT_STYLE
         return style.page(decision, host, sandbox, accept)
     except Exception:
@@ -79,12 +80,17 @@ def refuse(flow: http.HTTPFlow, decision: Decision, page: Page) -> None:
     A 429 (a rate or a budget) makes a flood cost its sender: on HTTP/1 the connection is closed after
     the answer (`Connection: close`), so each further request needs a new connection, which the
     connection rate bounds; on HTTP/2 the stream counts toward the connection's reset tracker
-    (addons/http2_server.py `GatewayHttp2Server`), so a flood of them ends in GOAWAY."""
+    (addons/http2_server.py `GatewayHttp2Server`), so a flood of them ends in GOAWAY. A 407 (the proxy
+    credential) closes an HTTP/1 connection too: a connection's identity is decided once, and a client
+    retries with its credential on a new one."""
     headers = refusal_headers(decision, page.content_type)
     h2 = flow.request is not None and (flow.request.is_http2 or flow.request.is_http3)
-    if decision.status == 429 and not h2:
+    if decision.status in (407, 429) and not h2:
         headers["Connection"] = "close"
     flow.response = http.Response.make(decision.status, page.body, headers)
+    if decision.status == 407:  # the proxy credential: both schemes carry the token (gateway/proxyauth.py)
+        for challenge in CHALLENGES:
+            flow.response.headers.add("Proxy-Authenticate", challenge)
     if decision.status == 429:
         setattr(flow.response, COUNTS_AS_RESET, True)
     if flow.request is not None:
@@ -97,7 +103,7 @@ def refuse(flow: http.HTTPFlow, decision: Decision, page: Page) -> None:
 
 
 _REASON_PHRASES = {
-    400: "Bad Request", 403: "Forbidden", 408: "Request Timeout", 413: "Content Too Large",
+    400: "Bad Request", 403: "Forbidden", 407: "Proxy Authentication Required", 408: "Request Timeout", 413: "Content Too Large",
     421: "Misdirected Request", 429: "Too Many Requests", 503: "Service Unavailable",
     431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
 }

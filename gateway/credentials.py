@@ -24,7 +24,9 @@ PLACEHOLDER_KEY_FILE = "egress-placeholder.key"
 # Headers that would change framing or routing if a template set them.
 FORBIDDEN_INJECT_HEADERS = frozenset(
     {"host", "content-length", "transfer-encoding", "connection", "upgrade", "te", "trailer", "keep-alive",
-     "proxy-connection", "expect", "http2-settings"}
+     "proxy-connection", "expect", "http2-settings",
+     # the sandbox's own hop to the gateway: never sent upstream (gateway/hopbyhop.py)
+     "proxy-authorization"}
 )
 
 

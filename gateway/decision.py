@@ -25,6 +25,13 @@ REASONS: dict[str, tuple[int, str]] = {
     "method_forbidden": (403, "TRACE and TRACK are always refused"),
     "denied_address": (403, "the host resolves to an address in the deny list"),
     "self_address": (403, "the destination is the gateway itself"),
+    # 407: explicit mode's proxy credential (policy identity: tokens:, gateway/proxyauth.py); connection closed
+    "proxy_auth_required": (407, "this gateway needs a signed token as the proxy password, and none was sent"),
+    "token_expired": (407, "the proxy token has expired"),
+    "token_invalid": (407, "the proxy credential is not a valid token for this gateway (malformed, bad signature, "
+                           "wrong audience or issuer, algorithm not allowed, unknown key, not valid yet, or naming "
+                           "a profile the policy does not have)"),
+    "identity_changed": (407, "a request presented another proxy credential than the first one on its connection"),
     # 421: the sandbox restated its destination after it was pinned
     "sni_mismatch": (421, "the TLS SNI names another host than the pinned destination"),
     "sni_required": (421, "a passthrough (inspect: false) connection needs a TLS SNI naming its destination"),

@@ -23,6 +23,7 @@ from .paths import PathError, check_target, normalise_path
 from .policy import DEFAULT_PORTS, EVERY_RULE, FORBIDDEN_METHODS, Policy, Rule, Scope
 from .resolver import ResolveError, Resolver
 from .secrets import SecretStore
+from .tokens import TokenVerifier
 from .dns_answer import DnsAnswer, dns_answer, dns_question
 
 
@@ -83,6 +84,8 @@ class Engine:
         self.resolver = resolver
         # The policy's secrets travel with it: a reload swaps rules and secrets together.
         self.secrets = SecretStore(policy.secrets)
+        # And its token verifier (policy identity: tokens:): a reload starts with an empty cache.
+        self.tokens = TokenVerifier(policy.tokens, frozenset(policy.sandboxes_by_id)) if policy.tokens else None
         # Told how long each policy check took (kind, seconds), e.g. for a metrics histogram.
         self.timings: Callable[[str, float], None] | None = None
         # Which install this engine was (GatewayState.install numbers them from 1; 0: never installed).

@@ -18,6 +18,12 @@ are not sent on (RFC 9110 §7.6.1).
 
 This runs after the decision and before credentials are injected: what the gateway injects is
 never subject to the sandbox's nominations.
+
+`Proxy-Authorization` is the credential of the sandbox's hop to the gateway (a proxy token,
+gateway/proxyauth.py): it is removed from every request the gateway forwards, absolute-form or in a
+tunnel, HTTP/1 or HTTP/2 (`without_proxy_credentials`). That runs after the credential verdict, so a
+bound rule still refuses one as a foreign credential (gateway/foreign.py) exactly as before; no
+rule can inject one (gateway/credentials.py FORBIDDEN_INJECT_HEADERS).
 """
 
 from __future__ import annotations
@@ -67,3 +73,12 @@ def forwardable(fields: Sequence[Field], http2: bool) -> list[Field] | None:
         else:
             out.append((name, value))
     return None if out == list(fields) else out
+
+
+PROXY_CREDENTIALS = b"proxy-authorization"
+
+
+def without_proxy_credentials(fields: Sequence[Field]) -> list[Field] | None:
+    """The fields without any Proxy-Authorization (any spelling, any number), or None when there is none."""
+    kept = [(name, value) for name, value in fields if name.lower() != PROXY_CREDENTIALS]
+    return None if len(kept) == len(fields) else kept

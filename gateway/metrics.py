@@ -191,8 +191,12 @@ class GatewayMetrics:
     def rule_label(self, rule: Any) -> str:
         return rule if isinstance(rule, str) and rule in self._rules else NONE
 
-    def sandbox_label(self, sandbox: Any) -> str:
-        return sandbox if isinstance(sandbox, str) and sandbox in self._sandboxes else NONE
+    def sandbox_label(self, sandbox: Any, profile: Any = None) -> str:
+        """The sandbox's id if the policy has it, else its profile's (a token's subject is not a label
+        value: there may be any number of them), else "none"."""
+        if isinstance(sandbox, str) and sandbox in self._sandboxes:
+            return sandbox
+        return profile if isinstance(profile, str) and profile in self._sandboxes else NONE
 
     def secret_label(self, secret: Any) -> str:
         if isinstance(secret, str) and secret in self._secrets:
@@ -244,7 +248,7 @@ class GatewayMetrics:
         if event in REQUEST_EVENTS:
             rule = self.rule_label(entry.get("rule"))
             self.requests.labels(
-                self.sandbox_label(entry.get("sandbox")), rule,
+                self.sandbox_label(entry.get("sandbox"), entry.get("profile")), rule,
                 self.decision_label(entry.get("decision")), self.reason_label(entry.get("reason")),
             ).inc(weight)
             injected = entry.get("injected")

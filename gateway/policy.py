@@ -31,6 +31,15 @@ from .paths import compile_glob
 from .placeholders import NO_POSITIONS, Positions
 from .ratelimit import parse_size
 from .refusal_page import DEFAULT_STYLE, FORMATS, MessageTemplate, MessageTemplateError, RefusalStyle
+from .tokens import (
+    DEFAULT_LEEWAY_SECONDS,
+    MAX_LEEWAY_SECONDS,
+    SUPPORTED_ALGORITHMS,
+    KeyFileError,
+    TokenSettings,
+    load_keys,
+    parse_duration,
+)
 from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
 
 SCHEMES = ("http", "https")
@@ -43,8 +52,12 @@ _QUERY_NAME_RE = re.compile(r"^[!-\"$%'-<>@-~]{1,64}\Z")  # printable ASCII but 
 
 
 TOP_KEYS = {"version", "network", "resolver", "rules", "sandboxes", "secrets", "mode", "foreign_credentials",
-            "refusals"}
+            "refusals", "identity"}
 REFUSALS_KEYS = {"message", "format"}
+IDENTITY_KEYS = {"tokens"}
+TOKEN_KEYS = {"keys", "algorithms", "audience", "issuer", "leeway", "profile_claim", "default_profile", "rules_claim",
+              "required"}
+_CLAIM_NAME_RE = re.compile(r"^[!-~]{1,128}\Z")
 NETWORK_KEYS = {"deny_ip_ranges", "allow_ip_ranges", "strict_original_destination"}
 RESOLVER_KEYS = {"static_hosts"}
 RULE_KEYS = {
@@ -185,6 +198,7 @@ class Policy:
     rules_by_id: dict[str, Rule] = field(default_factory=dict)
     foreign_credentials: ForeignCredentials = DEFAULT_FOREIGN  # the default of every bound rule
     refusals: RefusalStyle = DEFAULT_STYLE  # how refusal bodies are worded (gateway/refusal_page.py)
+    tokens: TokenSettings | None = None  # `identity: tokens:` (explicit-mode proxy authentication)
 
     def __post_init__(self) -> None:
         self.rules_by_id = {r.id: r for r in self.rules}
@@ -789,6 +803,10 @@ def compile_policy(text: str, source: str) -> Policy:
     if "sandboxes" in top:
         sandboxes, sources = _sandboxes(v, top["sandboxes"], {r.id for r in rules})
 
+    tokens: TokenSettings | None = None
+    if "identity" in top:
+        tokens = _identity(v, top["identity"], source, sandboxes)
+
     if v.issues:
         raise PolicyError(v.issues)
     index = HostIndex.build((pattern, rule.index) for rule in rules for pattern in rule.hosts)
@@ -796,8 +814,115 @@ def compile_policy(text: str, source: str) -> Policy:
     return Policy(
         tuple(rules), index, deny, allow, static_hosts, source, digest,
         sandboxes=sandboxes, sandbox_sources=sources, strict_original_destination=strict,
-        secrets=secrets, mode=policy_mode, foreign_credentials=foreign, refusals=refusals,
+        secrets=secrets, mode=policy_mode, foreign_credentials=foreign, refusals=refusals, tokens=tokens,
     )
+
+
+def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, ...] | None) -> TokenSettings | None:
+    """`identity: {tokens: {...}}`: signed tokens as proxy credentials (gateway/tokens.py). Key files
+    are read here, so a policy whose keys cannot be used does not load (nor reload)."""
+    fields = v.mapping(node, "identity", IDENTITY_KEYS)
+    if not fields or "tokens" not in fields:
+        if fields is not None:
+            v.error(node, "identity", "missing required key 'tokens'")
+        return None
+    path = "identity.tokens"
+    t = v.mapping(fields["tokens"], path, TOKEN_KEYS)
+    if t is None:
+        return None
+    for required in ("keys", "audience"):
+        if required not in t:
+            v.error(fields["tokens"], path, f"missing required key {required!r}")
+    if sandboxes is None:
+        v.error(fields["tokens"], path, "a token names a profile, an entry of sandboxes:, so the policy needs a "
+                "sandboxes section")
+    profiles = {s.id for s in sandboxes or ()}
+    base = Path(source).parent if not source.startswith("<") else Path(".")
+
+    key_files: list[Path] = []
+    jwks = True
+    if "keys" in t:
+        keys_node = t["keys"]
+        if isinstance(keys_node.value, str):
+            key_files = [base / keys_node.value] if keys_node.value else []
+            if not keys_node.value:
+                v.error(keys_node, f"{path}.keys", "must name a JWKS file or list PEM public-key files")
+        elif isinstance(keys_node.value, list):
+            jwks = False
+            for i, item in enumerate(v.sequence(keys_node, f"{path}.keys", non_empty=True) or []):
+                name = v.string(item, f"{path}.keys[{i}]")
+                if name:
+                    key_files.append(base / name)
+        else:
+            v.error(keys_node, f"{path}.keys", f"must be a JWKS file or a list of PEM files, not {_kind(keys_node.value)}")
+
+    algorithms = tuple(SUPPORTED_ALGORITHMS)
+    if "algorithms" in t:
+        found = []
+        for i, item in enumerate(v.sequence(t["algorithms"], f"{path}.algorithms", non_empty=True) or []):
+            alg = v.string(item, f"{path}.algorithms[{i}]")
+            if alg is None:
+                continue
+            if alg not in SUPPORTED_ALGORITHMS:
+                why = ("symmetric algorithms are not supported: the gateway verifies with public keys only"
+                       if alg.upper().startswith("HS") else "an unsigned token proves nothing"
+                       if alg.lower() == "none" else "not a supported algorithm")
+                v.error(item, f"{path}.algorithms[{i}]", f"{alg!r}: {why} (supported: {', '.join(SUPPORTED_ALGORITHMS)})")
+            elif alg in found:
+                v.error(item, f"{path}.algorithms[{i}]", f"{alg!r} is listed twice")
+            else:
+                found.append(alg)
+        algorithms = tuple(found)
+
+    def text(key: str) -> str | None:
+        if key not in t:
+            return None
+        value = v.string(t[key], f"{path}.{key}")
+        if value is not None and not (0 < len(value) <= 1024):
+            v.error(t[key], f"{path}.{key}", "must be 1 to 1024 characters")
+            return None
+        return value
+
+    audience, issuer = text("audience"), text("issuer")
+    leeway = DEFAULT_LEEWAY_SECONDS
+    if "leeway" in t:
+        try:
+            leeway = parse_duration(t["leeway"].value)
+            if not 0 <= leeway <= MAX_LEEWAY_SECONDS:
+                raise ValueError(f"at most {MAX_LEEWAY_SECONDS:.0f}s: a larger clock skew is a clock to fix")
+        except ValueError as exc:
+            v.error(t["leeway"], f"{path}.leeway", f"{t['leeway'].value!r}: {exc}")
+    profile_claim: tuple[str, ...] = ("egress_profile",)
+    for key in ("profile_claim", "rules_claim"):
+        value = text(key)
+        if value is not None and not _CLAIM_NAME_RE.match(value):
+            v.error(t[key], f"{path}.{key}", f"{value!r}: a claim name (dots for nested claims) of printable ASCII")
+        elif value is not None and key == "profile_claim":
+            profile_claim = tuple(value.split("."))
+    rules_claim = text("rules_claim")
+    default_profile = text("default_profile")
+    if default_profile is not None and sandboxes is not None and default_profile not in profiles:
+        v.error(t["default_profile"], f"{path}.default_profile", f"{default_profile!r}: no sandboxes entry has this id")
+    required = True
+    if "required" in t:
+        if not isinstance(t["required"].value, bool):
+            v.error(t["required"], f"{path}.required", "must be true or false")
+        else:
+            required = t["required"].value
+
+    keys = ()
+    if key_files:
+        try:
+            keys = load_keys(key_files, jwks)
+            if algorithms and not any(key.algorithms & set(algorithms) for key in keys):
+                v.error(t["keys"], f"{path}.keys", "no key verifies any of the allowed algorithms "
+                        f"({', '.join(algorithms)})")
+        except KeyFileError as exc:
+            v.error(t["keys"], f"{path}.keys", str(exc))
+    if audience is None or not key_files:
+        return None
+    return TokenSettings(tuple(key_files), jwks, algorithms, audience, issuer, leeway, profile_claim,
+                         default_profile, rules_claim, required, keys)
 
 
 def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sandbox, ...], RangeTable]:

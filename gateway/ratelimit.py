@@ -28,6 +28,11 @@ SLOTS = 60  # per window: a minute in seconds, an hour in minutes
 MIN_RATE = 0.001  # per second (one token in ~17 minutes): the smallest non-zero rate an option takes
 MAX_RETRY_AFTER = 3600  # seconds: the longest wait a refusal names (Retry-After, and a bucket's wait)
 DEFAULT_MAX_KEYS = 65536  # buckets per table: 64 Ki keys at ~200 bytes each, about 13 MiB at worst
+# Policy-limit windows (a few per sandbox with limits): ~1 KiB each, about 32 MiB at worst. Sandbox
+# ids come from traffic too (a verified token's subject), so the table is bounded: empty windows
+# are dropped first, oldest first, and past the cap the least recently used goes even if not empty.
+DEFAULT_MAX_WINDOWS = 32768
+SWEEP_PER_CALL = 4  # least recently used windows looked at (and dropped if empty) per new window: O(1)
 
 
 class _Bucket:
@@ -160,28 +165,57 @@ class SlidingWindow:
 class Quotas:
     """One sliding window per key, created when first used. `keep` (after a policy reload) drops
     the windows whose key the new policy no longer has and sets the new limits on the others, so a
-    counter survives a reload exactly when its (sandbox, rule, credential, key) still exists."""
+    counter survives a reload exactly when its (sandbox, rule, credential, key) still exists.
 
-    def __init__(self, clock: Clock = time.monotonic):
+    Bounded by `max_windows`: each new window first looks at the SWEEP_PER_CALL least recently used
+    windows and drops those not asked for and empty for a whole period (dropping one loses nothing: a
+    request that asked for a window within its period may still be counting on it), and past
+    the cap drops the least recently used one even if it is not (`evicted_in_use` counts those: a
+    sandbox idle for that long starts afresh)."""
+
+    def __init__(self, clock: Clock = time.monotonic, max_windows: int = DEFAULT_MAX_WINDOWS):
         self.clock = clock
-        self._windows: dict[Hashable, SlidingWindow] = {}
+        self.max_windows = max_windows
+        self._windows: OrderedDict[Hashable, SlidingWindow] = OrderedDict()
+        self._asked: dict[Hashable, float] = {}  # when each window was last asked for
+        self.evicted_in_use = 0
 
     def __len__(self) -> int:
         return len(self._windows)
 
     def window(self, key: Hashable, limit: int, period: float) -> SlidingWindow:
+        now = self.clock()
         window = self._windows.get(key)
         if window is None or window.period != period:
-            window = self._windows[key] = SlidingWindow(limit, period, self.clock())
+            self._sweep(now)
+            window = self._windows[key] = SlidingWindow(limit, period, now)
+        self._windows.move_to_end(key)
+        self._asked[key] = now
         window.limit = limit
         return window
+
+    def _sweep(self, now: float) -> None:
+        oldest = [key for key, _ in zip(self._windows, range(SWEEP_PER_CALL))]
+        for key in oldest:
+            window = self._windows[key]
+            if now - self._asked.get(key, now) >= window.period and window.used(now) == 0:
+                self._drop(key)
+        while len(self._windows) >= self.max_windows:
+            key = next(iter(self._windows))
+            if self._windows[key].used(now) != 0 or now - self._asked.get(key, now) < self._windows[key].period:
+                self.evicted_in_use += 1
+            self._drop(key)
+
+    def _drop(self, key: Hashable) -> None:
+        del self._windows[key]
+        self._asked.pop(key, None)
 
     def keep(self, valid: Callable[[Hashable], int | None]) -> None:
         """`valid(key)`: the key's limit under the new policy, or None when it is gone."""
         for key in list(self._windows):
             limit = valid(key)
             if limit is None:
-                del self._windows[key]
+                self._drop(key)
             else:
                 self._windows[key].limit = limit
 

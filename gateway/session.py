@@ -125,6 +125,9 @@ class ClientSession:
     mode: str
     address: IPAddress | None = None  # the client's IP: names its sandbox, unless `identity` does
     identity: Identity | None = None  # who the connection proved it is (gateway/identity.py), once set
+    # What its first proxy-level request presented as a proxy credential (gateway/proxyauth.py): a
+    # SHA-256 of the token, "" for none, None before any. Every later one must present the same.
+    proxy_credential: str | None = None
     tunnel: Pin | None = None  # set by an allowed CONNECT (or SNI / first Host in transparent mode)
     # The rule that allowed the tunnel's destination, when it is a passthrough (inspect: false) rule:
     # the connection is relayed unread once its ClientHello passes (addons/passthrough.py).
@@ -159,6 +162,15 @@ class ClientSession:
         """The connection proved who it is: every later decision on it is judged as `identity`
         (gateway/identity.py `scope_of`)."""
         self.identity = identity
+
+    def authenticated(self, credential: str, identity: Identity | None) -> None:
+        """The first proxy-level request's credential was judged (gateway/proxyauth.py): it is the
+        connection's for good, and so is the identity it proved (None: named by its address)."""
+        if self.proxy_credential is not None:
+            raise ValueError("a connection authenticates once")
+        self.proxy_credential = credential
+        if identity is not None:
+            self.identify(identity)
 
     def admit(self, address: str, port: int, server_name: str | None) -> None:
         """A request (or relay) passed every check, and was audited: the upstream guard may now open

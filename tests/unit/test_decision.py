@@ -61,5 +61,5 @@ def test_body():
 def test_every_reason_has_a_status_and_meaning():
     for code, (status, meaning) in REASONS.items():
         assert code == code.lower()
-        assert status in (200, 400, 403, 408, 413, 421, 429, 431, 500, 502, 503, 504)
+        assert status in (200, 400, 403, 407, 408, 413, 421, 429, 431, 500, 502, 503, 504)
         assert meaning

@@ -139,7 +139,7 @@ rules:
     inject: [{header: Authorization, value: "Bearer ${secrets.TOKEN}"}]
     limits: {requests_per_credential_per_minute: 3}
 """
-    key = ("credential", None, None, "TOKEN", "requests_per_credential_per_minute")
+    key = ("credential", None, None, "TOKEN", "requests_per_credential_per_minute", None)
     assert limit_of(compile_policy(two, "p.yaml"), key) == 3  # the strictest rule's, until a rule uses it
     one = two.replace("    limits: {requests_per_credential_per_minute: 3}\n", "")
     assert limit_of(compile_policy(one, "p.yaml"), key) == 5

@@ -160,6 +160,48 @@ def test_quotas_keep_only_the_keys_the_new_policy_has_under_its_new_limits():
     assert quotas.window("gone", 5, 60).used(clock.now) == 0  # a new counter
 
 
+
+def test_quotas_are_bounded_and_drop_empty_windows_first():
+    """Sandbox ids come from traffic too (a token's subject): the windows they make are bounded."""
+    clock = Clock()
+    quotas = Quotas(clock, max_windows=3)
+    quotas.window("busy", 5, 60).add(1, clock.now)
+    for i in range(10):
+        quotas.window(f"idle{i}", 5, 60)  # never counted anything
+        clock.now += 61
+        quotas.window("busy", 5, 60).add(1, clock.now)
+    # idle ones were dropped once a period had passed since they were asked for: nothing was lost
+    assert len(quotas) <= 3 and "busy" in quotas.keys() and quotas.evicted_in_use == 0
+    for i in range(5):
+        quotas.window(f"full{i}", 5, 60).add(1, clock.now)
+    assert len(quotas) == 3 and quotas.evicted_in_use > 0  # past the cap, the least recently used goes
+    clock.now += 61  # everything drained: each new window sweeps the oldest empty ones
+    evicted = quotas.evicted_in_use
+    for i in range(3):
+        quotas.window(f"new{i}", 5, 60)
+    assert sorted(quotas.keys()) == ["new0", "new1", "new2"] and quotas.evicted_in_use == evicted
+
+
+def test_a_window_just_asked_for_is_never_swept_before_it_counts():
+    """One request asks for several windows before counting on any: none is swept meanwhile."""
+    clock = Clock()
+    quotas = Quotas(clock, max_windows=100)
+    first = quotas.window("sandbox", 5, 60)
+    quotas.window("rule", 5, 60)
+    first.add(1, clock.now)
+    assert quotas.window("sandbox", 5, 60) is first
+
+
+def test_a_window_in_use_is_kept_by_being_used():
+    clock = Clock()
+    quotas = Quotas(clock, max_windows=2)
+    quotas.window("a", 5, 60).add(1, clock.now)
+    quotas.window("b", 5, 60).add(1, clock.now)
+    quotas.window("a", 5, 60)  # a used again: b is now the least recently used
+    quotas.window("c", 5, 60).add(1, clock.now)
+    assert sorted(quotas.keys()) == ["a", "c"]
+
+
 # --- sizes -----------------------------------------------------------------------------------
 
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
