@@ -79,11 +79,13 @@ def _describe(key: Hashable) -> str:
     return f"{where} limits.{name}"
 
 
-def limit_of(policy: Policy, key: Hashable) -> int | None:
-    """The limit `key` has under `policy`, or None when the policy no longer has it (a reload)."""
+def limit_of(policy: Policy, key: Hashable, profile_of=lambda sandbox: sandbox) -> int | None:
+    """The limit `key` has under `policy`, or None when the policy no longer has it (a reload).
+    `profile_of(sandbox id)`: the `sandboxes:` entry behind a sandbox id (a registered sandbox's
+    profile; a static entry is its own)."""
     kind, sandbox, rule_id, secret, name = key  # type: ignore[misc]
     if kind == "sandbox":
-        found = policy.sandboxes_by_id.get(sandbox)
+        found = policy.sandboxes_by_id.get(profile_of(sandbox))
         if found is None or (secret is not None and secret not in policy.secrets):
             return None
         return getattr(found.limits, name)
@@ -96,7 +98,7 @@ def limit_of(policy: Policy, key: Hashable) -> int | None:
         return None
     if sandbox is None:
         return getattr(rule.limits, name) if policy.sandboxes is None else None
-    found = policy.sandboxes_by_id.get(sandbox)
+    found = policy.sandboxes_by_id.get(profile_of(sandbox))
     if found is None or rule_id not in found.rule_ids:
         return None
     return getattr(rule.limits, name)
@@ -110,8 +112,10 @@ class Limiter:
         self.clock = clock
         self.requests = BucketTable(DEFAULT_REQUESTS_PER_SECOND, DEFAULT_REQUEST_BURST, clock=clock)
         self.connections = BucketTable(DEFAULT_CONNECTIONS_PER_SECOND, DEFAULT_CONNECTION_BURST, clock=clock)
-        self.quotas = Quotas(clock)
+        # A sandbox's windows are grouped by its id, so a deregistered one's go at once (bounded memory).
+        self.quotas = Quotas(clock, group=lambda key: key[1])
         state.install_listeners.append(self._on_install)
+        state.registry_listeners.append(self._on_registry_change)
 
     def key(self, conn: ClientSession, scope: Scope | None = None) -> str:
         """Like addons/limits.py: the sandbox, or the client address without a sandboxes section."""
@@ -124,7 +128,18 @@ class Limiter:
         """A reload keeps the counters whose (sandbox, rule, credential, key) the new policy still
         has, under its new limits; the others go."""
         policy = engine.policy
-        self.quotas.keep(lambda key: limit_of(policy, key))
+        registry = self.state.registry
+
+        def profile_of(sandbox):
+            registered = registry.get(sandbox) if sandbox is not None else None
+            return registered.profile if registered is not None else sandbox
+        self.quotas.keep(lambda key: limit_of(policy, key, profile_of))
+
+    def _on_registry_change(self, change) -> None:
+        """A registered sandbox is gone: its windows go (bounded memory; the same id registered again
+        starts at 0)."""
+        if change.op == "deregister" and change.removed:
+            self.quotas.drop_group(change.sandbox)
 
     def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):
         """(key, window, LIMIT_KEYS name) for every policy limit on this request: its sandbox's, then its

@@ -12,7 +12,6 @@ from mitmproxy import http
 from gateway import methods
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import RequestFacts
-from gateway.identity import scope_of
 from gateway.session import RequestHead, Step
 from gateway.hopbyhop import forwardable
 
@@ -65,7 +64,7 @@ class RequestGuard:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
-        scope = scope_of(engine.policy, conn.address, conn.identity)
+        scope = self.state.scope_under(engine.policy, conn)
         if (gated := self.state.gate(conn, scope)) is not None:  # before any decision work
             step = Step(gated)
         else:

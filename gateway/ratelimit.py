@@ -162,9 +162,12 @@ class Quotas:
     the windows whose key the new policy no longer has and sets the new limits on the others, so a
     counter survives a reload exactly when its (sandbox, rule, credential, key) still exists."""
 
-    def __init__(self, clock: Clock = time.monotonic):
+    def __init__(self, clock: Clock = time.monotonic, group: Callable[[Hashable], Hashable] | None = None):
         self.clock = clock
         self._windows: dict[Hashable, SlidingWindow] = {}
+        # group(key) -> the keys of that group (a sandbox's windows), so one group goes in O(its windows)
+        self._group = group
+        self._groups: dict[Hashable, set[Hashable]] = {}
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -173,6 +176,8 @@ class Quotas:
         window = self._windows.get(key)
         if window is None or window.period != period:
             window = self._windows[key] = SlidingWindow(limit, period, self.clock())
+            if self._group is not None:
+                self._groups.setdefault(self._group(key), set()).add(key)
         window.limit = limit
         return window
 
@@ -181,9 +186,25 @@ class Quotas:
         for key in list(self._windows):
             limit = valid(key)
             if limit is None:
-                del self._windows[key]
+                self._drop(key)
             else:
                 self._windows[key].limit = limit
+
+    def drop_group(self, group: Hashable) -> int:
+        """Every window of `group` goes (a deregistered sandbox's); how many."""
+        keys = self._groups.pop(group, set())
+        for key in keys:
+            self._windows.pop(key, None)
+        return len(keys)
+
+    def _drop(self, key: Hashable) -> None:
+        del self._windows[key]
+        if self._group is not None:
+            members = self._groups.get(self._group(key))
+            if members is not None:
+                members.discard(key)
+                if not members:
+                    del self._groups[self._group(key)]
 
     def keys(self) -> Iterable[Hashable]:
         return list(self._windows)
