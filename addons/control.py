@@ -159,6 +159,7 @@ class ControlApi:
             logger.info("egress gateway: %d registered sandboxes from the supervisor (%.0f ms)",
                         len(self.state.registry), (time.monotonic() - started) * 1000)
             self._loop.add_reader(self.link.fd, self._on_link)
+            self._on_link()  # ops that arrived with the snapshot are in the buffer already, not on the socket
         if self.server is not None:
             self.server.start()
             logger.info("egress gateway: control API at %s", self.server.where)

@@ -141,7 +141,7 @@ def parse_host_pattern(text: object) -> HostPattern:
         raise GrantError("bad_grant", f"{raw!r}: {exc}") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Grant:
     """One grant to one registered sandbox. `rule` for a rule grant; else the hosts grant's parts.
     `expires` is on the monotonic clock the registry is given (what decides); `expires_at` is the
@@ -331,5 +331,8 @@ def compile_grants(grants: Iterable[Grant], own: frozenset[str] = frozenset()) -
             rule = transient_rule(grant, len(rules))
             rules.append(rule)
             by_rule[rule.id] = grant
-    index = HostIndex.build((pattern, rule.index) for rule in rules for pattern in rule.hosts)
+    index = HostIndex.build((pattern, rule.index) for rule in rules for pattern in rule.hosts) if rules else _EMPTY
     return GrantRules(frozenset(rule_ids), tuple(rules), index, by_rule)
+
+
+_EMPTY = HostIndex()  # shared by every GrantRules without a hosts grant (never added to)

@@ -41,7 +41,7 @@ MAX_LABELS = 16
 MAX_LABEL_VALUE = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class Registration:
     id: str
     addresses: tuple[IPAddress, ...]
@@ -86,6 +86,17 @@ class Change:
                 "grant": f"grant {self.grant} to sandbox {self.sandbox}",
                 "revoke": f"the removal of grant {self.grant} of sandbox {self.sandbox}"}[self.op]
         return what + (" (its TTL ran out)" if self.why == "expired" else "")
+
+
+_RULE_SETS: dict[frozenset, frozenset] = {}
+
+
+def _interned(rule_ids: frozenset[str]) -> frozenset[str]:
+    """One frozenset per distinct set of rule ids: 100,000 sandboxes of one profile with the same
+    grant share one (a handful of profiles and grantable rules make a handful of sets)."""
+    if len(_RULE_SETS) > 4096:
+        _RULE_SETS.clear()
+    return _RULE_SETS.setdefault(rule_ids, rule_ids)
 
 
 def client_address(address: IPAddress | None) -> IPAddress | None:
@@ -169,7 +180,7 @@ class Registry:
         if not active:
             return Scope(reg.id, entry.rule_ids, entry.id), until
         granted = compile_grants(active, entry.rule_ids)
-        return Scope(reg.id, entry.rule_ids | granted.rule_ids, entry.id, granted), until
+        return Scope(reg.id, _interned(entry.rule_ids | granted.rule_ids), entry.id, granted), until
 
     def granted(self, policy: Policy, sandbox: str, now: float) -> GrantRules | None:
         reg = self._by_id.get(sandbox)
