@@ -232,6 +232,8 @@ class ControlService:
         # The line first, then the change (as a reload does): the revocations it causes follow it.
         self.record(event="control", action="register", principal=principal, decision="allow",
                     reason="registered" if old is None else "updated", status=201 if old is None else 200,
+                    message=f"sandbox {sandbox} {'registered' if old is None else 'updated'}: profile {profile}, "
+                            f"{len(addresses)} address(es), for {ttl:g} s",
                     sandbox=sandbox, profile=profile, source_ips=op["registration"]["source_ips"], ttl_seconds=ttl,
                     labels=labels or None, grants_dropped=dropped or None)
         workers = self.publish([op])
@@ -243,6 +245,7 @@ class ControlService:
         grants = len(reg.grants)
         self.record(event="control", action="deregister", principal=principal, decision="allow",
                     reason="deregistered", status=200, sandbox=reg.id, profile=reg.profile,
+                    message=f"sandbox {reg.id} deregistered; its open connections are judged again",
                     source_ips=[a.compressed for a in reg.addresses], grants_dropped=grants or None)
         workers = self.publish([{"op": "deregister", "id": reg.id}])
         return Reply(200, {"deregistered": reg.id, "grants_dropped": grants, "workers": workers})
@@ -265,6 +268,7 @@ class ControlService:
         shown = grant.describe()
         self.record(event="control", action="grant", principal=principal, decision="allow", reason="granted",
                     status=201, sandbox=reg.id, profile=reg.profile, grant=grant.id, rule=grant.rule_id,
+                    message=f"grant {grant.id} to sandbox {reg.id}: rule {grant.rule_id}",
                     hosts=shown.get("hosts"), ttl_seconds=round(grant.expires - self.clock(), 3),
                     expires_at=grant.expires_at)
         workers = self.publish([{"op": "grant", "grant": grant.to_op()}])
@@ -276,7 +280,8 @@ class ControlService:
         if grant is None:
             raise ControlError(404, "unknown_grant", f"sandbox {reg.id} has no grant {params[1]!r}")
         self.record(event="control", action="revoke", principal=principal, decision="allow", reason="revoked_grant",
-                    status=200, sandbox=reg.id, grant=grant.id, rule=grant.rule_id)
+                    status=200, sandbox=reg.id, grant=grant.id, rule=grant.rule_id,
+                    message=f"grant {grant.id} of sandbox {reg.id} removed; its open connections are judged again")
         workers = self.publish([{"op": "revoke", "sandbox": reg.id, "grant": grant.id}])
         return Reply(200, {"revoked": grant.id, "workers": workers})
 

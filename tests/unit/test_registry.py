@@ -336,3 +336,43 @@ def test_ops_that_arrive_with_the_snapshot_are_not_left_in_the_buffer():
     assert ours.recv(16) == b"2\n"
     ours.close()
     assert link.read_batches() is None  # the supervisor is gone
+
+
+# --- limits of registered sandboxes ----------------------------------------------------------------------
+
+
+def test_a_registered_sandbox_takes_its_profiles_limits_per_id_and_its_windows_go_with_it():
+    from addons.rate_limits import Limiter, limit_of
+    from addons.state import GatewayState
+
+    policy = compile_policy("""version: 1
+rules:
+  - id: pypi
+    hosts: [pypi.org]
+    limits: {requests_per_minute: 5}
+sandboxes:
+  - id: agent
+    rules: [pypi]
+    limits: {requests_per_minute: 100}
+""", "limits")
+    state = GatewayState()
+    limiter = Limiter(state, clock=lambda: T0)
+    state.install(Engine.build(policy))
+    for sandbox, address in (("s1", "10.0.0.5"), ("s2", "10.0.0.6")):
+        state.apply_registry({"op": "register", "registration": {
+            "id": sandbox, "source_ips": [address], "profile": "agent", "expires": T0 + 600,
+            "expires_at": WALL + 600, "by": "test"}})
+    s1 = scope_of(policy, ip("10.0.0.5"), None, state.registry, T0)
+    s2 = scope_of(policy, ip("10.0.0.6"), None, state.registry, T0)
+    one = {key: w.limit for key, w, _ in limiter.windows(policy, s1, "pypi", [])}
+    two = {key: w.limit for key, w, _ in limiter.windows(policy, s2, "pypi", [])}
+    assert one == {("sandbox", "s1", None, None, "requests_per_minute"): 100,
+                   ("rule", "s1", "pypi", None, "requests_per_minute"): 5}
+    assert set(two) == {("sandbox", "s2", None, None, "requests_per_minute"),
+                        ("rule", "s2", "pypi", None, "requests_per_minute")}  # each id its own windows
+    profile_of = lambda s: state.registry.get(s).profile if state.registry.get(s) else s  # noqa: E731
+    assert all(limit_of(policy, key, profile_of) == limit for key, limit in one.items())  # a reload keeps them
+    state.install(Engine.build(policy))  # a reload: limit_of keeps the windows of registered sandboxes
+    assert len(limiter.quotas) == 4
+    state.apply_registry({"op": "deregister", "id": "s1"})
+    assert set(limiter.quotas.keys()) == set(two)  # s1's windows went with it, s2's stay
