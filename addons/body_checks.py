@@ -19,7 +19,6 @@ from gateway import bodies, methods
 from gateway.decision import Decision
 from gateway.decompress import REQUEST_LIMIT, request_decoder
 from gateway.engine import Engine, Pin, body_override_refusal
-from gateway.identity import scope_of
 
 from .audit_fields import decision_fields
 from .http_stream import HOLD_BODY
@@ -46,7 +45,7 @@ def _empty_body_check(state: GatewayState, flow: http.HTTPFlow, decision: Decisi
     """An allowed GET/HEAD/OPTIONS/DELETE whose head left its body open (HTTP/2 without
     END_STREAM or content-length) on a rule without allow_body: its body is held, and any byte
     of one refuses it (addons/method_body.py EmptyBodyCheck)."""
-    rule = engine.policy.rules_by_id.get(decision.rule or "")
+    rule = engine.rule(decision.rule)
     framing = bodies.request_framing(_header_pairs(flow.request), end_stream(flow.request))
     if rule is None or not bodies.must_stay_empty(flow.request.method, framing, rule.allow_body):
         return
@@ -67,7 +66,7 @@ def _override_check(state: GatewayState, flow: http.HTTPFlow, decision: Decision
     """An allowed request whose body a framework could read a `_method` field from: its body is
     checked as it arrives, before it goes on (addons/method_body.py). With no rule behind the
     decision (report mode's `no_rule`), only the overrides that are always refused count."""
-    rule = engine.policy.rules_by_id.get(decision.rule or "")
+    rule = engine.rule(decision.rule)
     limit = max(int(getattr(ctx.options, "egress_max_decoded_request_bytes", REQUEST_LIMIT)), 0) or None
     scanner = methods.BodyScanner.for_headers(_header_pairs(flow.request),
                                               lambda coding: request_decoder(coding, limit))
@@ -87,12 +86,12 @@ def _override_check(state: GatewayState, flow: http.HTTPFlow, decision: Decision
         current, current_rule = state.engine or engine, rule
         if current is not engine and facts is not None:
             conn = state.connections.get(client)
-            scope = scope_of(current.policy, conn.address, conn.identity) if conn else current.policy.scope_for(None)
+            scope = state.scope_under(current.policy, conn) if conn else current.policy.scope_for(None)
             head = current.check_request(facts, scope)
             if not head.allowed:
                 judged_by[0] = current
                 return head
-            current_rule = current.policy.rules_by_id.get(head.rule or "")
+            current_rule = current.rule(head.rule)
         judged_by[0] = current
         refusal = body_override_refusal(current_rule, wire, found)
         return current.report(refusal) if refusal is not None else None

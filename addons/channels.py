@@ -236,6 +236,9 @@ ADDON_ORDER: tuple[AddonStep, ...] = (
     AddonStep("UpstreamGuard", "addons.upstream_guard", "after the request decisions: dials only what they allowed"),
     AddonStep("Revoker", "addons.revocation",
               "after the guards: registers WebSockets they allowed; judges again on every install"),
+    AddonStep("ControlApi", "addons.control",
+              "after the Revoker, whose listener judges open connections again on every registry change; its "
+              "running() applies a worker's registry snapshot before any connection is accepted"),
     AddonStep("DnsGuard", "addons.dns_guard", "DNS mode's own hooks; any place after the core"),
     AddonStep("CollectorFreeze", "addons.gc_freeze",
               "once running: full collections skip what start-up made; one after many freed buffers"),

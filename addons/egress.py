@@ -18,6 +18,7 @@ except ImportError:
 
 from addons.budget import BufferBudget  # noqa: E402
 from addons.connect_guard import ConnectGuard  # noqa: E402
+from addons.control import ControlApi  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
 from addons.credentials import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
@@ -81,6 +82,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         DownloadMeter(limiter),  # after BodyStreaming and the redactor chose how the response travels
         UpstreamGuard(state),
         Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
+        ControlApi(state, feed),  # after the Revoker: a registry change judges open connections again
         DnsGuard(state),
         CollectorFreeze(state),  # once running: full collections skip what start-up made; one after many freed buffers
         feed,  # late: counts what the guards decided

@@ -165,8 +165,10 @@ class HealthEndpoint:
         if self.server is not None:
             self.server.stop()
             self.server = None
+            for listener in self._guard_listeners:  # only its own: the control API's stay
+                if listener in self.state.extra_listeners:
+                    self.state.extra_listeners.remove(listener)
             self._guard_listeners = []
-            self.state.extra_listeners[:] = []
 
     def _bind(self, listen, spec: str, strict: bool) -> bool:
         try:
@@ -183,7 +185,7 @@ class HealthEndpoint:
         self._guard_listeners = [(server.address, server.port)]
         if server.address == ipaddress.ip_address("0.0.0.0"):
             self._guard_listeners.append((ipaddress.ip_address("::"), server.port))
-        self.state.extra_listeners[:] = self._guard_listeners  # every engine installed guards it
+        self.state.extra_listeners.extend(self._guard_listeners)  # every engine installed guards it
         self.feed.enable()
         if self._running:
             logger.info("egress gateway: metrics at %s/metrics", server.url)

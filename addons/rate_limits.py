@@ -112,8 +112,10 @@ class Limiter:
         self.clock = clock
         self.requests = BucketTable(DEFAULT_REQUESTS_PER_SECOND, DEFAULT_REQUEST_BURST, clock=clock)
         self.connections = BucketTable(DEFAULT_CONNECTIONS_PER_SECOND, DEFAULT_CONNECTION_BURST, clock=clock)
-        self.quotas = Quotas(clock)
+        # A sandbox's windows are grouped by its id, so a deregistered one's go at once (bounded memory).
+        self.quotas = Quotas(clock, group=lambda key: key[1])
         state.install_listeners.append(self._on_install)
+        state.registry_listeners.append(self._on_registry_change)
 
     def key(self, conn: ClientSession, scope: Scope | None = None) -> str:
         """Like addons/limits.py: the sandbox, or the client address without a sandboxes section."""
@@ -126,7 +128,13 @@ class Limiter:
         """A reload keeps the counters whose (sandbox, rule, credential, key) the new policy still
         has, under its new limits; the others go."""
         policy = engine.policy
-        self.quotas.keep(lambda key: limit_of(policy, key))
+        self.quotas.keep(lambda key: limit_of(policy, key))  # (a key names its profile)
+
+    def _on_registry_change(self, change) -> None:
+        """A registered sandbox is gone: its windows go (bounded memory; the same id registered again
+        starts at 0)."""
+        if change.op == "deregister" and change.removed:
+            self.quotas.drop_group(change.sandbox)
 
     def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):
         """(key, window, LIMIT_KEYS name) for every policy limit on this request: its sandbox's, then its

@@ -12,7 +12,6 @@ from mitmproxy import http
 from gateway import methods
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import RequestFacts
-from gateway.identity import scope_of
 from gateway.session import RequestHead, Step
 from gateway.hopbyhop import forwardable, without_proxy_credentials
 
@@ -74,7 +73,7 @@ class RequestGuard:
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
         # An absolute-form request is addressed to the proxy: its credential first (addons/proxy_auth.py).
         refused, auth_fields = proxy_auth.check(flow, conn, engine)
-        scope = scope_of(engine.policy, conn.address, conn.identity)
+        scope = self.state.scope_under(engine.policy, conn)
         if refused is not None:
             step = Step(refused)
         elif (gated := self.state.gate(conn, scope)) is not None:  # before any decision work

@@ -29,7 +29,6 @@ from mitmproxy import ctx, http
 
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine
-from gateway.identity import scope_of
 from gateway.revocation import Established, failure, rejudge, revocation
 
 from .audit_fields import connection_fields
@@ -76,12 +75,14 @@ class Revoker:
     def __init__(self, state: GatewayState, closer=close_client):
         self.state = state
         self.closer = closer
+        self._by = "the new policy"  # what changed, in a revocation's message
         self._swept = 0  # the engine generation the open connections were last judged by
         # client id -> flow id -> the flow of each registered request: a stream can die without any
         # hook saying so (an HTTP/2 reset after its answer), so dead ones are pruned by liveness
         self._flows: dict[str, dict[str, http.HTTPFlow]] = {}
         state.install_listeners.append(self.sweep)
         state.stale_listeners.append(self.judge)
+        state.registry_listeners.append(self.registry_changed)
 
     # --- what becomes long-lived here: WebSockets (the guards register the rest) -------------------
 
@@ -169,9 +170,37 @@ class Revoker:
                                                                 "connection after a policy change"))
                     self.closer(client_id)
 
-    def judge(self, client_id: str, conn: ClientSession) -> bool:
+    def registry_changed(self, change) -> None:
+        """A control API change (a registration, a deregistration, a grant added, removed or run
+        out): every open connection from the addresses it touched is judged again by the current
+        engine under the new registry, whatever engine judged it last, and closed if no longer
+        allowed. O(the connections from those addresses), not O(every open connection)."""
+        if self.state.engine is None:
+            return
+        self._by = change.describe()
+        try:
+            self._judge_all(self.state.connections_from(change.addresses))
+        finally:
+            self._by = "the new policy"
+
+    def _judge_all(self, connections) -> None:
+        for client_id, conn in connections:
+            if not conn.established:
+                continue
+            try:
+                self.judge(client_id, conn, force=True)
+            except Exception:
+                logger.exception("egress gateway: judging open connection %s failed; it is closed", conn.client)
+                if conn.poisoned is not None and not conn.established:
+                    continue
+                conn.revoke(Decision.deny("internal_error", "the gateway failed while judging this "
+                                                            "connection after a control change"))
+                self.closer(client_id)
+
+    def judge(self, client_id: str, conn: ClientSession, force: bool = False) -> bool:
         """Judge one connection by the current engine; close it if anything on it is no longer
-        allowed. True when it stays open."""
+        allowed. True when it stays open. `force`: judge even what this engine judged already (the
+        registry changed, not the policy)."""
         engine = self.state.engine
         self._prune(client_id, conn)  # a dead stream is nothing to revoke
         if engine is None or not conn.established:
@@ -182,11 +211,11 @@ class Revoker:
         reported: tuple[Established, Decision] | None = None
         judged = []
         for established in conn.established:
-            if established.generation == engine.generation:
+            if established.generation == engine.generation and not force:
                 judged.append(established)
                 continue
             try:
-                decision = rejudge(engine, established, scope_of(engine.policy, conn.address, conn.identity))
+                decision = rejudge(engine, established, self.state.scope_under(engine.policy, conn))
             except Exception:
                 logger.exception("egress gateway: judging an open connection failed; it is closed")
                 decision = failure(established)
@@ -205,7 +234,7 @@ class Revoker:
                 engine: Engine) -> None:
         kind = _kind(conn, established)
         request = _request(conn)
-        conn.revoke(revocation(established, decision))  # anything still arriving is refused, nothing admitted
+        conn.revoke(revocation(established, decision, self._by))  # anything still arriving is refused, nothing admitted
         try:
             self._record(conn, established, decision, engine, kind, request)  # the line first, then the effect
             logger.info("egress gateway: revoked open %s %s -> %s (rule %s): %s", kind, conn.client,
@@ -221,8 +250,8 @@ class Revoker:
         verdict (`revoked`, deny or would_deny) and `cause`, the new policy's reason code."""
         pin = established.pin
         request = request or established.request
-        fields = connection_fields(conn, scope_of(engine.policy, conn.address, conn.identity).sandbox)
-        fields |= verdict_fields(revocation(established, decision), status_sent=False)
+        fields = connection_fields(conn, self.state.scope_under(engine.policy, conn).sandbox)
+        fields |= verdict_fields(revocation(established, decision, self._by), status_sent=False)
         fields |= {
             "host": pin.host.value, "port": pin.port, "address": pin.address.compressed,
             "method": request.method if request else None, "scheme": request.scheme if request else None,

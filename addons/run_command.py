@@ -9,6 +9,7 @@ mitmproxy: a `run --workers N` supervisor never needs it (~70 MiB for its whole 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import sys
 
 from gateway.audit import DEFAULT_MAX_BYTES, AuditLog
 from gateway.commands import EXIT_INVALID
+from gateway.control import DEFAULT_SOCKET
 from gateway.options import OPTIONS
 from gateway.policy import PolicyError, load_default_policy, load_policy
 from gateway.workers import MAX_WORKERS, WORKERS_ENV, Supervisor, default_workers, log_to_stderr, worker_index
@@ -84,6 +86,23 @@ def register(sub) -> None:
         "supervisor restarts dead workers, passes SIGHUP on, merges metrics and writes the one audit log "
         f"(default: ${WORKERS_ENV}, else the usable CPU cores; see docs/deploy.md)",
     )
+    control = run.add_argument_group("control API (docs/control-api.md)")
+    control.add_argument(
+        "--control", metavar="unix:PATH|HOST:PORT", default=None,
+        help="serve the control API (register sandboxes, grants) on a unix socket (mode 0600; 'unix' alone: "
+        f"{DEFAULT_SOCKET}) or on HOST:PORT with --control-token-file; never reachable through the proxy",
+    )
+    control.add_argument("--control-token-file", metavar="PATH", default=None,
+                         help="NAME:TOKEN lines: bearer tokens the control API accepts, each naming its principal")
+    control.add_argument("--control-group", metavar="GROUP", default=None,
+                         help="group that may use the control socket (mode 0660 instead of 0600)")
+    control.add_argument("--control-max-sandboxes", metavar="N", type=_positive_int, default=argparse.SUPPRESS,
+                         help=f"most sandboxes registered at once (default {OPTIONS['egress_control_max_sandboxes'].default})")
+    control.add_argument("--control-max-grants", metavar="N", type=_positive_int, default=argparse.SUPPRESS,
+                         help=f"most grants one registered sandbox holds at once (default {OPTIONS['egress_control_max_grants'].default})")
+    control.add_argument("--control-rate", metavar="PER_SECOND", default=argparse.SUPPRESS,
+                         help=f"control API requests a second per principal, 0: no limit (default "
+                         f"{OPTIONS['egress_control_rate'].default})")
     run.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     run.set_defaults(func=main)
 
@@ -241,4 +260,106 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
         return 1
     supervisor = Supervisor(workers, lambda index, fd: worker_command(args, modes, index, fd), audit=audit,
                             drain_timeout=args.drain_timeout)
-    return supervisor.run()
+    control = None
+    if args.control:
+        try:
+            control = _supervisor_control(args, supervisor)
+        except (ValueError, OSError, KeyError) as exc:
+            print(f"egress-gateway: --control: {exc}", file=sys.stderr)
+            return 1
+    try:
+        return supervisor.run()
+    finally:
+        if control is not None:
+            control.stop()
+
+
+class _PolicyWatch:
+    """The supervisor's view of the policy, for validating control requests: the file re-read when
+    its identity changes (looked at most once a second); an invalid new version keeps the old one,
+    as the workers do."""
+
+    def __init__(self, path: str | None, policy):
+        self.path, self.policy = path, policy
+        self._seen = self._stat()
+        self._checked = 0.0
+
+    def _stat(self):
+        import os
+
+        try:
+            st = os.stat(self.path) if self.path else None
+        except OSError:
+            return None
+        return st and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def __call__(self):
+        import time
+
+        now = time.monotonic()
+        if self.path and now - self._checked >= 1.0:
+            self._checked = now
+            seen = self._stat()
+            if seen != self._seen:
+                self._seen = seen
+                try:
+                    self.policy = load_policy(self.path)
+                except PolicyError:
+                    pass
+        return self.policy
+
+
+class _SupervisorControl:
+    def __init__(self, server, timer):
+        self.server, self.timer = server, timer
+
+    def stop(self) -> None:
+        self.timer.stop()
+        self.server.stop()
+
+
+def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor) -> _SupervisorControl:
+    """`run --workers N --control SPEC`: the supervisor owns the API and the registry; the workers
+    hold copies (gateway/control_fanout.py). Its metrics go to the workers' multiprocess directory,
+    so every scrape sums them in."""
+    import os
+
+    from gateway.control import ControlService, Limits
+    from gateway.control_fanout import CONTROL_LISTEN_ENV, ExpiryTimer, Fanout
+    from gateway.control_server import ControlServer, read_tokens
+    from gateway.ratelimit import parse_rate
+    from gateway.registry import Registry
+    from gateway.workers import MULTIPROC_ENV
+
+    os.environ[MULTIPROC_ENV] = supervisor.metrics_dir  # before prometheus_client makes a value
+    from prometheus_client import CollectorRegistry
+
+    from gateway.metrics import ControlMetrics
+
+    metrics = ControlMetrics(CollectorRegistry())
+    policy = _PolicyWatch(args.policy, load_policy(args.policy) if args.policy else load_default_policy())
+    registry = Registry()
+    rate = parse_rate(getattr(args, "control_rate", OPTIONS["egress_control_rate"].default))
+    limits = Limits(max_sandboxes=getattr(args, "control_max_sandboxes", OPTIONS["egress_control_max_sandboxes"].default),
+                    max_grants=getattr(args, "control_max_grants", OPTIONS["egress_control_max_grants"].default),
+                    rate=rate, burst=2 * rate)
+    holder: dict = {}
+
+    def publish(ops):
+        confirmed = holder["fanout"].publish(ops)
+        metrics.sizes(len(registry), registry.grant_count)
+        return confirmed
+
+    service = ControlService(registry, policy, publish, supervisor.record, limits, count=metrics.count)
+    fanout = holder["fanout"] = Fanout(registry, service.lock, supervisor.served, supervisor.kill)
+    supervisor.control = fanout
+    tokens = read_tokens(args.control_token_file) if args.control_token_file else None
+    server = ControlServer(args.control, service, tokens=tokens, group=args.control_group)
+    if server.address is not None:
+        ip, port = server.address
+        supervisor.env[CONTROL_LISTEN_ENV] = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    timer = ExpiryTimer(service.expire, fanout.wake)
+    server.start()
+    timer.start()
+    logging.getLogger("egress").info("egress gateway: control API at %s (supervisor)", server.where)
+    return _SupervisorControl(server, timer)

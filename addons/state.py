@@ -18,7 +18,8 @@ from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine
 from gateway.hostnames import IPAddress
 from gateway.identity import scope_of
-from gateway.policy import Scope
+from gateway.policy import Policy, Scope
+from gateway.registry import Registry, client_address
 from gateway.redact import Redactor, SecretMemory
 from gateway.revocation import Established
 from gateway.session import ClientSession
@@ -43,6 +44,7 @@ class GatewayState:
         self.engine: Engine | None = None
         self.audit: AuditLog = AuditLog(None)
         self.connections: dict[str, ClientSession] = {}
+        self.by_address: dict[IPAddress, set[str]] = {}  # client address -> ids of its open connections
         self.dns_memory = DnsMemory()
         self.placeholder_key: bytes | None = None  # HMAC key for placeholders, from the confdir
         # Called with every recorded decision (the audit entry plus private keys starting with
@@ -77,6 +79,12 @@ class GatewayState:
         self._secrets_seen: tuple | None = None
         # Bytes buffered per connection and per sandbox (limits set by addons/budget.py).
         self.buffers = Ledger()
+        # Sandboxes the platform registered through the control API, and their grants (addons/control.py
+        # keeps it; every scope lookup consults it). Shared with each engine for grants' transient rules.
+        self.registry = Registry()
+        # Told of every Change applied to the registry (gateway/registry.py), after it is in place: open
+        # connections from its addresses judged again (addons/revocation.py), windows dropped (rate_limits).
+        self.registry_listeners: list[Callable[..., None]] = []
 
     def sandbox_key(self, conn: ClientSession | None) -> str:
         """What a per-sandbox budget counts against: the sandbox, or the client address when the
@@ -113,6 +121,7 @@ class GatewayState:
         if self.extra_listeners:
             engine.guard = engine.guard.with_self((), self.extra_listeners)
         engine.timings = self._timing if self.timing_listeners else None
+        engine.grant_rules = self.registry.grant_rules  # type: ignore[assignment]
         if not engine.generation:  # the same engine installed again (configure) keeps its number
             self._generation += 1
             engine.generation = self._generation
@@ -122,6 +131,17 @@ class GatewayState:
                 listener(engine)
             except Exception:
                 logging.getLogger("egress").exception("egress gateway: install listener failed")
+
+    def apply_registry(self, op: dict):
+        """Apply one control op (gateway/registry.py `Registry.apply`) and tell every listener: the
+        registry is changed first, so everything they judge is judged by the new state."""
+        change = self.registry.apply(op)
+        for listener in self.registry_listeners:
+            try:
+                listener(change)
+            except Exception:
+                logging.getLogger("egress").exception("egress gateway: registry listener failed")
+        return change
 
     def establish(self, client_id: str, conn: ClientSession, established: Established) -> None:
         """A guard made something long-lived on this connection, judged by the engine of generation
@@ -172,7 +192,19 @@ class GatewayState:
         if state is None:
             peer = f"{peername[0]}:{peername[1]}" if peername else "?"
             state = self.connections[client_id] = ClientSession(peer, mode, _peer_address(peername))
+            if state.address is not None:
+                self.by_address.setdefault(client_address(state.address), set()).add(client_id)
         return state
+
+    def connections_from(self, addresses) -> list[tuple[str, ClientSession]]:
+        """The open connections from these client addresses (a registry change judges only them)."""
+        found = []
+        for address in addresses:
+            for client_id in list(self.by_address.get(client_address(address), ())):
+                conn = self.connections.get(client_id)
+                if conn is not None:
+                    found.append((client_id, conn))
+        return found
 
     def sandbox_key_of_peer(self, peername: tuple | None) -> str:
         """`sandbox_key` for a client known only by its peer address (a connection being accepted)."""
@@ -180,14 +212,25 @@ class GatewayState:
 
     def scope(self, conn: ClientSession | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a
-        reloaded policy applies at once): by its identity if it proved one, else by its address."""
-        policy = self.require_engine().policy
+        reloaded policy or a control API change applies at once): by its identity if it proved one,
+        else by the sandbox registered for its address (gateway/registry.py), else by its address."""
+        return self.scope_under(self.require_engine().policy, conn)
+
+    def scope_under(self, policy: Policy, conn: ClientSession | None) -> Scope:
+        """`scope` under a given policy (an engine taken once by a hook)."""
         if conn is None:
             return policy.scope_for(None)
-        return scope_of(policy, conn.address, conn.identity)
+        return scope_of(policy, conn.address, conn.identity, self.registry)
 
     def forget(self, client_id: str) -> None:
-        self.connections.pop(client_id, None)
+        conn = self.connections.pop(client_id, None)
+        if conn is not None and conn.address is not None:
+            key = client_address(conn.address)
+            ids = self.by_address.get(key)
+            if ids is not None:
+                ids.discard(client_id)
+                if not ids:
+                    del self.by_address[key]
 
     def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """The first refusal of `request_gates` for a request head, or None."""

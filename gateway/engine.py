@@ -88,9 +88,18 @@ class Engine:
         self.tokens = TokenVerifier(policy.tokens, frozenset(policy.sandboxes_by_id)) if policy.tokens else None
         # Told how long each policy check took (kind, seconds), e.g. for a metrics histogram.
         self.timings: Callable[[str, float], None] | None = None
+        # Transient rules of hosts grants by id (gateway/registry.py keeps them; GatewayState.install
+        # shares its dict): `rule()` finds them where a policy rule id would be looked up.
+        self.grant_rules: dict[str, Rule] = {}
         # Which install this engine was (GatewayState.install numbers them from 1; 0: never installed).
         # A connection records the generation that judged it, so a reload can tell what it must re-judge.
         self.generation = 0
+
+    def rule(self, rule_id: str | None) -> Rule | None:
+        """The rule a decision names: the policy's, or a hosts grant's transient rule."""
+        if not rule_id:
+            return None
+        return self.policy.rules_by_id.get(rule_id) or self.grant_rules.get(rule_id)
 
     def _timed(self, kind: str, check: Callable[..., Decision], *args) -> Decision:
         if self.timings is None:
@@ -141,6 +150,12 @@ class Engine:
                 found.append(rule)
             else:
                 notes.append(f"rule {rule.id}: not granted to sandbox {scope.sandbox or '(none)'}")
+        granted = scope.granted
+        if granted is not None and granted.rules:  # a registered sandbox's hosts grants: its own small index
+            for i in granted.index.candidates(host):
+                rule = granted.rules[i]
+                if rule.protocol == protocol:
+                    found.append(rule)
         return found, notes
 
     def check_destination(self, host: Host, port: int, scope: Scope = EVERY_RULE) -> Decision:
@@ -153,7 +168,7 @@ class Engine:
             return Decision.deny("no_rule", f"no rule allows {host.authority(port)}{_for(scope)}", notes=notes)
         for rule in candidates:
             if rule.allows_port(port):
-                return Decision.allow(rule.id, f"rule {rule.id} allows {host.authority(port)}")
+                return Decision.allow(rule.id, f"rule {rule.id} allows {host.authority(port)}{_by_grant(scope, rule)}")
         notes = [f"rule {r.id}: port {port} not in {_ports_text(r)}" for r in candidates]
         return Decision.deny("port_not_allowed", f"no rule allows port {port} on {host}", candidates[0].id, notes)
 
@@ -182,7 +197,8 @@ class Engine:
         for rule in candidates:
             stage, why, override = _first_failure(rule, facts, method, path, overrides)
             if stage is None:
-                return Decision.allow(rule.id, f"rule {rule.id} allows {method} {where}{path}{_with(overrides)}")
+                return Decision.allow(rule.id, f"rule {rule.id} allows {method} {where}{path}{_with(overrides)}"
+                                               f"{_by_grant(scope, rule)}")
             notes.append(f"rule {rule.id}: {why}")
             if stage > best_stage:
                 best_stage, best_rule, best_override = stage, rule, override
@@ -300,6 +316,18 @@ class Engine:
             return None
         first = refused[0]
         return Decision.deny(first.reason, f"{host} resolves to {first.describe()}", notes=[v.describe() for v in verdicts])
+
+
+def _by_grant(scope: Scope, rule: Rule) -> str:
+    """" (by grant G until T)" when the rule decides only because a grant added it to the scope."""
+    granted = scope.granted
+    if granted is None:
+        return ""
+    grant = granted.grant_of(rule.id)
+    if grant is None:
+        return ""
+    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(grant.expires_at))
+    return f" (by grant {grant.id} of sandbox {grant.sandbox}, until {until})"
 
 
 def _for(scope: Scope) -> str:

@@ -12,10 +12,12 @@ Every decision asks `scope_of`, so live traffic, revocation and the audit agree 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from .hostnames import IPAddress
 from .policy import NO_RULE, Policy, Scope
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -28,11 +30,18 @@ class Identity:
     rule_ids: frozenset[str] | None = None  # a narrowing of the profile's rules (None: all of them)
 
 
-def scope_of(policy: Policy, address: IPAddress | None, identity: Identity | None = None) -> Scope:
+def scope_of(policy: Policy, address: IPAddress | None, identity: Identity | None = None,
+             registry: Registry | None = None, now: float | None = None) -> Scope:
     """The rules a connection may use under `policy`: its identity's profile (narrowed, never
-    widened), else the static table by source address. A profile the policy no longer has (a
-    reload removed it) grants no rule."""
+    widened); else the sandbox the platform registered for its source address (gateway/registry.py:
+    the profile's rules plus the sandbox's grants, looked up now, so a deregistration or an expiry
+    applies to the very next decision); else the static table by source address. A profile the
+    policy no longer has (a reload removed it) grants no rule."""
     if identity is None:
+        if registry:
+            registered = registry.scope(policy, address, time.monotonic() if now is None else now)
+            if registered is not None:
+                return registered
         return policy.scope_for(address)
     entry = policy.sandboxes_by_id.get(identity.profile) if policy.sandboxes is not None else None
     if entry is None:

@@ -66,6 +66,37 @@ def _known(value: Any, known: frozenset[str]) -> str:
     return value if isinstance(value, str) and value in known else OTHER
 
 
+class ControlMetrics:
+    """The control API's metrics (gateway/control.py), in whichever registry serves them: the
+    gateway's own, or (run --workers N) the supervisor's multiprocess files, summed with the workers'.
+    Labels are bounded: an action of `ROUTES` and a result code, never a sandbox id."""
+
+    def __init__(self, registry: CollectorRegistry):
+        from .control import ACTIONS
+
+        self._actions = frozenset(ACTIONS)
+        self.requests = Counter(
+            "egress_control_requests", "Control API requests and expiries, by action (register, deregister, grant, "
+            "revoke, expire, list, get, ...) and result (ok, or the refusal's reason code).", ["action", "result"],
+            registry=registry)
+        self.sandboxes = Gauge("egress_registered_sandboxes", "Sandboxes registered through the control API now.",
+                               registry=registry, multiprocess_mode="livemax")
+        self.grants = Gauge("egress_control_grants", "Grants held by registered sandboxes now.", registry=registry,
+                            multiprocess_mode="livemax")
+        for action in ("register", "deregister", "grant", "revoke", "expire"):
+            self.requests.labels(action, "ok")
+
+    def count(self, action: str, result: str) -> None:
+        self.requests.labels(_known(action, self._actions), result if _RESULT.match(result or "") else OTHER).inc()
+
+    def sizes(self, sandboxes: int, grants: int) -> None:
+        self.sandboxes.set(sandboxes)
+        self.grants.set(grants)
+
+
+_RESULT = re.compile(r"^[a-z_]{1,32}$")
+
+
 class GatewayMetrics:
     """All gateway metrics, in a registry of their own (so several gateways can live in one process)."""
 
@@ -172,6 +203,7 @@ class GatewayMetrics:
             registry=r,
         )
         self.audit_writable.set(1)
+        self.control = ControlMetrics(r)
         self._lock = threading.Lock()
         self._rules: set[str] = set()
         self._sandboxes: set[str] = set()

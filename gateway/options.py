@@ -155,6 +155,30 @@ OPTIONS: dict[str, Option] = _table(
            'Serve /metrics, /healthz and /readyz on HOST:PORT (an IP address); empty: off. The address '
            "is one of the gateway's own listeners, never reachable through the proxy.",
            flag='--metrics'),
+    # --- addons.control
+    Option('egress_control', str, '', 'addons.control',
+           "The control API's listener (docs/control-api.md): unix:PATH (unix alone: "
+           '/run/egress/control.sock), or HOST:PORT with a token file; empty: off. One of the '
+           "gateway's own listeners, never reachable through the proxy.",
+           flag='--control'),
+    Option('egress_control_token_file', str, '', 'addons.control',
+           'File of NAME:TOKEN lines: the bearer tokens the control API accepts, each naming its '
+           'principal (required with HOST:PORT; optional on a unix socket).',
+           flag='--control-token-file'),
+    Option('egress_control_group', str, '', 'addons.control',
+           'Group that may use the control socket (mode 0660); empty: the socket is 0600, the '
+           "gateway's user only.",
+           flag='--control-group'),
+    Option('egress_control_max_sandboxes', int, 200000, 'addons.control',
+           'Most sandboxes registered at once (409 sandbox_limit above).',
+           flag='--control-max-sandboxes'),
+    Option('egress_control_max_grants', int, 32, 'addons.control',
+           'Most grants one registered sandbox holds at once (409 grant_limit above).',
+           flag='--control-max-grants'),
+    Option('egress_control_rate', str, '2000', 'addons.control',
+           'Control API requests a second per principal (burst: twice as many); 0: no limit '
+           '(429 rate_limited above).',
+           flag='--control-rate'),
     # --- addons.layer_guard
     Option('egress_max_client_hello_bytes', int, DEFAULT_MAX_CLIENT_HELLO_BYTES, 'addons.layer_guard',
            'Largest TLS ClientHello accepted, in bytes (its declared handshake length; the connection is '

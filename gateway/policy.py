@@ -24,6 +24,7 @@ from .credentials import (
     TemplateError,
 )
 from .foreign import DEFAULT as DEFAULT_FOREIGN, ForeignCredentials, header_key, query_key
+from .grants import DEFAULT_GRANT_PORTS, DEFAULT_GRANT_SCHEMES, DEFAULT_MAX_TTL, Grantable, parse_duration
 from .hostnames import HostError, IPAddress, canonical_host
 from .globs import PathGlob
 from .matcher import HostIndex, HostPattern
@@ -70,7 +71,8 @@ PLACEHOLDER_KEYS = {"query", "path"}
 INJECT_KEYS = {"header", "query", "value"}
 SECRET_SOURCE_KEYS = {"env", "file"}
 MODES = ("enforce", "report")
-SANDBOX_KEYS = {"id", "source_ips", "rules", "limits"}
+SANDBOX_KEYS = {"id", "source_ips", "rules", "limits", "grantable"}
+GRANTABLE_KEYS = {"rules", "hosts", "ports", "schemes", "methods", "max_ttl"}
 PROTOCOLS = ("http", "tcp")
 HTTP_ONLY_RULE_KEYS = ("schemes", "methods", "paths", "allow_body", "limits")
 # `limits:` keys -> (window in seconds, unit): request counts per minute, body bytes per hour.
@@ -162,6 +164,8 @@ class Sandbox:
     rule_ids: frozenset[str]
     location: Location
     limits: Limits = NO_LIMITS  # over every request of the sandbox, whatever its rule
+    # What the control API may grant to a registered sandbox of this profile (gateway/grants.py).
+    grantable: Grantable | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,9 @@ class Scope:
     sandbox: str | None  # the id the audit line names (a static entry's id, a token's or registration's)
     rule_ids: frozenset[str] | None  # None: every rule
     profile: str | None = None  # the `sandboxes:` entry whose limits apply (None: no entry)
+    # A registered sandbox's active grants (gateway/grants.py GrantRules): rules of the policy it
+    # adds (already in `rule_ids`) and transient rules the engine also looks up. Not compared.
+    granted: object | None = field(default=None, compare=False)
 
     def grants(self, rule: Rule) -> bool:
         return self.rule_ids is None or rule.id in self.rule_ids
@@ -963,9 +970,69 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
                 elif name is not None:
                     granted.add(name)
         limits = _limits(v, fields["limits"], f"{path}.limits") if "limits" in fields else NO_LIMITS
+        grantable = _grantable(v, fields["grantable"], f"{path}.grantable", rule_ids) if "grantable" in fields else None
         if sandbox_id is not None:
-            sandboxes.append(Sandbox(sandbox_id, frozenset(granted), item.location, limits))
+            sandboxes.append(Sandbox(sandbox_id, frozenset(granted), item.location, limits, grantable))
     return tuple(sandboxes), sources
+
+
+def _grantable(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> Grantable | None:
+    """`grantable: {rules, hosts, ports, schemes, methods, max_ttl}`: the envelope of the grants the
+    control API may give a registered sandbox of this profile (gateway/grants.py)."""
+    fields = v.mapping(node, path, GRANTABLE_KEYS)
+    if fields is None:
+        return None
+    if "rules" not in fields and "hosts" not in fields:
+        v.error(node, path, "must set rules or hosts (what may be granted)")
+    rules: set[str] = set()
+    for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or [] if "rules" in fields else []):
+        name = v.string(rule_node, f"{path}.rules[{j}]")
+        if name is not None and name not in rule_ids:
+            v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
+        elif name is not None:
+            rules.add(name)
+    hosts: list[HostPattern] = []
+    for j, host_node in enumerate(v.sequence(fields["hosts"], f"{path}.hosts") or [] if "hosts" in fields else []):
+        pattern = _host_pattern(v, host_node, f"{path}.hosts[{j}]")
+        if pattern is not None:
+            hosts.append(pattern)
+    ports = DEFAULT_GRANT_PORTS
+    if "ports" in fields:
+        found = set()
+        for j, item in enumerate(v.sequence(fields["ports"], f"{path}.ports", non_empty=True) or []):
+            if type(item.value) is not int or not 1 <= item.value <= 65535:
+                v.error(item, f"{path}.ports[{j}]", f"{item.value!r}: a port is a whole number from 1 to 65535")
+            else:
+                found.add(item.value)
+        ports = frozenset(found)
+    schemes = DEFAULT_GRANT_SCHEMES
+    if "schemes" in fields:
+        found_s = set()
+        for j, item in enumerate(v.sequence(fields["schemes"], f"{path}.schemes", non_empty=True) or []):
+            if item.value not in SCHEMES:
+                v.error(item, f"{path}.schemes[{j}]", f"{item.value!r}: one of {', '.join(SCHEMES)}")
+            else:
+                found_s.add(item.value)
+        schemes = frozenset(found_s)
+    methods = None
+    if "methods" in fields:
+        found_m = set()
+        for j, item in enumerate(v.sequence(fields["methods"], f"{path}.methods", non_empty=True) or []):
+            m = item.value
+            if not isinstance(m, str) or not _METHOD_RE.match(m):
+                v.error(item, f"{path}.methods[{j}]", f"{m!r}: methods are upper-case tokens like GET")
+            elif m in FORBIDDEN_METHODS:
+                v.error(item, f"{path}.methods[{j}]", f"{m!r} is always refused and cannot be granted")
+            else:
+                found_m.add(m)
+        methods = frozenset(found_m)
+    max_ttl = DEFAULT_MAX_TTL
+    if "max_ttl" in fields:
+        try:
+            max_ttl = parse_duration(fields["max_ttl"].value)
+        except ValueError as exc:
+            v.error(fields["max_ttl"], f"{path}.max_ttl", f"{fields['max_ttl'].value!r}: {exc}")
+    return Grantable(frozenset(rules), tuple(hosts), ports, schemes, methods, max_ttl)
 
 
 def load_policy(path: str | Path) -> Policy:

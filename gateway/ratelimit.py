@@ -171,14 +171,18 @@ class Quotas:
     windows and drops those not asked for and empty for a whole period (dropping one loses nothing: a
     request that asked for a window within its period may still be counting on it), and past
     the cap drops the least recently used one even if it is not (`evicted_in_use` counts those: a
-    sandbox idle for that long starts afresh)."""
+    sandbox idle for that long starts afresh). With `group` (key -> its group: a sandbox), one
+    group's windows go at once (`drop_group`: a deregistered sandbox's), in O(its windows)."""
 
-    def __init__(self, clock: Clock = time.monotonic, max_windows: int = DEFAULT_MAX_WINDOWS):
+    def __init__(self, clock: Clock = time.monotonic, max_windows: int = DEFAULT_MAX_WINDOWS,
+                 group: Callable[[Hashable], Hashable] | None = None):
         self.clock = clock
         self.max_windows = max_windows
         self._windows: OrderedDict[Hashable, SlidingWindow] = OrderedDict()
         self._asked: dict[Hashable, float] = {}  # when each window was last asked for
         self.evicted_in_use = 0
+        self._group = group
+        self._groups: dict[Hashable, set[Hashable]] = {}
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -189,6 +193,8 @@ class Quotas:
         if window is None or window.period != period:
             self._sweep(now)
             window = self._windows[key] = SlidingWindow(limit, period, now)
+            if self._group is not None:
+                self._groups.setdefault(self._group(key), set()).add(key)
         self._windows.move_to_end(key)
         self._asked[key] = now
         window.limit = limit
@@ -209,6 +215,21 @@ class Quotas:
     def _drop(self, key: Hashable) -> None:
         del self._windows[key]
         self._asked.pop(key, None)
+        if self._group is not None:
+            group = self._group(key)
+            members = self._groups.get(group)
+            if members is not None:
+                members.discard(key)
+                if not members:
+                    del self._groups[group]
+
+    def drop_group(self, group: Hashable) -> int:
+        """Every window of `group` goes (a deregistered sandbox's); how many."""
+        keys = self._groups.pop(group, set())
+        for key in keys:
+            self._windows.pop(key, None)
+            self._asked.pop(key, None)
+        return len(keys)
 
     def keep(self, valid: Callable[[Hashable], int | None]) -> None:
         """`valid(key)`: the key's limit under the new policy, or None when it is gone."""

@@ -96,16 +96,16 @@ def rejudge(engine: Engine, established: Established, scope: Scope | None = None
     return decision
 
 
-def revocation(established: Established, decision: Decision) -> Decision:
+def revocation(established: Established, decision: Decision, by: str = "the new policy") -> Decision:
     """The decision an audit line records for an open connection judged again: `deny` with reason
     `revoked` when `decision` refuses it (closed), `would_deny` with reason `revoked` when report
     mode lets it stay; its rule is the one that used to allow the connection. None of these is sent
-    as an HTTP status."""
+    as an HTTP status. `by`: what changed (the new policy, or a control API change)."""
     what = f"{established.kind} to {established.pin.host.authority(established.pin.port)}"
     if decision.would_deny:
-        return Decision(True, "revoked", f"report mode: the new policy would revoke this open {what}: "
+        return Decision(True, "revoked", f"report mode: {by} would revoke this open {what}: "
                                          f"{decision.message}", established.rule, would_deny=True)
-    return Decision(False, "revoked", f"open {what} revoked by the new policy: {decision.message}",
+    return Decision(False, "revoked", f"open {what} revoked by {by}: {decision.message}",
                     established.rule)
 
 

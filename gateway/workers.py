@@ -157,8 +157,12 @@ class Supervisor:
     end of its audit pipe (None without an audit log)."""
 
     def __init__(self, count: int, worker_command: Callable[[int, int | None], list[str]], *,
-                 audit: AuditLog | None = None, drain_timeout: float = 10.0, env: dict[str, str] | None = None):
+                 audit: AuditLog | None = None, drain_timeout: float = 10.0, env: dict[str, str] | None = None,
+                 control=None):
         self.count = count
+        # The control API's fan-out (gateway/control_fanout.py Fanout), when there is one: every
+        # worker started gets a link to it (`attach`), every worker that exits loses it (`detach`).
+        self.control = control
         self.worker_command = worker_command
         self.audit = audit
         self.drain_timeout = drain_timeout
@@ -250,16 +254,22 @@ class Supervisor:
         state_fd = self._state_file.fileno() if self._state_file is not None and write_fd is not None else None
         if state_fd is not None:
             env[STATE_FD_ENV] = str(state_fd)
+        control_fd = None
+        if self.control is not None:
+            from .control_fanout import CONTROL_FD_ENV
+
+            control_fd = self.control.attach(worker.index)
+            env[CONTROL_FD_ENV] = str(control_fd)
         try:
             worker.process = subprocess.Popen(
                 self.worker_command(worker.index, write_fd), env=env,
-                pass_fds=tuple(fd for fd in (write_fd, ready_write, state_fd) if fd is not None),
+                pass_fds=tuple(fd for fd in (write_fd, ready_write, state_fd, control_fd) if fd is not None),
             )
         except BaseException:
             os.close(ready_read)
             raise
         finally:
-            for fd in (write_fd, ready_write):  # the worker holds the only write ends: EOF when it exits
+            for fd in (write_fd, ready_write, control_fd):  # the worker holds the only other ends
                 if fd is not None:
                     os.close(fd)
         worker.ready_fd = ready_read
@@ -389,6 +399,8 @@ class Supervisor:
                 worker.ready_fd = None
             starting = not worker.ever_ready and worker.restarts == 0
             self._forget_metrics(process.pid)
+            if self.control is not None:
+                self.control.detach(worker.index)
             if worker.reader is not None:
                 worker.reader.join(timeout=2)
                 worker.reader = None
@@ -423,6 +435,23 @@ class Supervisor:
             multiprocess.mark_process_dead(pid, self.metrics_dir)
         except Exception:  # noqa: BLE001  (metrics are best effort; serving goes on)
             logger.debug("egress gateway: could not clear metrics of pid %d", pid, exc_info=True)
+
+    def record(self, **fields) -> None:
+        """A line of the supervisor's own (the control API's `event: control`), into the one stream."""
+        if self.audit is None or self.audit.target is None:
+            return
+        import json
+
+        entry = AuditLog(None).record(**fields)
+        self.append(json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str))
+
+    def served(self, index: int) -> bool:
+        return self.workers[index].ever_ready
+
+    def kill(self, index: int) -> None:
+        process = self.workers[index].process
+        if process is not None and process.poll() is None:
+            process.kill()
 
     def _send_all(self, sig: int) -> None:
         for worker in self.workers:
