@@ -366,12 +366,11 @@ sandboxes:
     s2 = scope_of(policy, ip("10.0.0.6"), None, state.registry, T0)
     one = {key: w.limit for key, w, _ in limiter.windows(policy, s1, "pypi", [])}
     two = {key: w.limit for key, w, _ in limiter.windows(policy, s2, "pypi", [])}
-    assert one == {("sandbox", "s1", None, None, "requests_per_minute"): 100,
-                   ("rule", "s1", "pypi", None, "requests_per_minute"): 5}
-    assert set(two) == {("sandbox", "s2", None, None, "requests_per_minute"),
-                        ("rule", "s2", "pypi", None, "requests_per_minute")}  # each id its own windows
-    profile_of = lambda s: state.registry.get(s).profile if state.registry.get(s) else s  # noqa: E731
-    assert all(limit_of(policy, key, profile_of) == limit for key, limit in one.items())  # a reload keeps them
+    assert one == {("sandbox", "s1", None, None, "requests_per_minute", "agent"): 100,
+                   ("rule", "s1", "pypi", None, "requests_per_minute", "agent"): 5}
+    assert set(two) == {("sandbox", "s2", None, None, "requests_per_minute", "agent"),
+                        ("rule", "s2", "pypi", None, "requests_per_minute", "agent")}  # each id its own windows
+    assert all(limit_of(policy, key) == limit for key, limit in one.items())  # a reload keeps them
     state.install(Engine.build(policy))  # a reload: limit_of keeps the windows of registered sandboxes
     assert len(limiter.quotas) == 4
     state.apply_registry({"op": "deregister", "id": "s1"})
