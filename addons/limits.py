@@ -36,9 +36,7 @@ class ConnectionLimiter:
         declare(loader, "egress_max_connections_per_sandbox", "egress_max_idle_upstreams_per_connection")
 
     def _key(self, conn) -> str:
-        if self.state.engine is not None and self.state.engine.policy.sandboxes is not None:
-            return f"sandbox:{self.state.scope(conn).sandbox}"
-        return f"address:{conn.address}"
+        return self.state.sandbox_key(conn)
 
     def client_connected(self, client):
         conn = self.state.connection(client.id, client.peername)

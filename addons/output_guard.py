@@ -176,10 +176,28 @@ def _text(redactor, text: str | None) -> str | None:
     return redactor.redact_text(text)[0] if text else text
 
 
+_PROXY_CREDENTIAL = b"proxy-authorization"  # addressed to the gateway: never printed, whoever holds it
+
+
+class _NoSecrets:
+    """The redactor when the gateway holds no secret: only the proxy credential is masked."""
+
+    def redact(self, data: bytes):
+        return data, 0
+
+    def redact_text(self, text: str):
+        return text, 0
+
+
+def _carries_proxy_credential(f) -> bool:
+    return f.request is not None and _PROXY_CREDENTIAL.decode() in f.request.headers
+
+
 def _fields(redactor, headers: http.Headers | None) -> http.Headers | None:
     if headers is None:
         return None
-    return http.Headers([(_bytes(redactor, k), _bytes(redactor, v)) for k, v in headers.fields])
+    return http.Headers([(_bytes(redactor, k), b"[REDACTED]" if k.lower() == _PROXY_CREDENTIAL else _bytes(redactor, v))
+                         for k, v in headers.fields])
 
 
 def _message(redactor, message):
@@ -199,10 +217,15 @@ def _message(redactor, message):
 
 def redacted_view(f: mflow.Flow, redactor) -> mflow.Flow:
     """What the flow printer is shown of `f`: a copy with every form of every secret redacted from
-    everything it prints at flow_detail <= 2 (bodies are not among them). Other flow types (DNS,
+    everything it prints at flow_detail <= 2 (bodies are not among them), and any Proxy-Authorization
+    value masked (a proxy token the request guard has not removed yet). Other flow types (DNS,
     the TCP flows of passthrough tunnels) never hold an injected credential and are shown as they are."""
-    if redactor is None or not isinstance(f, http.HTTPFlow):
+    if not isinstance(f, http.HTTPFlow):
         return f
+    if redactor is None:
+        if not _carries_proxy_credential(f):
+            return f
+        redactor = _NoSecrets()
     view = http.HTTPFlow(f.client_conn, f.server_conn)
     view.id, view.is_replay, view.marked = f.id, f.is_replay, f.marked
     view.metadata = {k: v for k, v in f.metadata.items() if k == "h2-pushed-stream"}

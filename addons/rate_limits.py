@@ -119,10 +119,7 @@ class Limiter:
 
     def key(self, conn: ClientSession, scope: Scope | None = None) -> str:
         """Like addons/limits.py: the sandbox, or the client address without a sandboxes section."""
-        engine = self.state.engine
-        if engine is not None and engine.policy.sandboxes is not None:
-            return f"sandbox:{(scope or self.state.scope(conn)).sandbox}"
-        return f"address:{conn.address}"
+        return self.state.sandbox_key(conn, scope)
 
     def _on_install(self, engine: Engine) -> None:
         """A reload keeps the counters whose (sandbox, rule, credential, key) the new policy still

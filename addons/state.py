@@ -18,7 +18,7 @@ from gateway.dnsmemory import DnsMemory
 from gateway.engine import Engine
 from gateway.hostnames import IPAddress
 from gateway.identity import scope_of
-from gateway.policy import Policy, Scope
+from gateway.policy import DEFAULT_SANDBOX_ID, Policy, Scope
 from gateway.registry import Registry, client_address
 from gateway.redact import Redactor, SecretMemory
 from gateway.revocation import Established
@@ -86,11 +86,20 @@ class GatewayState:
         # connections from its addresses judged again (addons/revocation.py), windows dropped (rate_limits).
         self.registry_listeners: list[Callable[..., None]] = []
 
-    def sandbox_key(self, conn: ClientSession | None) -> str:
-        """What a per-sandbox budget counts against: the sandbox, or the client address when the
-        policy has no sandboxes section (as addons/limits.py does)."""
-        if self.engine is not None and self.engine.policy.sandboxes is not None:
-            return f"sandbox:{self.scope(conn).sandbox}"
+    def sandbox_key(self, conn: ClientSession | None, scope: Scope | None = None) -> str:
+        """What a per-sandbox budget counts against (connections, rates, buffers, the loop's share):
+        the sandbox, or the client address when the policy has no sandboxes section. With proxy
+        tokens, a connection not named yet (at accept, before its CONNECT's token is read) by its
+        address, its source range or a registration counts against its address, not against the
+        `default` entry every token-named sandbox would share (review 23: one client without a token
+        held the cap, or drained the connection rate, of them all)."""
+        policy = self.engine.policy if self.engine is not None else None
+        if policy is not None and policy.sandboxes is not None:
+            scope = scope or self.scope(conn)
+            if (policy.tokens is not None and conn is not None and conn.identity is None
+                    and scope.sandbox in (None, DEFAULT_SANDBOX_ID)):
+                return f"address:{conn.address}"
+            return f"sandbox:{scope.sandbox}"
         return f"address:{conn.address if conn is not None else None}"
 
     def buffer_account_of(self, client) -> Account:

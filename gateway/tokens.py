@@ -274,11 +274,16 @@ class TokenVerifier:
     # --- key files -----------------------------------------------------------------------------
 
     def _stat_all(self) -> tuple:
+        """What says a key file changed: its identity, size, time and a digest of its bytes (review
+        23: a file overwritten in place with the same size and time, as `cp -p` does, kept a
+        withdrawn key verifying tokens). Key files are small, read at most every KEY_POLL_SECONDS."""
         out = []
         for path in self.settings.key_files:
             try:
                 st = os.stat(path)
-                out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+                with open(path, "rb") as file:
+                    digest = hashlib.sha256(file.read(MAX_KEY_FILE_BYTES + 1)).digest()
+                out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, digest))
             except OSError:
                 out.append(None)
         return tuple(out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,9 @@ import requests
 
 from bench.lib.tokens import claims, kubernetes_claims, new_signer, write_jwks
 from tests.e2e.helpers import Conn, assert_untouched, connect_proxy, fresh_upstreams  # noqa: F401
+from tests.conftest import policy_text
+from tests.support.gateway import wait_for_port
+from tests.support.mitmdump import clean_env, start_mitmdump, stop
 from tests.support.waiting import wait_for
 
 RULES = """
@@ -271,3 +275,47 @@ def test_limits_come_from_the_profile_and_count_per_token_subject(start_gateway,
 
     assert [status(one), status(one), status(one)] == [200, 200, 429]
     assert [status(two), status(two), status(two)] == [200, 200, 429]  # its own window, the same limit
+
+
+def test_the_flow_printer_never_shows_a_token_even_of_a_refused_request(tmp_path, pki, upstreams):
+    """Review 23: under mitmdump with flow_detail=2 (the most the gateway allows), mitmproxy printed
+    the Proxy-Authorization of refused requests and CONNECTs whole: a valid token anyone reading
+    the output could reuse. The header leaves the flow as soon as it is read, whatever the verdict."""
+    write_jwks(tmp_path / "jwks.json", SIGNER)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_text(upstreams, RULES, _extra()))
+    proc, proxy = start_mitmdump(tmp_path, policy, pki.ca_cert, ["--set", "flow_detail=2"], clean_env())
+    token = SIGNER.mint(claims("task-7", "agent"))
+    try:
+        wait_for_port("127.0.0.1", proxy.port, process=proc)
+        assert _curl(proxy, "https://allowed.test/ok", token)[0] == 200
+        assert _curl(proxy, "https://other.test/refused-connect", token)[0] == 403
+        assert _curl(proxy, "http://other.test/refused-plain", token)[0] == 403
+    finally:
+        stop(proc)
+    out = proxy.log()
+    assert "refused-plain" in out and "other.test:443" in out, out[-3000:]  # the refusals were printed
+    assert token.split(".")[2] not in out and token.split(".")[1] not in out
+    assert "proxy-authorization" not in out.lower(), out[-3000:]
+
+
+def test_a_client_without_a_token_cannot_take_the_connections_of_token_sandboxes(start_gateway, tmp_path, upstreams):
+    """Review 23: at accept, before any token is read, every client no source range names counted
+    against `sandbox:default`: one client holding the cap (or draining the connection rate) reset
+    every token sandbox's connections. Until its token names it, a connection counts against its
+    own address."""
+    write_jwks(tmp_path / "jwks.json", SIGNER)
+    gateway = start_gateway(RULES, extra=_extra(), args=["--set", "egress_max_connections_per_sandbox=5"])
+    other = ("127.0.0.3", 0)
+    held = [socket.create_connection((gateway.host, gateway.port), timeout=10, source_address=other)
+            for _ in range(6)]
+    try:  # the sixth is refused at accept: the five before it are counted
+        wait_for(lambda: _lines(gateway, reason="too_many_connections"), 10.0, "the sixth connection refused")
+        token = SIGNER.mint(claims("task-8", "agent"))
+        status, _, err = _curl(gateway, "https://allowed.test/after", token)
+        assert status == 200, err
+    finally:
+        for sock in held:
+            sock.close()
+    refused = _lines(gateway, reason="too_many_connections")
+    assert len(refused) == 1 and refused[0]["client"].startswith("127.0.0.3:"), refused

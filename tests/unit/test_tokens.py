@@ -293,6 +293,32 @@ def test_a_key_file_change_is_picked_up_and_empties_the_cache(tmp_path):
     assert v.key_generation == 1
 
 
+def test_a_key_file_overwritten_in_place_with_the_same_size_and_time_is_picked_up(tmp_path):
+    """Review 23: `cp -p`, or a build with fixed file times, replaces a key file's bytes but keeps
+    its inode, size and mtime: a withdrawn key went on verifying tokens until a reload."""
+    import os
+
+    first = new_signer("EdDSA")
+    second = new_signer("EdDSA", kid=first.kid)
+    path = write_jwks(tmp_path / "jwks.json", first)
+    before = path.stat()
+    clock = [0.0]
+    v = verifier(path, verifier_args={"monotonic": lambda: clock[0]})
+    old = first.mint(claims("t", "agent"))
+    v.verify(old)
+    text = write_jwks(tmp_path / "other.json", second).read_bytes()
+    if len(text) != before.st_size:  # (the same size: pad the JSON with spaces, or cut the padding)
+        text = text.rstrip() + b" " * (before.st_size - len(text.rstrip()))
+    assert len(text) == before.st_size
+    with open(path, "r+b") as file:  # in place: the same inode
+        file.write(text)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_ino, path.stat().st_size, path.stat().st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    clock[0] += 1.5
+    assert refused(v, old).reason == "token_invalid"
+
+
 def test_a_broken_key_file_fails_closed_until_fixed(tmp_path):
     signer = new_signer("EdDSA")
     path = write_jwks(tmp_path / "jwks.json", signer)
