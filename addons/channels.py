@@ -241,7 +241,7 @@ ADDON_ORDER: tuple[AddonStep, ...] = (
               "running() applies a worker's registry snapshot before any connection is accepted"),
     AddonStep("DnsGuard", "addons.dns_guard", "DNS mode's own hooks; any place after the core"),
     AddonStep("CollectorFreeze", "addons.gc_freeze",
-              "once running: full collections skip what start-up made; one after many freed buffers"),
+              "once running: full collections skip what start-up made and what survived; thaws after closes or freed buffers"),
     AddonStep("MetricsFeed", "addons.metrics", "late: counts what the guards decided"),
     AddonStep("HealthEndpoint", "addons.health", "serves the metrics and readiness the addons before it feed"),
     AddonStep("Lifecycle", "addons.lifecycle", "last: \"ready\" once every other addon is running"),

@@ -84,7 +84,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         Revoker(state),  # after the guards: registers WebSockets they allowed; judges again on every install
         ControlApi(state, feed),  # after the Revoker: a registry change judges open connections again
         DnsGuard(state),
-        CollectorFreeze(state),  # once running: full collections skip what start-up made; one after many freed buffers
+        CollectorFreeze(state),  # once running: full collections skip what start-up made and what survived; thaws after closes or freed buffers
         feed,  # late: counts what the guards decided
         HealthEndpoint(state, feed, lifecycle),
         lifecycle,  # last: "ready" once every other addon is running
