@@ -28,7 +28,8 @@ def check(flow: http.HTTPFlow, session: ClientSession, engine: Engine) -> tuple[
     values = flow.request.headers.get_all(HEADER)
     # Read once, gone from the flow whatever the verdict: a refused request is printed and kept by
     # mitmproxy (flow_detail) like an allowed one, and the token is addressed to the gateway alone.
-    del flow.request.headers[HEADER]
+    if values:
+        del flow.request.headers[HEADER]
     refusal = authenticate(session, values, engine.tokens)
     _log_key_problem(engine)
     shown = presented_fingerprint(values)

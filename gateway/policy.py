@@ -24,7 +24,8 @@ from .credentials import (
     TemplateError,
 )
 from .foreign import DEFAULT as DEFAULT_FOREIGN, ForeignCredentials, header_key, query_key
-from .grants import DEFAULT_GRANT_PORTS, DEFAULT_GRANT_SCHEMES, DEFAULT_MAX_TTL, Grantable, parse_duration
+from .grants import DEFAULT_GRANT_PORTS, DEFAULT_GRANT_SCHEMES, DEFAULT_MAX_TTL, Grantable
+from .grants import parse_duration as parse_ttl
 from .hostnames import HostError, IPAddress, canonical_host
 from .globs import PathGlob
 from .matcher import HostIndex, HostPattern
@@ -1029,7 +1030,7 @@ def _grantable(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> Gran
     max_ttl = DEFAULT_MAX_TTL
     if "max_ttl" in fields:
         try:
-            max_ttl = parse_duration(fields["max_ttl"].value)
+            max_ttl = parse_ttl(fields["max_ttl"].value)
         except ValueError as exc:
             v.error(fields["max_ttl"], f"{path}.max_ttl", f"{fields['max_ttl'].value!r}: {exc}")
     return Grantable(frozenset(rules), tuple(hosts), ports, schemes, methods, max_ttl)
