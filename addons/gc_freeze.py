@@ -51,6 +51,16 @@ _CONTEXT_DEPTH = 8  # chained exceptions (__context__) whose tracebacks are clea
 logger = logging.getLogger("egress")
 
 
+def thaw_all() -> int:
+    """Every frozen object back in the walk, one full collection, what survived frozen again: the
+    cyclic garbage of what was frozen alive is freed (the gc callback, if installed, freezes the
+    survivors itself; the freeze here covers a collector not running). How many were collected."""
+    gc.unfreeze()
+    collected = gc.collect()
+    gc.freeze()
+    return collected
+
+
 def break_cancelled_cycles(task: asyncio.Task) -> None:
     """A done task's callback: if it was cancelled, clear the frames its CancelledError's traceback
     holds (and its chained exceptions'), so that what they referenced is freed by reference
@@ -109,9 +119,7 @@ class CollectorFreeze:
         self._thawing = True
         started = time.perf_counter()
         try:
-            gc.unfreeze()
-            collected = gc.collect()
-            gc.freeze()
+            collected = thaw_all()
         finally:
             self._thawing = False
         self._frozen = self._closed = 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import logging
 from collections import Counter
 
@@ -19,7 +18,7 @@ from mitmproxy import ctx
 
 from gateway.decision import Decision, verdict_fields
 
-from . import conn_close
+from . import conn_close, gc_freeze
 from .audit_fields import connection_fields
 from .options import declare
 from .state import GatewayState
@@ -77,7 +76,7 @@ class ConnectionLimiter:
     def _trim_memory(self) -> None:
         if self._keys:
             return  # busy again
-        gc.collect()
+        gc_freeze.thaw_all()  # (what died frozen too: addons/gc_freeze.py freezes survivors)
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
