@@ -28,6 +28,7 @@ import time
 from mitmproxy import ctx, exceptions
 
 from gateway.control import ControlService, Limits, Reply
+from gateway.registry import Change
 from gateway.control_fanout import CONTROL_FD_ENV, CONTROL_LISTEN_ENV, WorkerLink
 from gateway.control_server import ControlServer, ControlSpecError, read_tokens
 from gateway.ratelimit import parse_rate
@@ -140,9 +141,27 @@ class ControlApi:
         try:
             if self.service is not None:
                 self.service.expire()
+            else:
+                self._judge_due()
         except Exception:
             logger.exception("egress gateway: ending expired registrations failed")
         self._schedule()
+
+    def _judge_due(self) -> None:
+        """A worker, at a deadline of its own copy: what ran out is judged again now, without
+        waiting for the supervisor's op (review 24: one stalled worker held the supervisor's
+        publication, and the healthy workers closed what an expiry ended 6 s late). Nothing is
+        removed here: every decision already ignores what has run out (gateway/registry.py `scope`),
+        and the supervisor's op, when it comes, removes it as usual."""
+        registry = self.state.registry
+        for op in registry.due(time.monotonic()):
+            sandbox = op.get("id") or op.get("sandbox")
+            change = Change(op["op"], sandbox, registry.addresses_of(sandbox), grant=op.get("grant"), why="expired")
+            for listener in self.state.registry_listeners:
+                try:
+                    listener(change)
+                except Exception:
+                    logger.exception("egress gateway: registry listener failed")
 
     # --- a worker: the supervisor's copy ---------------------------------------------------------------
 
@@ -180,6 +199,7 @@ class ControlApi:
                 except Exception:
                     logger.exception("egress gateway: applying a control op failed")
             self.link.ack(seq)
+        self._schedule()  # (a worker's own timer: the new deadlines, `_judge_due`)
 
     def _on_change(self, change) -> None:
         self._sizes()

@@ -375,3 +375,31 @@ sandboxes:
     assert len(limiter.quotas) == 4
     state.apply_registry({"op": "deregister", "id": "s1"})
     assert set(limiter.quotas.keys()) == set(two)  # s1's windows went with it, s2's stay
+
+
+def test_a_worker_judges_what_ran_out_at_its_own_deadline_without_the_supervisors_op():
+    """Review 24: a worker's timer did nothing; what an expiry ended was closed only when the
+    supervisor's op came, and one stalled worker held that op back from the others (6 s late). Now
+    a worker's own timer tells its listeners (the revoker) at the deadline; its copy is not changed
+    (every decision already ignores what ran out) until the supervisor's op removes it."""
+    import time
+
+    from addons.control import ControlApi
+    from addons.state import GatewayState
+
+    state = GatewayState()
+    api = ControlApi(state)  # no service: a worker's copy
+    told = []
+    state.registry_listeners.append(told.append)
+    now = time.monotonic()
+    state.apply_registry({"op": "register", "registration": {
+        "id": "s1", "source_ips": ["10.0.0.5"], "profile": "agent", "expires": now - 0.001,
+        "expires_at": WALL, "by": "test"}})
+    told.clear()
+    api._expire()  # (the timer at the deadline)
+    assert [(c.op, c.sandbox, c.why, c.removed) for c in told] == [("deregister", "s1", "expired", False)]
+    assert told[0].addresses == frozenset({ip("10.0.0.5")})
+    assert state.registry.get("s1") is not None  # the supervisor's op removes it
+    told.clear()
+    api._expire()
+    assert told == []  # once
