@@ -148,6 +148,7 @@ class Worker:
     exits: list[int] = field(default_factory=list)
     ready_fd: int | None = None  # read end of the readiness pipe, until the worker said it listens
     ever_ready: bool = False  # it has listened at least once: a later death is not a start-up failure
+    serving: bool = False  # its current process has listened (a restarted one: not yet, until it says so)
 
 
 class Supervisor:
@@ -244,6 +245,7 @@ class Supervisor:
     # --- workers -----------------------------------------------------------------------------------
 
     def _start(self, worker: Worker) -> None:
+        worker.serving = False
         read_fd = write_fd = None
         if self.audit is not None and self.audit.target is not None:
             read_fd, write_fd = os.pipe()
@@ -377,7 +379,7 @@ class Supervisor:
             os.close(worker.ready_fd)
             worker.ready_fd = None
             if said:
-                worker.ever_ready = True
+                worker.ever_ready = worker.serving = True
                 if worker.restarts:
                     logger.info("egress gateway: worker %d (pid %d) is serving again", worker.index,
                                 worker.process.pid if worker.process else -1)
@@ -446,7 +448,9 @@ class Supervisor:
         self.append(json.dumps(entry, ensure_ascii=True, separators=(",", ":"), default=str))
 
     def served(self, index: int) -> bool:
-        return self.workers[index].ever_ready
+        """Whether worker `index`'s current process listens: one still starting (a first start or a
+        restart, loading its snapshot) is waited for, not killed as stuck (review 24)."""
+        return self.workers[index].serving
 
     def kill(self, index: int) -> None:
         process = self.workers[index].process

@@ -10,6 +10,7 @@ import pytest
 from gateway.audit import AuditLog, PipeAuditLog, open_audit_log, verify_chain
 from addons.run_command import _with_port, worker_command
 from gateway.workers import default_workers, usable_cpus
+from tests.support.waiting import wait_for
 
 
 def test_default_workers_follows_the_environment(monkeypatch):
@@ -179,4 +180,41 @@ def test_supervisor_held_lines_are_bounded_in_bytes_and_the_drops_counted(tmp_pa
         assert records[-1]["dropped_lines"] == 38 and "38 held line(s) were lost" in records[-1]["message"]
         assert verify_chain([str(path)]).ok
     finally:
+        supervisor._cleanup()
+
+
+def test_a_restarted_worker_is_not_served_until_its_new_process_listens(tmp_path):
+    """Review 24: `served` said whether a worker had ever listened, so a restarted one still
+    loading its snapshot counted as serving, and the next control change killed it as stuck (at
+    scale, over and over). It is the current process that counts: a restart is not served until it
+    says it listens."""
+    import sys
+
+    from gateway.workers import READY_FD_ENV, Supervisor
+
+    marker = tmp_path / "say-ready"
+    script = ("import os, sys, time, pathlib\n"
+              "marker = pathlib.Path(sys.argv[1])\n"
+              "while not marker.exists(): time.sleep(0.01)\n"
+              f"os.write(int(os.environ['{READY_FD_ENV}']), b'1')\n"
+              "time.sleep(60)\n")
+    supervisor = Supervisor(1, lambda index, fd: [sys.executable, "-c", script, str(marker)])
+    worker = supervisor.workers[0]
+    try:
+        supervisor._start(worker)
+        assert not supervisor.served(0)  # starting
+        marker.touch()
+        wait_for(lambda: (supervisor._check_ready(), supervisor.served(0))[1], 10.0, "the first process listening")
+        marker.unlink()
+        worker.process.kill()
+        worker.process.wait(10)
+        supervisor._start(worker)  # a restart, still starting
+        supervisor._check_ready()
+        assert not supervisor.served(0)
+        marker.touch()
+        wait_for(lambda: (supervisor._check_ready(), supervisor.served(0))[1], 10.0, "the restarted process listening")
+    finally:
+        if worker.process is not None:
+            worker.process.kill()
+            worker.process.wait(10)
         supervisor._cleanup()
