@@ -330,6 +330,8 @@ def _json(body: bytes) -> dict:
         data = json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
         raise ControlError(400, "bad_json", f"the body is not JSON: {exc}") from None
+    except RecursionError:  # (review 24: deeply nested arrays were a 500 and a traceback)
+        raise ControlError(400, "bad_json", "the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ControlError(400, "bad_json", "the body must be a JSON object")
     return data

@@ -39,7 +39,8 @@ from .ratelimit import retry_after_header
 logger = logging.getLogger("egress")
 
 MAX_CONNECTIONS = 64
-TIMEOUT = 10.0
+MAX_PER_PEER = 8  # TCP connections at once from one peer address: one peer cannot take every slot
+TIMEOUT = 10.0  # of silence per read, and in all from a request's first byte awaited to its body read
 _TOKEN_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}$"
 
 
@@ -106,6 +107,22 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002  (every change is audited; no access log)
         pass
 
+    def handle_one_request(self):
+        """One request, read whole within TIMEOUT or the connection is cut (review 24: a byte every
+        5 s kept 64 unauthenticated connections, every slot, for as long as their sender liked)."""
+        self._deadline = threading.Timer(TIMEOUT, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline.cancel()
+
+    def _cut(self) -> None:
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
     def _principal(self) -> str | None:
         server: ControlServer = self.server.owner  # type: ignore[attr-defined]
         auth = self.headers.get("Authorization", "")
@@ -145,6 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         body = self.rfile.read(length) if length else b""
+        self._deadline.cancel()  # read whole: what the service takes is not the client's time
         try:
             query = parse_qs(url.query, keep_blank_values=True, max_num_fields=32)
         except ValueError:
@@ -180,7 +198,12 @@ class _Limited(ThreadingMixIn):
     block_on_close = False
 
     def process_request(self, request, client_address):
+        peer = client_address[0] if isinstance(client_address, tuple) else None
+        if not self.owner.take_peer(peer):  # type: ignore[attr-defined]
+            self.shutdown_request(request)
+            return
         if not self.owner.slots.acquire(blocking=False):  # type: ignore[attr-defined]
+            self.owner.give_peer(peer)  # type: ignore[attr-defined]
             with contextlib.suppress(OSError):
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                                 b"Content-Length: 57\r\nConnection: close\r\n\r\n"
@@ -194,6 +217,7 @@ class _Limited(ThreadingMixIn):
             super().process_request_thread(request, client_address)
         finally:
             self.owner.slots.release()  # type: ignore[attr-defined]
+            self.owner.give_peer(client_address[0] if isinstance(client_address, tuple) else None)  # type: ignore[attr-defined]
 
 
 class _Unix(_Limited, UnixStreamServer):
@@ -215,6 +239,8 @@ class ControlServer:
         self.dispatch = dispatch or service.handle
         self.tokens = tokens or {}
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._peers: dict[str, int] = {}  # TCP peer address -> connections open (MAX_PER_PEER)
+        self._peers_lock = threading.Lock()
         self.path: str | None = None
         self.address: tuple | None = None
         if self.kind == "tcp":
@@ -267,6 +293,27 @@ class ControlServer:
             return f"unix:{self.path}"
         ip, port = self.address
         return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+    def take_peer(self, peer: str | None) -> bool:
+        """Count a connection of `peer` (a TCP address; None: a unix socket's, not counted); False
+        when it already has MAX_PER_PEER open."""
+        if peer is None:
+            return True
+        with self._peers_lock:
+            if self._peers.get(peer, 0) >= MAX_PER_PEER:
+                return False
+            self._peers[peer] = self._peers.get(peer, 0) + 1
+            return True
+
+    def give_peer(self, peer: str | None) -> None:
+        if peer is None:
+            return
+        with self._peers_lock:
+            left = self._peers.get(peer, 0) - 1
+            if left > 0:
+                self._peers[peer] = left
+            else:
+                self._peers.pop(peer, None)
 
     def start(self) -> None:
         self.thread.start()

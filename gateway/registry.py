@@ -115,6 +115,12 @@ def parse_address(text: object) -> IPAddress:
     except ValueError:
         raise ValueError(f"{text!r} is not an IP address (a registration takes single addresses, not ranges)") \
             from None
+    # Addresses no client connection ever comes from (review 24: such a registration silently
+    # matched nothing, and its sandbox fell back to the static table): a scoped IPv6 address (the
+    # peer is matched without its zone), unspecified, broadcast, multicast.
+    if getattr(address, "scope_id", None) or address.is_unspecified or address.is_multicast or (
+            address.version == 4 and address == ipaddress.IPv4Address("255.255.255.255")):
+        raise ValueError(f"{text!r} is not an address a sandbox connects from")
     return client_address(address)
 
 

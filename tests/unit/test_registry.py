@@ -403,3 +403,13 @@ def test_a_worker_judges_what_ran_out_at_its_own_deadline_without_the_supervisor
     told.clear()
     api._expire()
     assert told == []  # once
+
+
+@pytest.mark.parametrize("address", ["fe80::1%eth0", "0.0.0.0", "::", "255.255.255.255", "224.0.0.1", "ff02::1"])
+def test_an_address_no_client_connects_from_is_not_registered(address):
+    """Review 24: such a registration matched nothing, and its sandbox silently fell back to the
+    static table."""
+    from gateway.registry import parse_address
+
+    with pytest.raises(ValueError, match="not an address a sandbox connects from"):
+        parse_address(address)
