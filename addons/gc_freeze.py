@@ -14,14 +14,17 @@ loop for as long as that takes: every other connection of the worker waits behin
   1.9 s against 0.1 s). So what survives an automatic full collection is frozen too: the next ones
   walk only what was made since (200 such connections: 1.3-2 ms instead of 70-80 ms). The price: an
   object frozen alive that later becomes cyclic garbage (a connection that closes) waits for the
-  next *thaw* (unfreeze, one full collection of everything, freeze what survives): once
-  THAW_AFTER_CLOSES connections closed since the last one, at most every MIN_THAW_SECONDS, and at
-  least every MAX_THAW_SECONDS while anything was frozen since.
+  next *thaw* (unfreeze, one full collection of everything, freeze what survives): as soon as the
+  process grew THAW_AFTER_GROWTH, or its frozen objects doubled, since the last one (checked after
+  every full collection: frozen garbage is also every finished flow of a kept-alive connection);
+  once THAW_AFTER_CLOSES connections closed, at most every MIN_THAW_SECONDS; and at least every
+  MAX_THAW_SECONDS while anything was frozen since.
 - **Cancelled tasks.** Most of a closed connection's cyclic garbage was one cycle: mitmproxy cancels
   the task of a connection it closes, the task keeps the CancelledError, whose traceback holds every
   frame of the task, whose locals hold the exception (`cancelled = e ... raise cancelled`) and the
-  whole connection (its streams, socket, transport, layers). Such a task's frames are cleared once
-  it is done (`break_cancelled_cycles`), so that reference counting frees what they held: the
+  whole connection (its streams, socket, transport, layers). Such a task's exception lets go of its
+  traceback once the task is done (`break_cancelled_cycles`), so that reference counting frees what
+  the frames held: the
   garbage a closed upstream connection leaves for the collector halved (126,528 objects for 2,000
   connections, 55,795 after).
 - **Buffers given back.** A closed connection's large bodies no longer wait for a collection
@@ -37,8 +40,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
-import traceback
 
 COLLECT_AFTER = 512 * 1024 * 1024
 FULL_EVERY = 2  # middle-generation collections per full one
@@ -46,9 +49,26 @@ MIN_INTERVAL = 1.0  # between two thaws after buffers were given back
 THAW_AFTER_CLOSES = 5000  # connections (client or upstream) closed since the last thaw
 MIN_THAW_SECONDS = 30.0
 MAX_THAW_SECONDS = 120.0
+# Memory, whatever the time: frozen garbage is not only closed connections' (review 25: the flows
+# of 150 kept-alive connections, each request's 60 KB head in a flow frozen alive and done since,
+# took a worker from 85 MiB to 1.9 GiB in 120 s, no connection ever closed). A thaw comes as soon
+# as the process has grown this much since the last, or its frozen objects doubled (and by at least
+# THAW_AFTER_OBJECTS): what waits for a thaw is bounded by the heap it had, not by time.
+THAW_AFTER_GROWTH = 128 * 1024 * 1024
+THAW_AFTER_OBJECTS = 200_000
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _CONTEXT_DEPTH = 8  # chained exceptions (__context__) whose tracebacks are cleared
 
 logger = logging.getLogger("egress")
+
+
+def resident_bytes() -> int:
+    """This process's resident set (0 where /proc is not there: growth then never triggers)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def thaw_all() -> int:
@@ -62,10 +82,12 @@ def thaw_all() -> int:
 
 
 def break_cancelled_cycles(task: asyncio.Task) -> None:
-    """A done task's callback: if it was cancelled, clear the frames its CancelledError's traceback
-    holds (and its chained exceptions'), so that what they referenced is freed by reference
-    counting instead of waiting, in a cycle, for a full collection. Nothing else reads them: a
-    cancellation is not an error mitmproxy reports."""
+    """A done task's callback: if it was cancelled, its CancelledError (and the exceptions chained
+    to it) let go of their tracebacks, so that the frames, and what they referenced, are freed by
+    reference counting instead of waiting, in a cycle, for a full collection. Only the references
+    go: the frames themselves are not cleared (a chained exception's traceback may hold a frame of
+    another task that is still running; clearing it would end that task: review 25). Nothing else
+    reads them: a cancellation is not an error mitmproxy reports."""
     if not task.cancelled():
         return
     try:
@@ -75,9 +97,7 @@ def break_cancelled_cycles(task: asyncio.Task) -> None:
         for _ in range(_CONTEXT_DEPTH):
             if exc is None:
                 break
-            if exc.__traceback__ is not None:
-                traceback.clear_frames(exc.__traceback__)
-                exc.__traceback__ = None
+            exc.__traceback__ = None
             exc = exc.__context__
 
 
@@ -103,14 +123,34 @@ class CollectorFreeze:
         self._closed = 0  # connections closed since the last thaw
         self._last_thaw = time.monotonic()
         self._timer = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._rss_at_thaw = 0  # resident bytes after the last thaw
+        self._frozen_at_thaw = 0  # frozen objects after the last thaw
+        self._soon = False  # a thaw is scheduled (the gc callback cannot collect itself)
 
     # -- freezing survivors -------------------------------------------------------------------------
 
     def _after_collection(self, phase: str, info: dict) -> None:
-        """gc callback: what survived an automatic full collection is frozen (walked no more)."""
+        """gc callback: what survived an automatic full collection is frozen (walked no more); if
+        what is frozen has grown too much since the last thaw, a thaw comes next (it cannot run
+        inside a collection: it is scheduled on the loop, from whatever thread collected)."""
         if phase == "stop" and info.get("generation") == 2 and not self._thawing:
             gc.freeze()
             self._frozen += 1
+            if not self._soon and self._loop is not None and self._grown():
+                self._soon = True
+                self._loop.call_soon_threadsafe(self._thaw_soon)
+
+    def _grown(self) -> bool:
+        frozen = gc.get_freeze_count()
+        if frozen > max(2 * self._frozen_at_thaw, self._frozen_at_thaw + THAW_AFTER_OBJECTS):
+            return True
+        rss = resident_bytes()
+        return bool(rss) and rss - self._rss_at_thaw > THAW_AFTER_GROWTH
+
+    def _thaw_soon(self) -> None:
+        self._soon = False
+        self.thaw()
 
     def thaw(self) -> None:
         """Every frozen object back in the walk, one full collection, then what survived frozen
@@ -124,12 +164,16 @@ class CollectorFreeze:
             self._thawing = False
         self._frozen = self._closed = 0
         self._last_thaw = time.monotonic()
+        self._frozen_at_thaw = gc.get_freeze_count()
+        self._rss_at_thaw = resident_bytes()
         logger.debug("egress gateway: thawed: %d objects collected in %.1f ms, %d frozen", collected,
                      (time.perf_counter() - started) * 1000, gc.get_freeze_count())
 
     def _thaw_due(self, now: float) -> bool:
         if not self._frozen:
             return False
+        if self._grown():
+            return True
         since = now - self._last_thaw
         return since >= MAX_THAW_SECONDS or (since >= MIN_THAW_SECONDS and self._closed >= THAW_AFTER_CLOSES)
 
@@ -174,7 +218,10 @@ class CollectorFreeze:
         gc.set_threshold(young, middle, FULL_EVERY)
         if self._after_collection not in gc.callbacks:
             gc.callbacks.append(self._after_collection)
+        self._loop = loop
         self._last_thaw = time.monotonic()
+        self._frozen_at_thaw = gc.get_freeze_count()
+        self._rss_at_thaw = resident_bytes()
         if self._timer is None:
             self._timer = loop.call_later(MAX_THAW_SECONDS / 4, self._tick)
         logger.debug("egress gateway: %d start-up objects frozen out of collections", gc.get_freeze_count())

@@ -157,3 +157,65 @@ def test_a_thaw_follows_a_disconnect_once_enough_buffers_were_given_back(monkeyp
 
     asyncio.run(main())
     assert thawed == [gc_freeze.COLLECT_AFTER]
+
+
+def test_a_thaw_follows_a_full_collection_once_the_process_grew_however_few_connections_closed(
+        collector, monkeypatch):
+    """Review 25: the flows of kept-alive connections, frozen alive and done since, grew a worker
+    from 85 MiB to 1.9 GiB before the 120 s thaw, no connection ever closed. Growth itself now calls
+    for a thaw, right after the full collection that sees it."""
+    addon, loop = collector
+    thaws = []
+    monkeypatch.setattr(addon, "thaw", lambda: thaws.append(True))
+    base = addon._rss_at_thaw or 100 << 20
+    addon._rss_at_thaw = base
+    monkeypatch.setattr(gc_freeze, "resident_bytes", lambda: base + gc_freeze.THAW_AFTER_GROWTH // 2)
+    gc.collect()
+    loop.run_until_complete(asyncio.sleep(0))
+    assert thaws == []  # grown, but not enough
+    monkeypatch.setattr(gc_freeze, "resident_bytes", lambda: base + gc_freeze.THAW_AFTER_GROWTH + 1)
+    gc.collect()
+    gc.collect()  # (one thaw scheduled, not two)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert thaws == [True]
+
+
+def test_breaking_a_cancelled_tasks_cycles_never_ends_another_task():
+    """Review 25: clearing the frames of a chained exception's traceback also cleared the frame of
+    another task still running (it had caught the error and handed it over): that task ended with
+    GeneratorExit. Only the references to the tracebacks are dropped now."""
+    ticks = []
+
+    async def main():
+        handed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def worker():  # catches an error in its loop, hands it over, goes on
+            try:
+                raise ValueError("handed over")
+            except ValueError as error:
+                handed.set_result(error)
+            while True:
+                ticks.append(1)
+                await asyncio.sleep(0.001)
+
+        async def handler():
+            error = await handed
+            try:
+                raise error  # ... handled while this task is cancelled: chained to its CancelledError
+            except ValueError:
+                await asyncio.sleep(60)
+
+        b = asyncio.create_task(worker())
+        a = asyncio.create_task(handler())
+        a.add_done_callback(break_cancelled_cycles)
+        await asyncio.sleep(0.01)
+        a.cancel()
+        await asyncio.wait([a])
+        await asyncio.sleep(0)
+        before = len(ticks)
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+        assert not b.done() and len(ticks) > before
+        b.cancel()
+
+    asyncio.run(main())
