@@ -15,8 +15,9 @@ loop for as long as that takes: every other connection of the worker waits behin
   walk only what was made since (200 such connections: 1.3-2 ms instead of 70-80 ms). The price: an
   object frozen alive that later becomes cyclic garbage (a connection that closes) waits for the
   next *thaw* (unfreeze, one full collection of everything, freeze what survives): as soon as the
-  process grew THAW_AFTER_GROWTH, or its frozen objects doubled, since the last one (checked after
-  every full collection: frozen garbage is also every finished flow of a kept-alive connection);
+  buffer ledger gave back THAW_AFTER_RELEASED, or the frozen objects doubled, since the last one
+  (checked after every full collection: frozen garbage is also every finished flow of a kept-alive
+  connection);
   once THAW_AFTER_CLOSES connections closed, at most every MIN_THAW_SECONDS; and at least every
   MAX_THAW_SECONDS while anything was frozen since.
 - **Cancelled tasks.** Most of a closed connection's cyclic garbage was one cycle: mitmproxy cancels
@@ -40,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import time
 
 COLLECT_AFTER = 512 * 1024 * 1024
@@ -52,23 +52,16 @@ MAX_THAW_SECONDS = 120.0
 # Memory, whatever the time: frozen garbage is not only closed connections' (review 25: the flows
 # of 150 kept-alive connections, each request's 60 KB head in a flow frozen alive and done since,
 # took a worker from 85 MiB to 1.9 GiB in 120 s, no connection ever closed). A thaw comes as soon
-# as the process has grown this much since the last, or its frozen objects doubled (and by at least
-# THAW_AFTER_OBJECTS): what waits for a thaw is bounded by the heap it had, not by time.
-THAW_AFTER_GROWTH = 128 * 1024 * 1024
+# as the buffer ledger has been given back this much since the last (the heads and bodies of
+# finished flows: what a sandbox made the gateway hold, now garbage), or the frozen objects doubled
+# (and by at least THAW_AFTER_OBJECTS) since the count a thaw left: what waits for a thaw is bounded
+# by what traffic left behind, not by time. (The process's size is no signal: freed memory stays
+# resident, so a threshold over it ratchets up by itself.)
+THAW_AFTER_RELEASED = 128 * 1024 * 1024
 THAW_AFTER_OBJECTS = 200_000
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _CONTEXT_DEPTH = 8  # chained exceptions (__context__) whose tracebacks are cleared
 
 logger = logging.getLogger("egress")
-
-
-def resident_bytes() -> int:
-    """This process's resident set (0 where /proc is not there: growth then never triggers)."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def thaw_all() -> int:
@@ -124,7 +117,7 @@ class CollectorFreeze:
         self._last_thaw = time.monotonic()
         self._timer = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._rss_at_thaw = 0  # resident bytes after the last thaw
+        self._released_at_thaw = 0  # the ledger's bytes given back, at the last thaw
         self._frozen_at_thaw = 0  # frozen objects after the last thaw
         self._soon = False  # a thaw is scheduled (the gc callback cannot collect itself)
 
@@ -141,12 +134,15 @@ class CollectorFreeze:
                 self._soon = True
                 self._loop.call_soon_threadsafe(self._thaw_soon)
 
+    def _released(self) -> int:
+        ledger = getattr(self.state, "buffers", None)
+        return ledger.released if ledger is not None else 0
+
     def _grown(self) -> bool:
-        frozen = gc.get_freeze_count()
-        if frozen > max(2 * self._frozen_at_thaw, self._frozen_at_thaw + THAW_AFTER_OBJECTS):
+        if self._released() - self._released_at_thaw > THAW_AFTER_RELEASED:
             return True
-        rss = resident_bytes()
-        return bool(rss) and rss - self._rss_at_thaw > THAW_AFTER_GROWTH
+        frozen = gc.get_freeze_count()
+        return frozen > max(2 * self._frozen_at_thaw, self._frozen_at_thaw + THAW_AFTER_OBJECTS)
 
     def _thaw_soon(self) -> None:
         self._soon = False
@@ -165,7 +161,7 @@ class CollectorFreeze:
         self._frozen = self._closed = 0
         self._last_thaw = time.monotonic()
         self._frozen_at_thaw = gc.get_freeze_count()
-        self._rss_at_thaw = resident_bytes()
+        self._released_at_thaw = self._released()
         logger.debug("egress gateway: thawed: %d objects collected in %.1f ms, %d frozen", collected,
                      (time.perf_counter() - started) * 1000, gc.get_freeze_count())
 
@@ -221,7 +217,7 @@ class CollectorFreeze:
         self._loop = loop
         self._last_thaw = time.monotonic()
         self._frozen_at_thaw = gc.get_freeze_count()
-        self._rss_at_thaw = resident_bytes()
+        self._released_at_thaw = self._released()
         if self._timer is None:
             self._timer = loop.call_later(MAX_THAW_SECONDS / 4, self._tick)
         logger.debug("egress gateway: %d start-up objects frozen out of collections", gc.get_freeze_count())

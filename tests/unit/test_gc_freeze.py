@@ -159,21 +159,23 @@ def test_a_thaw_follows_a_disconnect_once_enough_buffers_were_given_back(monkeyp
     assert thawed == [gc_freeze.COLLECT_AFTER]
 
 
-def test_a_thaw_follows_a_full_collection_once_the_process_grew_however_few_connections_closed(
+def test_a_thaw_follows_a_full_collection_once_enough_buffers_were_given_back_however_few_closed(
         collector, monkeypatch):
     """Review 25: the flows of kept-alive connections, frozen alive and done since, grew a worker
-    from 85 MiB to 1.9 GiB before the 120 s thaw, no connection ever closed. Growth itself now calls
-    for a thaw, right after the full collection that sees it."""
+    from 85 MiB to 1.9 GiB before the 120 s thaw, no connection ever closed. What finished flows
+    gave back to the buffer ledger now calls for a thaw, right after the full collection that sees it."""
     addon, loop = collector
     thaws = []
     monkeypatch.setattr(addon, "thaw", lambda: thaws.append(True))
-    base = addon._rss_at_thaw or 100 << 20
-    addon._rss_at_thaw = base
-    monkeypatch.setattr(gc_freeze, "resident_bytes", lambda: base + gc_freeze.THAW_AFTER_GROWTH // 2)
+    ledger = addon.state.buffers
+    account = ledger.account("c1", "s1")
+    account.reserve(gc_freeze.THAW_AFTER_RELEASED // 2)
+    account.release()
     gc.collect()
     loop.run_until_complete(asyncio.sleep(0))
-    assert thaws == []  # grown, but not enough
-    monkeypatch.setattr(gc_freeze, "resident_bytes", lambda: base + gc_freeze.THAW_AFTER_GROWTH + 1)
+    assert thaws == []  # given back, but not enough
+    account.reserve(gc_freeze.THAW_AFTER_RELEASED // 2 + 1)
+    account.close()
     gc.collect()
     gc.collect()  # (one thaw scheduled, not two)
     loop.run_until_complete(asyncio.sleep(0))
