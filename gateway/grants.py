@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .hostnames import HostError, canonical_host
+from .hostnames import HostError, canonical_host, is_ip_literal
 from .matcher import HostIndex, HostPattern
 from .paths import compile_glob
 from .yamlsource import Location
@@ -85,7 +85,7 @@ def within(inner: HostPattern, outer: HostPattern) -> bool:
     if outer.kind == "exact":
         return inner.kind == "exact" and inner.value == outer.value
     if outer.kind == "wildcard":
-        if inner.kind == "network" or _is_ip(inner.value):
+        if inner.kind == "network" or is_ip_literal(inner.value):
             return False
         return inner.value.endswith("." + outer.value) or (inner.kind == "wildcard" and inner.value == outer.value)
     # outer is a network
@@ -98,13 +98,6 @@ def within(inner: HostPattern, outer: HostPattern) -> bool:
             return False
         return host.ip is not None and host.ip.version == outer.network.version and host.ip in outer.network
     return False
-
-
-def _is_ip(value: str) -> bool:
-    try:
-        return canonical_host(value if ":" not in value else f"[{value}]").is_ip
-    except HostError:
-        return False
 
 
 def parse_host_pattern(text: object) -> HostPattern:

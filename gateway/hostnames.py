@@ -194,3 +194,12 @@ def parse_authority(raw: str, default_port: int | None = None) -> tuple[Host, in
             raise HostError(f"authority {raw!r} needs a port")
         return host, default_port
     return host, parse_port(port_part)
+
+
+def is_ip_literal(value: str) -> bool:
+    """Whether a host as a policy writes it (an IPv6 address with or without brackets) is an IP
+    address rather than a name."""
+    try:
+        return canonical_host(value if ":" not in value else f"[{value}]").is_ip
+    except HostError:
+        return False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .addresses import AddressGuard
 from .cdn import shared_cdn
 from .globs import PathGlob
-from .hostnames import HostError, canonical_host
+from .hostnames import HostError, canonical_host, is_ip_literal
 from .matcher import HostPattern
 from .policy import DEFAULT_PORTS, STANDARD_METHODS, Policy, Rule
 from .yamlsource import ConfigIssue, Location, Node, node_at, parse
@@ -168,24 +168,17 @@ def _pattern_covers(wide: HostPattern, narrow: HostPattern) -> bool:
         return narrow.kind == "exact" and narrow.value == wide.value
     if wide.kind == "wildcard":
         if narrow.kind == "exact":
-            return not _is_ip(narrow.value) and narrow.value.endswith("." + wide.value)
+            return not is_ip_literal(narrow.value) and narrow.value.endswith("." + wide.value)
         if narrow.kind == "wildcard":
             return narrow.value == wide.value or narrow.value.endswith("." + wide.value)
         return False
     # wide is a CIDR
     if narrow.kind == "network":
         return narrow.network.version == wide.network.version and narrow.network.subnet_of(wide.network)
-    if narrow.kind == "exact" and _is_ip(narrow.value):
+    if narrow.kind == "exact" and is_ip_literal(narrow.value):
         address = canonical_host(narrow.value if ":" not in narrow.value else f"[{narrow.value}]").ip
         return address.version == wide.network.version and address in wide.network
     return False
-
-
-def _is_ip(value: str) -> bool:
-    try:
-        return canonical_host(value if ":" not in value else f"[{value}]").is_ip
-    except HostError:
-        return False
 
 
 def _ports_on(rule: Rule, scheme: str) -> frozenset[int]:
