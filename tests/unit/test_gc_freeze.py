@@ -200,17 +200,20 @@ def test_breaking_a_cancelled_tasks_cycles_never_ends_another_task():
                 ticks.append(1)
                 await asyncio.sleep(0.001)
 
+        handling = asyncio.Event()
+
         async def handler():
             error = await handed
             try:
                 raise error  # ... handled while this task is cancelled: chained to its CancelledError
             except ValueError:
+                handling.set()
                 await asyncio.sleep(60)
 
         b = asyncio.create_task(worker())
         a = asyncio.create_task(handler())
         a.add_done_callback(break_cancelled_cycles)
-        await asyncio.sleep(0.01)
+        await handling.wait()
         a.cancel()
         await asyncio.wait([a])
         await asyncio.sleep(0)
