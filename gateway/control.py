@@ -99,6 +99,10 @@ def route(method: str, path: str) -> tuple[str, tuple[str, ...]]:
     raise ControlError(404, "not_found", f"no such endpoint: {path} (see docs/control-api.md)")
 
 
+REFUSAL_LINES_PER_SECOND = 10.0  # the listener's refusals (no token, too large) written to the audit log
+REFUSAL_LINE_BURST = 50.0
+
+
 class ControlService:
     """Validates and makes every change; one request at a time (`lock`)."""
 
@@ -116,6 +120,11 @@ class ControlService:
         self.lock = threading.RLock()
         self.boot_id = str(uuid.uuid4())  # a new one per gateway start: the platform sees a restart
         self.bucket = BucketTable(limits.rate, limits.burst, clock=clock)
+        # Audit lines for what the listener refuses before knowing who asks (no token, too large):
+        # anyone who can reach HOST:PORT can cause them, so they are rate-limited; the others are
+        # counted (metrics) and the next line written says how many were left out (review 24).
+        self.refusal_lines = BucketTable(REFUSAL_LINES_PER_SECOND, REFUSAL_LINE_BURST, clock=clock)
+        self.refusals_unwritten = 0
 
     # --- one request ----------------------------------------------------------------------------------
 
@@ -143,8 +152,13 @@ class ControlService:
         """A refusal the listener decided (authentication, size): audited and counted the same way."""
         with self.lock:
             self.count("unknown", reason)
-            self.record(event="control", action="unknown", principal=principal, decision="deny", reason=reason,
-                        status=status, message=message, sandbox=_sandbox_of(path))
+            if self.refusal_lines.take("listener"):
+                self.refusals_unwritten += 1
+            else:
+                unwritten, self.refusals_unwritten = self.refusals_unwritten, 0
+                self.record(event="control", action="unknown", principal=principal, decision="deny", reason=reason,
+                            status=status, message=message, sandbox=_sandbox_of(path),
+                            **({"suppressed": unwritten} if unwritten else {}))
         return Reply(status, {"error": reason, "message": message})
 
     # --- reads ------------------------------------------------------------------------------------------

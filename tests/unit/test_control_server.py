@@ -60,3 +60,20 @@ def test_one_peer_cannot_hold_more_than_its_share_and_a_token_still_gets_through
     ok.sendall(b"GET /v1/status HTTP/1.1\r\nHost: c\r\nAuthorization: Bearer " + b"t" * 32 + b"\r\n\r\n")
     assert ok.recv(4096).startswith(b"HTTP/1.1 200")
     ok.close()
+
+
+def test_the_listeners_refusals_are_rate_limited_in_the_audit_log_and_the_rest_counted():
+    """Review 24: anyone who can reach HOST:PORT made an audit line per 401, without limit."""
+    from gateway.control import REFUSAL_LINE_BURST, REFUSAL_LINES_PER_SECOND, ControlService
+    from gateway.registry import Registry
+
+    lines, counted, now = [], [], [1000.0]
+    service = ControlService(Registry(), lambda: None, lambda ops: 0, lambda **fields: lines.append(fields),
+                             clock=lambda: now[0], count=lambda action, result: counted.append(result))
+    for _ in range(int(REFUSAL_LINE_BURST) + 30):
+        assert service.refuse(401, "unauthorized", "a valid bearer token is required", "anonymous",
+                              "/v1/sandboxes/x").status == 401
+    assert len(lines) == REFUSAL_LINE_BURST and len(counted) == REFUSAL_LINE_BURST + 30
+    now[0] += 1 / REFUSAL_LINES_PER_SECOND
+    service.refuse(401, "unauthorized", "a valid bearer token is required", "anonymous", "/v1/status")
+    assert lines[-1]["suppressed"] == 30
