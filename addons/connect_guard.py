@@ -35,7 +35,7 @@ class ConnectGuard:
         session = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()
         # Who is asking first (the proxy token sets the connection's identity), then its gates.
-        refused, auth_fields = proxy_auth.check(flow, session, engine)
+        refused, auth_fields = proxy_auth.check(flow, session, engine, self.state)
         scope = self.state.scope(session)
         if refused is not None:
             step = Step(refused)

@@ -14,6 +14,8 @@ from gateway.engine import Engine
 from gateway.proxyauth import HEADER, authenticate, presented_fingerprint
 from gateway.session import ClientSession
 
+from .state import GatewayState
+
 
 def is_proxy_level(session: ClientSession) -> bool:
     """A request addressed to the gateway as a proxy: a CONNECT, or an absolute-form request on an
@@ -21,7 +23,8 @@ def is_proxy_level(session: ClientSession) -> bool:
     return session.mode == "regular" and session.tunnel is None
 
 
-def check(flow: http.HTTPFlow, session: ClientSession, engine: Engine) -> tuple[Decision | None, dict]:
+def check(flow: http.HTTPFlow, session: ClientSession, engine: Engine, state: GatewayState
+          ) -> tuple[Decision | None, dict]:
     """(a refusal or None, audit fields: the presented token's short hash, never the token)."""
     if engine.tokens is None or not is_proxy_level(session):
         return None, {}
@@ -30,7 +33,11 @@ def check(flow: http.HTTPFlow, session: ClientSession, engine: Engine) -> tuple[
     # mitmproxy (flow_detail) like an allowed one, and the token is addressed to the gateway alone.
     if values:
         del flow.request.headers[HEADER]
+    named = session.identity
     refusal = authenticate(session, values, engine.tokens)
+    if session.identity is not None and named is None:
+        # Indexed by sandbox: a control API change to that sandbox judges its connections again.
+        state.identified(flow.client_conn.id, session)
     _log_key_problem(engine)
     shown = presented_fingerprint(values)
     return refusal, ({"token": shown} if shown is not None else {})

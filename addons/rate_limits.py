@@ -129,8 +129,9 @@ class Limiter:
 
     def _on_registry_change(self, change) -> None:
         """A registered sandbox is gone: its windows go (bounded memory; the same id registered again
-        starts at 0)."""
-        if change.op == "deregister" and change.removed:
+        starts at 0). Not while connections whose token names it are open: the token, not the
+        registration, is what names them, and they go on counting in the same windows."""
+        if change.op == "deregister" and change.removed and not self.state.by_sandbox.get(change.sandbox):
             self.quotas.drop_group(change.sandbox)
 
     def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):

@@ -72,7 +72,7 @@ class RequestGuard:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
         # An absolute-form request is addressed to the proxy: its credential first (addons/proxy_auth.py).
-        refused, auth_fields = proxy_auth.check(flow, conn, engine)
+        refused, auth_fields = proxy_auth.check(flow, conn, engine, self.state)
         scope = self.state.scope_under(engine.policy, conn)
         if refused is not None:
             step = Step(refused)

@@ -172,14 +172,14 @@ class Revoker:
 
     def registry_changed(self, change) -> None:
         """A control API change (a registration, a deregistration, a grant added, removed or run
-        out): every open connection from the addresses it touched is judged again by the current
-        engine under the new registry, whatever engine judged it last, and closed if no longer
-        allowed. O(the connections from those addresses), not O(every open connection)."""
+        out): every open connection from the addresses it touched, and every one whose token named
+        the sandbox, is judged again by the current engine under the new registry, whatever engine
+        judged it last, and closed if no longer allowed. O(those connections), not O(every open one)."""
         if self.state.engine is None:
             return
         self._by = change.describe()
         try:
-            self._judge_all(self.state.connections_from(change.addresses))
+            self._judge_all(self.state.connections_of(change.sandbox, change.addresses))
         finally:
             self._by = "the new policy"
 

@@ -45,6 +45,7 @@ class GatewayState:
         self.audit: AuditLog = AuditLog(None)
         self.connections: dict[str, ClientSession] = {}
         self.by_address: dict[IPAddress, set[str]] = {}  # client address -> ids of its open connections
+        self.by_sandbox: dict[str, set[str]] = {}  # sandbox a token named -> ids of its open connections
         self.dns_memory = DnsMemory()
         self.placeholder_key: bytes | None = None  # HMAC key for placeholders, from the confdir
         # Called with every recorded decision (the audit entry plus private keys starting with
@@ -205,6 +206,10 @@ class GatewayState:
                 self.by_address.setdefault(client_address(state.address), set()).add(client_id)
         return state
 
+    def identified(self, client_id: str, conn: ClientSession) -> None:
+        """`conn` proved it is a sandbox (a token): indexed by that sandbox id for `connections_of`."""
+        self.by_sandbox.setdefault(conn.identity.sandbox, set()).add(client_id)
+
     def connections_from(self, addresses) -> list[tuple[str, ClientSession]]:
         """The open connections from these client addresses (a registry change judges only them)."""
         found = []
@@ -212,6 +217,20 @@ class GatewayState:
             for client_id in list(self.by_address.get(client_address(address), ())):
                 conn = self.connections.get(client_id)
                 if conn is not None:
+                    found.append((client_id, conn))
+        return found
+
+    def connections_of(self, sandbox: str, addresses=()) -> list[tuple[str, ClientSession]]:
+        """The open connections a registry change to `sandbox` may touch: those from its addresses
+        (named by the registration), and those whose token named `sandbox` (a registration with
+        or without addresses gives them its grants). Each once."""
+        found = self.connections_from(addresses)
+        ids = self.by_sandbox.get(sandbox)
+        if ids:
+            seen = {client_id for client_id, _ in found}
+            for client_id in list(ids):
+                conn = self.connections.get(client_id)
+                if conn is not None and client_id not in seen:
                     found.append((client_id, conn))
         return found
 
@@ -234,12 +253,9 @@ class GatewayState:
     def forget(self, client_id: str) -> None:
         conn = self.connections.pop(client_id, None)
         if conn is not None and conn.address is not None:
-            key = client_address(conn.address)
-            ids = self.by_address.get(key)
-            if ids is not None:
-                ids.discard(client_id)
-                if not ids:
-                    del self.by_address[key]
+            _discard(self.by_address, client_address(conn.address), client_id)
+        if conn is not None and conn.identity is not None:
+            _discard(self.by_sandbox, conn.identity.sandbox, client_id)
 
     def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """The first refusal of `request_gates` for a request head, or None."""
@@ -252,3 +268,12 @@ class GatewayState:
         if self.engine is None:
             raise RuntimeError("no policy loaded")
         return self.engine
+
+
+def _discard(index: dict, key, client_id: str) -> None:
+    """`client_id` out of `index[key]`, and the key out once its set is empty (bounded indexes)."""
+    ids = index.get(key)
+    if ids is not None:
+        ids.discard(client_id)
+        if not ids:
+            del index[key]

@@ -214,9 +214,15 @@ class ControlService:
         if not isinstance(profile, str) or profile not in policy.sandboxes_by_id:
             raise ControlError(422, "unknown_profile", f"profile {profile!r} is not an entry of the policy's "
                                                        "sandboxes: section")
-        raw = data.get("source_ips")
-        if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_ADDRESSES:
-            raise ControlError(422, "bad_registration", f"source_ips: a list of 1 to {MAX_ADDRESSES} addresses")
+        raw = data.get("source_ips", [])
+        if not isinstance(raw, list) or len(raw) > MAX_ADDRESSES:
+            raise ControlError(422, "bad_registration", f"source_ips: a list of at most {MAX_ADDRESSES} addresses")
+        if not raw and policy.tokens is None:
+            # Without addresses only a token can name the sandbox: with no tokens configured such a
+            # registration would match nothing, silently.
+            raise ControlError(422, "bad_registration", "source_ips: at least one address (a registration without "
+                                                        "addresses is for sandboxes that present proxy tokens, "
+                                                        "and the policy has no identity: tokens: section)")
         try:
             addresses = list(dict.fromkeys(parse_address(a) for a in raw))
         except ValueError as exc:

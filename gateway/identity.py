@@ -7,6 +7,9 @@ sandbox for every later decision on that connection. Its `profile` is an entry o
 envelope of rules and limits the policy file grants. An identity selects and may narrow that
 envelope, never widen it.
 
+A sandbox named by a token may also be registered by the platform under its token's `sub`, without
+addresses (gateway/registry.py): the registration's grants then apply to its connections too.
+
 Every decision asks `scope_of`, so live traffic, revocation and the audit agree on who is asking.
 """
 
@@ -47,4 +50,14 @@ def scope_of(policy: Policy, address: IPAddress | None, identity: Identity | Non
     if entry is None:
         return Scope(identity.sandbox, NO_RULE.rule_ids, None)
     rules = entry.rule_ids if identity.rule_ids is None else entry.rule_ids & identity.rule_ids
+    if registry:
+        registered = registry.scope_of_sandbox(policy, identity.sandbox, identity.profile,
+                                               time.monotonic() if now is None else now)
+        if registered is not None and registered.granted is not None:
+            if identity.rule_ids is None:
+                return registered
+            # A narrowed token keeps its narrowing of the profile; what the platform granted this
+            # sandbox is added, as it is to a sandbox named by its address.
+            granted = registered.granted.rule_ids  # type: ignore[attr-defined]
+            return Scope(identity.sandbox, rules | granted, entry.id, registered.granted)
     return Scope(identity.sandbox, rules, entry.id)

@@ -7,6 +7,11 @@ addresses is judged as that sandbox by its profile's rules and limits, plus its 
 deregistered or its TTL runs out. A registration overrides the policy's static `sandboxes:`
 address table for its addresses. An address belongs to one registered sandbox at a time.
 
+A registration may name no address: a sandbox that proves who it is with a proxy token (its `sub`
+is the registration's id). Its grants then reach every connection whose token names that sandbox
+and the registration's profile (`scope_of_sandbox`); the token, not the registration, decides
+whether the connection is let in at all.
+
 Every change is an *op* (a JSON-able dict: `register`, `deregister`, `grant`, `revoke`), made
 once by the control service (gateway/control.py, which validates it) and applied with `apply`,
 here and on every worker's copy (gateway/control_fanout.py): the copies stay equal because they
@@ -162,7 +167,19 @@ class Registry:
         sandbox = self._by_address.get(client_address(address))
         if sandbox is None:
             return None
-        reg = self._by_id[sandbox]
+        return self._scope_of(policy, self._by_id[sandbox], now)
+
+    def scope_of_sandbox(self, policy: Policy, sandbox: str, profile: str, now: float) -> Scope | None:
+        """The Scope of registered sandbox `sandbox` if it is registered now with `profile`, else
+        None. For a connection whose token proved it is `sandbox` (gateway/identity.py): the
+        registration's grants reach it only when the token names the profile they were granted
+        under, so a grant never crosses from one envelope into another."""
+        reg = self._by_id.get(sandbox)
+        if reg is None or reg.profile != profile:
+            return None
+        return self._scope_of(policy, reg, now)
+
+    def _scope_of(self, policy: Policy, reg: Registration, now: float) -> Scope | None:
         if reg.expires <= now:
             return None
         cache = reg.cache
@@ -190,9 +207,7 @@ class Registry:
 
     def granted(self, policy: Policy, sandbox: str, now: float) -> GrantRules | None:
         reg = self._by_id.get(sandbox)
-        if reg is None or not reg.addresses:
-            return None
-        scope = self.scope(policy, reg.addresses[0], now)
+        scope = self._scope_of(policy, reg, now) if reg is not None else None
         return scope.granted if scope is not None else None  # type: ignore[return-value]
 
     def page(self, after: str | None, limit: int, keep: Callable[[Registration], bool] = lambda r: True

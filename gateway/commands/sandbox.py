@@ -116,8 +116,8 @@ def register(sub) -> None:
     actions = sandbox.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
     reg = actions.add_parser("register", help="register (or update) a sandbox")
     reg.add_argument("id")
-    reg.add_argument("--source-ip", dest="source_ips", action="append", required=True, metavar="IP",
-                     help="an address of the sandbox (repeatable)")
+    reg.add_argument("--source-ip", dest="source_ips", action="append", default=[], metavar="IP",
+                     help="an address of the sandbox (repeatable; none: a sandbox named by its proxy token's sub)")
     reg.add_argument("--profile", required=True, help="the policy's sandboxes: entry whose rules and limits apply")
     reg.add_argument("--ttl", type=float, default=None, metavar="SECONDS", help="default 86400")
     reg.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")

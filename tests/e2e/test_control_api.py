@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.lib.tokens import claims, new_signer, write_jwks
 from gateway.commands.sandbox import ControlClient
 from gateway.control import ROUTES
-from tests.e2e.helpers import Conn, get, tls_tunnel, tunnel
+from tests.e2e.helpers import Conn, connect_proxy, get, start_tls, tls_tunnel, tunnel
 from tests.e2e.test_revocation import assert_websocket_closed, client_of, line_of, open_tunnel, open_websocket
 from tests.support.gateway import free_port
 from tests.support.revocation import BASE_RULES, WAIT, origins, reloadable  # noqa: F401
@@ -194,6 +195,80 @@ def test_a_grant_outside_the_envelope_is_refused_and_audited(controlled, origins
     assert [line["reason"] for line in lines] == ["outside_envelope"] * 5 + ["bad_grant", "unknown_sandbox"]
     assert all(line["principal"] == f"uid:{os.getuid()}" for line in lines)
     assert refused(gw, "gone.test") == (403, "no_rule")
+
+
+# --- sandboxes named by a proxy token ------------------------------------------------------------------
+
+SIGNER = new_signer("EdDSA")
+TOKENS = SANDBOXES + """
+identity:
+  tokens:
+    keys: jwks.json
+    audience: egress-gateway
+    profile_claim: egress_profile
+    required: false
+"""
+
+
+def token_tunnel(gw, host: str, token: str) -> tuple[Conn | None, int, str | None]:
+    """CONNECT with the token as a Bearer proxy credential; on 200, TLS and one request inside.
+    (the open tunnel or None, the CONNECT status, its reason code)"""
+    conn = connect_proxy(gw.process, WAIT)
+    conn.send(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n"
+              f"Proxy-Authorization: Bearer {token}\r\n\r\n".encode())
+    answer = conn.read_response(head_only=True)
+    if answer.status != 200:
+        conn.close()
+        return None, answer.status, answer.egress_reason
+    tls = start_tls(conn, gw.process, host)
+    response = get(tls, "/first", host)
+    assert response.status == 200, response
+    return tls, 200, None
+
+
+def test_a_token_sandbox_registered_without_addresses_gets_its_grants_and_loses_them_at_once(controlled, origins,
+                                                                                                tmp_path):  # noqa: F811
+    write_jwks(tmp_path / "jwks.json", SIGNER)
+    gw, api = controlled(sandboxes=TOKENS)
+    pod = SIGNER.mint(claims("pod-7", "agent"))
+    assert token_tunnel(gw, "gone.test", pod)[1:] == (403, "no_rule")
+    status, body = api.call("POST", "/v1/sandboxes", {"id": "pod-7", "profile": "agent", "ttl_seconds": 600})
+    assert status == 201 and body["source_ips"] == [], body
+    status, grant = api.grant("pod-7", {"hosts": ["gone.test"], "ttl_seconds": 600})
+    assert status == 201, grant
+    granted, status, _ = token_tunnel(gw, "gone.test", pod)  # a new token of the same sandbox: its grants too
+    assert status == 200
+    kept, _, _ = token_tunnel(gw, "kept.test", pod)  # the profile's own rule: not the grant's
+    allowed = gw.lines(event="request", host="gone.test", decision="allow")[-1]
+    assert (allowed["sandbox"], allowed["rule"], allowed["identity"]) == ("pod-7", f"grant:{grant['id']}", "token")
+    # The grant is pod-7's alone: not another sandbox's, not pod-7 under another profile (the grant
+    # was checked against agent's envelope), not a client with no token from the same address.
+    assert token_tunnel(gw, "gone.test", SIGNER.mint(claims("pod-8", "agent")))[1:] == (403, "no_rule")
+    assert token_tunnel(gw, "gone.test", SIGNER.mint(claims("pod-7", "locked")))[1:] == (403, "no_rule")
+    assert refused(gw, "gone.test") == (403, "no_rule")
+    # Removing the grant closes the tunnel it allowed, found by its token's sandbox (no address).
+    assert api.revoke("pod-7", grant["id"])[0] == 200
+    line = line_of(gw.revoked(kind="tunnel"), granted.client)
+    assert (line["sandbox"], line["rule"], line["cause"]) == ("pod-7", f"grant:{grant['id']}", "no_rule")
+    assert granted.closed(WAIT)
+    assert get(kept, "/still", "kept.test").status == 200
+    assert token_tunnel(gw, "gone.test", pod)[1:] == (403, "no_rule")
+    # Deregistering ends the grants too; the token itself still names the sandbox by its profile.
+    status, grant = api.grant("pod-7", {"rule": "gone", "ttl_seconds": 600})
+    regranted, status, _ = token_tunnel(gw, "gone.test", pod)
+    assert status == 200
+    assert api.deregister("pod-7")[0] == 200
+    line = line_of(gw.revoked(2, kind="tunnel"), regranted.client)
+    assert "deregistration of sandbox pod-7" in line["message"]
+    assert regranted.closed(WAIT)
+    assert get(kept, "/still", "kept.test").status == 200
+
+
+def test_a_registration_without_addresses_needs_tokens(controlled, origins):  # noqa: F811
+    gw, api = controlled()
+    for body in ({"id": "x", "profile": "agent"}, {"id": "x", "source_ips": [], "profile": "agent"}):
+        status, answer = api.call("POST", "/v1/sandboxes", body)
+        assert (status, answer["error"]) == (422, "bad_registration") and "tokens" in answer["message"], answer
 
 
 # --- the listener --------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from gateway.engine import Engine
 from gateway.grants import GrantError, build_grant, envelope_refusal, parse_host_pattern, within
 from gateway.hostnames import canonical_host
-from gateway.identity import scope_of
+from gateway.identity import Identity, scope_of
 from gateway.policy import STANDARD_METHODS, compile_policy
 from gateway.registry import Registry
 
@@ -413,3 +413,53 @@ def test_an_address_no_client_connects_from_is_not_registered(address):
 
     with pytest.raises(ValueError, match="not an address a sandbox connects from"):
         parse_address(address)
+
+
+# --- sandboxes named by a token --------------------------------------------------------------------------
+
+
+def decide_as(registry: Registry, identity: Identity, host: str, now: float = T0):
+    engine = Engine.build(POLICY)
+    engine.grant_rules = registry.grant_rules
+    return engine.check_destination(canonical_host(host), 443, scope_of(POLICY, ip("192.0.2.9"), identity,
+                                                                        registry, now))
+
+
+def test_a_registration_without_addresses_gives_its_grants_to_the_token_of_its_id_and_profile():
+    registry = Registry()
+    register(registry, "pod-7", addresses=(), ttl=3600)
+    grant(registry, {"hosts": ["api.github.com"]}, sandbox="pod-7")
+    grant(registry, {"rule": "docs"}, sandbox="pod-7", grant_id="g2")
+    token = Identity("pod-7", "agent", "token")
+    assert decide_as(registry, token, "api.github.com").rule == "grant:g1"
+    assert decide_as(registry, token, "docs.python.org").rule == "docs"
+    assert decide_as(registry, token, "pypi.org").rule == "pypi"  # the profile's own
+    assert registry.owner(ip("192.0.2.9")) is None  # no address is this sandbox
+    # another sandbox, the same sandbox under another profile, no token: none of it
+    for other in (Identity("pod-8", "agent", "token"), Identity("pod-7", "plain", "token"), None):
+        assert not decide_as(registry, other, "api.github.com").allowed
+    # at the grants' deadline (max_ttl 30 min), exactly; the token's profile stays
+    assert decide_as(registry, token, "docs.python.org", now=T0 + 1799.9).rule == "docs"
+    assert not decide_as(registry, token, "docs.python.org", now=T0 + 1800).allowed
+    assert decide_as(registry, token, "pypi.org", now=T0 + 1800).rule == "pypi"
+
+
+def test_a_token_sandboxs_registration_ends_its_grants_at_its_own_deadline():
+    registry = Registry()
+    register(registry, "pod-7", addresses=(), ttl=60)
+    grant(registry, {"rule": "docs"}, sandbox="pod-7")
+    token = Identity("pod-7", "agent", "token")
+    assert decide_as(registry, token, "docs.python.org", now=T0 + 59.9).rule == "docs"
+    assert not decide_as(registry, token, "docs.python.org", now=T0 + 60).allowed
+    assert registry.due(T0 + 60)[0] == {"op": "deregister", "id": "pod-7", "why": "expired"}
+
+
+@given(st.frozensets(st.sampled_from(["pypi", "docs", "secret-api", "x"])) | st.none())
+def test_a_narrowed_token_keeps_its_narrowing_and_gains_only_what_was_granted(narrowed):
+    registry = Registry()
+    register(registry, "pod-7", addresses=())
+    grant(registry, {"rule": "docs"}, sandbox="pod-7")
+    scope = scope_of(POLICY, None, Identity("pod-7", "agent", "token", narrowed), registry, T0)
+    base = frozenset({"pypi"}) if narrowed is None else frozenset({"pypi"}) & narrowed
+    assert scope.rule_ids == base | {"docs"}
+    assert "secret-api" not in scope.rule_ids
