@@ -172,6 +172,20 @@ class Registry:
         reg.cache = (policy, scope, until)
         return scope
 
+    def scope_of_registration(self, policy: Policy, sandbox: str, now: float) -> Scope | None:
+        """The Scope of registered sandbox `sandbox` now, by its id (whatever its addresses, none
+        included), or None (not registered, or its TTL has run out). The same cached Scope `scope`
+        gives its addresses' connections: `explain` for the sandbox decides as its traffic does."""
+        reg = self._by_id.get(sandbox)
+        if reg is None or reg.expires <= now:
+            return None
+        cache = reg.cache
+        if cache is not None and cache[0] is policy and now < cache[2]:
+            return cache[1]
+        scope, until = self._build(policy, reg, now)
+        reg.cache = (policy, scope, until)
+        return scope
+
     @staticmethod
     def _build(policy: Policy, reg: Registration, now: float) -> tuple[Scope, float]:
         entry = policy.sandboxes_by_id.get(reg.profile) if policy.sandboxes is not None else None
