@@ -284,7 +284,7 @@ def parse_header(text: str) -> tuple[str, str]:
     """`NAME: VALUE` (the -H of curl and of `explain`), or ExplainError."""
     name, colon, value = text.partition(":")
     if not colon or not name.strip() or name != name.strip():
-        raise ExplainError(f"-H {text!r}: give a header as 'NAME: VALUE'")
+        raise ExplainError(f"header {text!r}: give a header as 'NAME: VALUE'")
     return name, value.strip(" \t")
 
 
@@ -338,7 +338,8 @@ def explain(
         policy_decision = decide_request(*ask, answer=UNCHECKED)
         decision = decide_request(*ask, answer=UNCHECKED if answer is None else answer)
         if decision.allowed and answer is None:
-            notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
+            notes.append(f"addresses not checked: {host} is not in static_hosts (live traffic checks every address "
+                         "it resolves to; `egress-gateway explain --resolve` looks it up in DNS)")
         facts = RequestFacts(host, port, target.scheme, method, target.target, tuple(headers))
         candidates = _http_candidates(engine, policy, facts, scope, policy_decision)
         try:
