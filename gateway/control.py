@@ -116,8 +116,9 @@ class ControlService:
                  engine: Callable[[], Engine | None] | None = None):
         self.registry = registry
         self.policy = policy
-        # The engine in force (the proxy's: its deny list knows the gateway's own addresses); without
-        # one (the supervisor of `run --workers N` has none) explain builds one from `policy`.
+        # The engine in force, for explain (the proxy's, whose deny list knows the gateway's own
+        # addresses; the supervisor of `run --workers N` passes one built as its workers' are).
+        # Without one, explain builds one from `policy`.
         self.engine = engine
         self._built: tuple[Policy, Engine] | None = None
         self.publish = publish
