@@ -80,7 +80,7 @@ class ControlApi:
             limits = Limits(max_sandboxes=max(1, opts.egress_control_max_sandboxes),
                             max_grants=max(1, opts.egress_control_max_grants), rate=rate, burst=2 * rate)
             self.service = ControlService(self.state.registry, self._policy, self._publish, self._record, limits,
-                                          count=self._count)
+                                          count=self._count, engine=self._engine)
             self.server = ControlServer(opts.egress_control, self.service, self._dispatch, tokens,
                                         opts.egress_control_group or None)
         except (ControlSpecError, ValueError, OSError, KeyError) as exc:
@@ -99,6 +99,10 @@ class ControlApi:
 
     def _policy(self):
         return self.state.engine.policy if self.state.engine is not None else None
+
+    def _engine(self):
+        """The engine in force: `sandbox explain` decides with what the sandbox's traffic is decided by."""
+        return self.state.engine
 
     def _record(self, **fields) -> None:
         self.state.record(**fields)

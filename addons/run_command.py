@@ -263,7 +263,7 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
     control = None
     if args.control:
         try:
-            control = _supervisor_control(args, supervisor)
+            control = _supervisor_control(args, supervisor, modes)
         except (ValueError, OSError, KeyError) as exc:
             print(f"egress-gateway: --control: {exc}", file=sys.stderr)
             return 1
@@ -318,7 +318,51 @@ class _SupervisorControl:
         self.server.stop()
 
 
-def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor) -> _SupervisorControl:
+def _mode_listeners(modes: list[str]) -> list[tuple]:
+    """The proxy's listening addresses as the workers bind them (`MODE@HOST:PORT`, `MODE@PORT`: all
+    interfaces), for the supervisor's explain engine; a spec without a port is left out."""
+    import ipaddress
+
+    found = []
+    for spec in modes:
+        _, at, where = spec.partition("@")
+        host, _, port = where.rpartition(":") if ":" in where else ("", "", where)
+        if not at or not port.isdigit():
+            continue
+        host = host.strip("[]") or "0.0.0.0"
+        try:
+            ip = ipaddress.ip_address("127.0.0.1" if host == "localhost" else host)
+        except ValueError:
+            continue
+        found.append((ip, int(port)))
+        if ip == ipaddress.ip_address("0.0.0.0"):
+            found.append((ipaddress.ip_address("::"), int(port)))
+    return found
+
+
+class _SupervisorEngine:
+    """The engine `sandbox explain` is answered with in the supervisor (which decides no traffic):
+    built once per policy from the policy the workers run, with the gateway's own addresses and
+    listeners in its deny list as the workers' engines have them."""
+
+    def __init__(self, policy, registry, listeners: list[tuple]):
+        from gateway.localaddrs import local_addresses
+
+        self.policy, self.registry, self.listeners = policy, registry, listeners
+        self.self_addresses = local_addresses()
+        self.built = None
+
+    def __call__(self):
+        from gateway.engine import Engine
+
+        policy = self.policy()
+        if self.built is None or self.built.policy is not policy:
+            self.built = Engine.build(policy, self.self_addresses, self.listeners)
+            self.built.grant_rules = self.registry.grant_rules
+        return self.built
+
+
+def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor, modes: list[str]) -> _SupervisorControl:
     """`run --workers N --control SPEC`: the supervisor owns the API and the registry; the workers
     hold copies (gateway/control_fanout.py). Its metrics go to the workers' multiprocess directory,
     so every scrape sums them in."""
@@ -350,7 +394,9 @@ def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor) -> _Su
         metrics.sizes(len(registry), registry.grant_count)
         return confirmed
 
-    service = ControlService(registry, policy, publish, supervisor.record, limits, count=metrics.count)
+    listeners = _mode_listeners(modes)
+    service = ControlService(registry, policy, publish, supervisor.record, limits, count=metrics.count,
+                             engine=_SupervisorEngine(policy, registry, listeners))
     fanout = holder["fanout"] = Fanout(registry, service.lock, supervisor.served, supervisor.kill)
     supervisor.control = fanout
     tokens = read_tokens(args.control_token_file) if args.control_token_file else None
@@ -358,6 +404,8 @@ def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor) -> _Su
     if server.address is not None:
         ip, port = server.address
         supervisor.env[CONTROL_LISTEN_ENV] = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+        # (the explain engine is built at the first request: after this)
+        listeners.extend(_mode_listeners([f"control@{supervisor.env[CONTROL_LISTEN_ENV]}"]))
     timer = ExpiryTimer(service.expire, fanout.wake)
     server.start()
     timer.start()

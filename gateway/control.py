@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from .engine import Engine
+from .explain import ExplainError, describe_scope, explain, parse_header
 from .grants import MAX_TTL_CEILING, GrantError, build_grant
 from .policy import STANDARD_METHODS, Policy
 from .ratelimit import BucketTable
@@ -49,10 +51,12 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/v1/sandboxes/{id}/grants", "list_grants"),
     ("POST", "/v1/sandboxes/{id}/grants", "grant"),
     ("DELETE", "/v1/sandboxes/{id}/grants/{grant}", "revoke"),
+    ("GET", "/v1/sandboxes/{id}/explain", "explain"),
 )
 CHANGES = frozenset({"register", "deregister", "grant", "revoke", "expire"})
 ACTIONS = tuple(sorted({a for _, _, a in ROUTES} | {"expire", "unknown"}))
 _SEGMENT = r"([^/]+)"
+_METHOD_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}\Z")  # an HTTP token
 
 
 def _compile(template: str) -> re.Pattern:
@@ -108,9 +112,15 @@ class ControlService:
 
     def __init__(self, registry: Registry, policy: Callable[[], Policy | None], publish: Callable[[list[dict]], int],
                  record: Callable[..., None], limits: Limits = Limits(), clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, count: Callable[[str, str], None] | None = None):
+                 wall: Callable[[], float] = time.time, count: Callable[[str, str], None] | None = None,
+                 engine: Callable[[], Engine | None] | None = None):
         self.registry = registry
         self.policy = policy
+        # The engine in force, for explain (the proxy's, whose deny list knows the gateway's own
+        # addresses; the supervisor of `run --workers N` passes one built as its workers' are).
+        # Without one, explain builds one from `policy`.
+        self.engine = engine
+        self._built: tuple[Policy, Engine] | None = None
         self.publish = publish
         self.record = record
         self.limits = limits
@@ -192,6 +202,45 @@ class ControlService:
     def _list_grants(self, params, query, data, principal) -> Reply:
         reg = self._registered(params[0])
         return Reply(200, {"grants": [g.describe() for g in reg.grants.values()]})
+
+    def _explain(self, params, query, data, principal) -> Reply:
+        """How the gateway decides URL for this registered sandbox now: its live scope (grants
+        included) and the engine in force, so the answer is what its traffic gets. Names are not
+        looked up (this runs on the proxy's event loop): static_hosts, else the addresses are not
+        checked and the answer says so."""
+        reg = self._registered(params[0])
+        url = _one(query, "url")
+        if not url:
+            raise ControlError(400, "bad_request", "url is required (url=https://host/path, http://... or "
+                                                   "tcp://IP:PORT)")
+        method = _one(query, "method") or "GET"
+        if not _METHOD_RE.match(method):
+            raise ControlError(400, "bad_request", f"method {method[:40]!r} is not an HTTP method")
+        engine = self._engine()
+        scope = self.registry.scope_of_registration(engine.policy, reg.id, self.clock())
+        if scope is None:
+            raise ControlError(404, "unknown_sandbox", f"no sandbox {reg.id!r} is registered")
+        try:
+            headers = [parse_header(h) for h in query.get("header", [])]
+            result = explain(engine.policy, url, method, scope=scope, scope_text="registered " + describe_scope(scope),
+                             engine=engine, headers=headers)
+        except ExplainError as exc:
+            raise ControlError(400, "bad_request", str(exc)) from None
+        return Reply(200, result.as_dict() | {"policy_sha256": engine.policy.sha256})
+
+    def _engine(self) -> Engine:
+        """The engine in force, else one built (once per policy) from the policy in force."""
+        engine = self.engine() if self.engine is not None else None
+        if engine is not None:
+            return engine
+        policy = self.policy()
+        if policy is None:
+            raise ControlError(503, "starting", "the gateway has no policy in force yet")
+        if self._built is None or self._built[0] is not policy:
+            built = Engine.build(policy)
+            built.grant_rules = self.registry.grant_rules  # type: ignore[assignment]
+            self._built = (policy, built)
+        return self._built[1]
 
     def _registered(self, sandbox: str):
         reg = self.registry.get(sandbox)

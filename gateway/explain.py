@@ -10,19 +10,25 @@ the deny list's verdict on each, and the names of the secrets the deciding rule 
 Resolution: an IP literal is itself; otherwise `addresses` (given by the caller), else the
 policy's `static_hosts`, else the `resolve` callable (real DNS, only when asked for), else the
 addresses are not checked and the explanation says so.
+
+Who asks: a sandbox of the policy file or a source address (`scope_for`), or a `scope` the caller
+already has: the control API (gateway/control.py) passes a registered sandbox's live scope, grants
+included, so explain sees the rules a grant adds exactly as the engine does (`Scope.granted`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .addresses import AddressVerdict
 from .decision import Decision
 from .credential_checks import credential_verdict
-from .engine import Engine, RequestFacts
+from .engine import Engine, RequestFacts, _by_grant
+from .grants import Grant, GrantRules, compile_grants
 from .hostnames import Host, HostError, IPAddress, ip_host, parse_authority
 from .methods import overrides as overrides_in
 from .paths import PathError, normalise_path
@@ -83,6 +89,14 @@ class Candidate:
     rule: str
     outcome: str  # decided | matches | no_match | not_granted | other_protocol
     why: str
+    grant: Grant | None = None  # the grant that adds this rule to the scope (a registered sandbox's)
+
+    def as_dict(self) -> dict:
+        """`grant` only when one stands behind the rule: a policy file's explanation is as it was."""
+        out = {"rule": self.rule, "outcome": self.outcome, "why": self.why}
+        if (g := self.grant) is not None:
+            out["grant"] = {"id": g.id, "sandbox": g.sandbox, "expires_at": g.expires_at}
+        return out
 
 
 @dataclass(frozen=True)
@@ -185,7 +199,7 @@ class Explanation:
             "decision": _decision_dict(self.decision),
             "policy_decision": _decision_dict(self.policy_decision),
             "mode": self.mode,
-            "candidates": [{"rule": c.rule, "outcome": c.outcome, "why": c.why} for c in self.candidates],
+            "candidates": [c.as_dict() for c in self.candidates],
             "resolution": self.resolution,
             "addresses": [
                 {"address": v.address.compressed, "allowed": v.allowed, "reason": v.reason, "detail": v.detail}
@@ -241,6 +255,39 @@ def scope_for(policy: Policy, sandbox: str | None = None, source_ip: str | None 
     return scope, f"{who}: sandbox {scope.sandbox}"
 
 
+def describe_scope(scope: Scope) -> str:
+    """A sentence for a scope the caller made (a registered sandbox's): who, which profile, which grants."""
+    if scope.sandbox is None:
+        return "every rule (the policy has no sandboxes section)" if scope.rule_ids is None else "no sandbox"
+    text = f"sandbox {scope.sandbox}"
+    if scope.profile is None:
+        return text + " (its profile is no longer in the policy: no rule at all)"
+    text += f" (profile {scope.profile}"
+    grants = _active_grants(scope)
+    if grants:
+        text += ", grants " + ", ".join(f"{g.id} until {_until(g)}" for g in grants)
+    return text + ")"
+
+
+def _active_grants(scope: Scope) -> list[Grant]:
+    granted = scope.granted
+    if not isinstance(granted, GrantRules):
+        return []
+    return sorted({g.id: g for g in granted.by_rule.values()}.values(), key=lambda g: g.id)
+
+
+def _until(grant: Grant) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(grant.expires_at))
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """`NAME: VALUE` (the -H of curl and of `explain`), or ExplainError."""
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip() or name != name.strip():
+        raise ExplainError(f"header {text!r}: give a header as 'NAME: VALUE'")
+    return name, value.strip(" \t")
+
+
 def credentials_of(rule: Rule) -> list[Credential]:
     return [Credential(i.target, i.name, tuple(i.template.secrets)) for i in rule.injections]
 
@@ -252,14 +299,23 @@ def explain(
     *,
     sandbox: str | None = None,
     source_ip: str | None = None,
+    scope: Scope | None = None,
+    scope_text: str | None = None,
     addresses: Sequence[IPAddress] | None = None,
     resolve: Resolve | None = None,
     engine: Engine | None = None,
     headers: Sequence[tuple[str, str]] = (),
 ) -> Explanation:
+    """One request explained. Who asks: `sandbox` or `source_ip` (looked up in the policy file), or
+    `scope` as the caller has it (a registered sandbox's, with its grants), described by `scope_text`."""
     target = url if isinstance(url, Target) else parse_target(url)
     method = method.upper()
-    scope, scope_text = scope_for(policy, sandbox, source_ip)
+    if scope is None:
+        scope, scope_text = scope_for(policy, sandbox, source_ip)
+    elif sandbox is not None or source_ip is not None:
+        raise ExplainError("give a scope, or a sandbox or source IP, not both")
+    elif scope_text is None:
+        scope_text = describe_scope(scope)
     engine = engine or Engine.build(policy)
     if target.host is None:
         bad = Decision.deny("bad_host", f"bad host in {target.url!r}: {target.host_error}")
@@ -282,7 +338,8 @@ def explain(
         policy_decision = decide_request(*ask, answer=UNCHECKED)
         decision = decide_request(*ask, answer=UNCHECKED if answer is None else answer)
         if decision.allowed and answer is None:
-            notes.append(f"addresses not checked: {host} is not in static_hosts (--resolve looks it up in DNS)")
+            notes.append(f"addresses not checked: {host} is not in static_hosts (live traffic checks every address "
+                         "it resolves to; `egress-gateway explain --resolve` looks it up in DNS)")
         facts = RequestFacts(host, port, target.scheme, method, target.target, tuple(headers))
         candidates = _http_candidates(engine, policy, facts, scope, policy_decision)
         try:
@@ -359,16 +416,48 @@ def _resolve(policy: Policy, host: Host, given: Sequence[IPAddress] | None, reso
 
 
 def _only(scope: Scope, rule: Rule) -> Scope:
-    return Scope(scope.sandbox, frozenset({rule.id}))
+    """`scope` narrowed to `rule` alone, keeping the grant that adds it: checked alone, a granted
+    rule (a rule grant's, or a hosts grant's transient rule) decides as it does live, by that grant."""
+    grant = _grant_of(scope, rule)
+    if grant is None:
+        return Scope(scope.sandbox, frozenset({rule.id}), scope.profile)
+    one = compile_grants([grant])
+    return Scope(scope.sandbox, one.rule_ids, scope.profile, one)
 
 
-def _candidate(rule: Rule, alone: Decision, decided: Decision) -> Candidate:
-    """What one rule, checked alone, says next to the policy's decision."""
+def _grant_of(scope: Scope, rule: Rule) -> Grant | None:
+    """The grant behind `rule` in this scope (None: the profile's own rule, or no grants)."""
+    granted = scope.granted
+    return granted.grant_of(rule.id) if isinstance(granted, GrantRules) else None
+
+
+def _granted_rules(scope: Scope, host: Host) -> list[Rule]:
+    """The transient rules of the scope's hosts grants that cover `host` (the engine's lookup)."""
+    granted = scope.granted
+    if not isinstance(granted, GrantRules) or not granted.rules:
+        return []
+    return [granted.rules[i] for i in granted.index.candidates(host)]
+
+
+def _candidate(rule: Rule, alone: Decision, decided: Decision, scope: Scope) -> Candidate:
+    """What one rule, checked alone, says next to the policy's decision (and the grant behind it)."""
+    grant = _grant_of(scope, rule)
+    by = _by_grant(scope, rule)
     if _passes(alone) and _passes(decided) and rule.id == decided.rule:
-        return Candidate(rule.id, "decided", alone.message)
+        return Candidate(rule.id, "decided", alone.message, grant)  # the engine's message names the grant
     if _passes(alone):
-        return Candidate(rule.id, "matches", f"also matches, but rule {decided.rule} comes first")
-    return Candidate(rule.id, "no_match", _why(alone, rule))
+        return Candidate(rule.id, "matches", f"also matches{by}, but rule {decided.rule} comes first", grant)
+    return Candidate(rule.id, "no_match", _why(alone, rule) + by, grant)
+
+
+def _not_granted(policy: Policy, scope: Scope, rule: Rule) -> Candidate:
+    """A rule the client may not use; for a registered sandbox, whether a grant could add it."""
+    why = f"not granted to {scope.sandbox or 'this client'}"
+    entry = policy.sandboxes_by_id.get(scope.profile or "")
+    if entry is not None and scope.sandbox != entry.id and entry.grantable is not None \
+            and rule.id in entry.grantable.rules:
+        why += f" (profile {entry.id}'s grantable.rules: a rule grant could add it)"
+    return Candidate(rule.id, "not_granted", why)
 
 
 def _why(decision: Decision, rule: Rule) -> str:
@@ -380,15 +469,18 @@ def _why(decision: Decision, rule: Rule) -> str:
 
 
 def _http_candidates(engine: Engine, policy: Policy, facts: RequestFacts, scope: Scope, decided: Decision) -> list[Candidate]:
+    """Every rule covering the host, in the engine's order: the policy's, then the hosts grants'."""
     out = []
     for i in policy.index.candidates(facts.host):
         rule = policy.rules[i]
         if rule.protocol != "http":
             out.append(Candidate(rule.id, "other_protocol", f"a protocol: {rule.protocol} rule (raw TCP only)"))
         elif not scope.grants(rule):
-            out.append(Candidate(rule.id, "not_granted", f"not granted to {scope.sandbox or 'this client'}"))
+            out.append(_not_granted(policy, scope, rule))
         else:
-            out.append(_candidate(rule, engine.check_request(facts, _only(scope, rule)), decided))
+            out.append(_candidate(rule, engine.check_request(facts, _only(scope, rule)), decided, scope))
+    for rule in _granted_rules(scope, facts.host):
+        out.append(_candidate(rule, engine.check_request(facts, _only(scope, rule)), decided, scope))
     return out
 
 
@@ -406,59 +498,68 @@ def _tcp(engine: Engine, policy: Policy, host: Host, port: int, found, scope: Sc
     out, seen = [], set()
     hosts = [ip_host(address), *(Host(n) for n in names)]
     for h in hosts:
-        for i in policy.index.candidates(h):
-            rule = policy.rules[i]
+        rules = [(policy.rules[i], False) for i in policy.index.candidates(h)]
+        for rule, granted in rules + [(r, True) for r in _granted_rules(scope, h)]:
             if rule.id in seen:
                 continue
             seen.add(rule.id)
             if rule.protocol != "tcp":
-                out.append(Candidate(rule.id, "other_protocol", "an HTTP rule (tcp:// asks about raw TCP)"))
-            elif not scope.grants(rule):
-                out.append(Candidate(rule.id, "not_granted", f"not granted to {scope.sandbox or 'this client'}"))
+                out.append(Candidate(rule.id, "other_protocol", "an HTTP rule (tcp:// asks about raw TCP)",
+                                     _grant_of(scope, rule)))
+            elif not granted and not scope.grants(rule):
+                out.append(_not_granted(policy, scope, rule))
             else:
-                out.append(_candidate(rule, engine.check_tcp(address, port, names, _only(scope, rule)), decision))
+                out.append(_candidate(rule, engine.check_tcp(address, port, names, _only(scope, rule)), decision,
+                                      scope))
     return decision, out, None
 
 
 def render_text(e: Explanation) -> str:
-    t = e.target
-    d = e.decision
-    verdict = {"allow": "ALLOW", "deny": "DENY", "would_deny": "WOULD_DENY"}[e.verdict]
-    what = t.url if t.scheme == "tcp" else f"{e.method} {t.url}"
+    return render_dict(e.as_dict())
+
+
+def render_dict(e: dict) -> str:
+    """The text form of `Explanation.as_dict()`: what `explain` prints, and what `sandbox explain`
+    prints from the control API's JSON (a thin client has the JSON, not the Explanation)."""
+    d = e["decision"]
+    verdict = {"allow": "ALLOW", "deny": "DENY", "would_deny": "WOULD_DENY"}[e["verdict"]]
+    what = e["url"] if e["scheme"] == "tcp" else f"{e['method']} {e['url']}"
     lines = [f"{verdict}  {what}"]
-    status = "" if d.allowed else f" ({d.status})"
-    lines.append(f"  reason:    {d.reason}{status}")
-    lines.append(f"  rule:      {d.rule or '-'}")
-    if e.mode == "report" or e.verdict == "would_deny":
+    status = "" if d["allowed"] else f" ({d['status']})"
+    lines.append(f"  reason:    {d['reason']}{status}")
+    lines.append(f"  rule:      {d['rule'] or '-'}")
+    if e["mode"] == "report" or e["verdict"] == "would_deny":
         lines.append("  mode:      report (allowlist denials are let through and logged as would_deny)")
-    lines.append(f"  message:   {d.message}")
-    lines.append(f"  client:    {e.scope_text}")
-    if t.host is not None:
-        lines.append(f"  target:    {t.scheme}://{t.host.authority(t.port)}" + (f"  path {e.path}" if e.path else ""))
-    for override in e.overrides:
+    lines.append(f"  message:   {d['message']}")
+    lines.append(f"  client:    {e['scope']}")
+    if e["host"] is not None:
+        host = f"[{e['host']}]" if ":" in e["host"] else e["host"]
+        lines.append(f"  target:    {e['scheme']}://{host}:{e['port']}" + (f"  path {e['path']}" if e["path"] else ""))
+    for override in e["method_override"]:
         lines.append(f"  override:  {override}")
-    if e.policy_decision.allowed and not d.allowed:
-        lines.append(f"  rules:     allowed by {e.policy_decision.rule}, then refused ({d.reason})")
-    lines.append("candidate rules:" if e.candidates else "candidate rules: none covers this host")
-    width = max((len(c.rule) for c in e.candidates), default=0)
-    for c in e.candidates:
-        lines.append(f"  {c.rule:<{width}}  {c.outcome:<14} {c.why}")
+    if e["policy_decision"]["allowed"] and not d["allowed"]:
+        lines.append(f"  rules:     allowed by {e['policy_decision']['rule']}, then refused ({d['reason']})")
+    candidates = e["candidates"]
+    lines.append("candidate rules:" if candidates else "candidate rules: none covers this host")
+    width = max((len(c["rule"]) for c in candidates), default=0)
+    for c in candidates:
+        lines.append(f"  {c['rule']:<{width}}  {c['outcome']:<14} {c['why']}")
     source = {"ip": "an IP literal", "given": "given", "static_hosts": "static_hosts", "dns": "DNS",
-              "unresolved": "not resolved", "failed": "DNS lookup failed"}[e.resolution]
-    lines.append(f"addresses ({source}):" if e.addresses else f"addresses: {source}")
-    for v in e.addresses:
-        lines.append(f"  {v.address.compressed:<39} {'allowed' if v.allowed else 'REFUSED'}: {v.detail}")
-    if e.resolve_error:
-        lines.append(f"  {e.resolve_error}")
-    if e.credentials:
+              "unresolved": "not resolved", "failed": "DNS lookup failed"}[e["resolution"]]
+    lines.append(f"addresses ({source}):" if e["addresses"] else f"addresses: {source}")
+    for v in e["addresses"]:
+        lines.append(f"  {v['address']:<39} {'allowed' if v['allowed'] else 'REFUSED'}: {v['detail']}")
+    if e["resolve_error"]:
+        lines.append(f"  {e['resolve_error']}")
+    if e["credentials"]:
         lines.append("credentials injected (names only):")
-        for c in e.credentials:
-            lines.append(f"  {c.target} {c.name} <- {', '.join('secrets.' + s for s in c.secrets)}")
+        for c in e["credentials"]:
+            lines.append(f"  {c['target']} {c['name']} <- {', '.join('secrets.' + s for s in c['secrets'])}")
     else:
         lines.append("credentials injected: none")
-    if e.limits:
+    if e["limits"]:
         lines.append("limits that count this request:")
-        lines.extend(f"  {x.describe()}" for x in e.limits)
-    for note in e.notes:
+        lines.extend(f"  {AppliedLimit(**x).describe()}" for x in e["limits"])
+    for note in e["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines) + "\n"

@@ -177,7 +177,7 @@ class Registry:
         reg = self._by_id.get(sandbox)
         if reg is None or reg.profile != profile:
             return None
-        return self._scope_of(policy, reg, now)
+        return self.scope_of_registration(policy, sandbox, now)
 
     def _scope_of(self, policy: Policy, reg: Registration, now: float) -> Scope | None:
         if reg.expires <= now:
@@ -188,6 +188,13 @@ class Registry:
         scope, until = self._build(policy, reg, now)
         reg.cache = (policy, scope, until)
         return scope
+
+    def scope_of_registration(self, policy: Policy, sandbox: str, now: float) -> Scope | None:
+        """The Scope of registered sandbox `sandbox` now, by its id (whatever its addresses, none
+        included), or None (not registered, or its TTL has run out). The same cached Scope `scope`
+        gives its addresses' connections: `explain` for the sandbox decides as its traffic does."""
+        reg = self._by_id.get(sandbox)
+        return self._scope_of(policy, reg, now) if reg is not None else None
 
     @staticmethod
     def _build(policy: Policy, reg: Registration, now: float) -> tuple[Scope, float]:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .. import secretmap
-from ..explain import ExplainError, explain, render_text, scope_for
+from ..explain import ExplainError, explain, parse_header, render_text, scope_for
 from ..hostnames import Host
 from ..policy import PolicyError, default_policy_text, load_default_policy, load_policy
 from ..resolver import Resolver
@@ -60,13 +60,6 @@ def _dns(host: Host):
     return asyncio.run(Resolver().resolve(host))
 
 
-def _header(text: str) -> tuple[str, str]:
-    name, colon, value = text.partition(":")
-    if not colon or not name.strip() or name != name.strip():
-        raise ExplainError(f"-H {text!r}: give a header as 'NAME: VALUE'")
-    return name, value.strip(" \t")
-
-
 def main(args: argparse.Namespace) -> int:
     if args.secrets == (args.url is not None):
         print("egress-gateway explain: give a URL, or --secrets (not both)", file=sys.stderr)
@@ -85,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
                 given = [ipaddress.ip_address(a.strip("[]")) for a in args.address]
             except ValueError as exc:
                 raise ExplainError(f"--address: {exc}") from None
-        headers = [_header(h) for h in args.header or ()]
+        headers = [parse_header(h) for h in args.header or ()]
         result = explain(policy, args.url, args.method, sandbox=args.sandbox, source_ip=args.source_ip,
                          addresses=given, resolve=_dns if args.resolve else None, headers=headers)
     except ExplainError as exc:

@@ -1,7 +1,7 @@
-"""`egress-gateway sandbox register|deregister|list|get|grant|revoke|grants`: the control API from a
-shell (docs/control-api.md). A thin client: every check is the gateway's; this prints its JSON
-answer and exits 0 on success, 1 on a refusal (the reason is in the JSON), 2 when the gateway
-cannot be reached."""
+"""`egress-gateway sandbox register|deregister|list|get|grant|revoke|grants|explain`: the control API
+from a shell (docs/control-api.md). A thin client: every check is the gateway's; this prints its
+JSON answer (`explain`: as `egress-gateway explain` prints one, or the JSON with --json) and exits 0
+on success, 1 on a refusal (the reason is in the JSON), 2 when the gateway cannot be reached."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from urllib.parse import quote, urlencode
 
 from ..control import DEFAULT_SOCKET
+from ..explain import render_dict
 from . import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 CONTROL_ENV = "EGRESS_CONTROL"  # default for --control
@@ -94,6 +95,13 @@ class ControlClient:
     def revoke(self, sandbox: str, grant: str) -> tuple[int, dict]:
         return self.call("DELETE", f"/v1/sandboxes/{quote(sandbox, safe='')}/grants/{quote(grant, safe='')}")
 
+    def explain(self, sandbox: str, url: str, method: str = "GET", headers: list[str] = ()) -> tuple[int, dict]:
+        """How the gateway decides `url` for the registered sandbox now (its grants included)."""
+        query: dict = {"url": url, "method": method}
+        if headers:
+            query["header"] = list(headers)
+        return self.call("GET", f"/v1/sandboxes/{quote(sandbox, safe='')}/explain", query=query)
+
 
 def _labels(items: list[str]) -> dict[str, str]:
     out = {}
@@ -146,6 +154,17 @@ def register(sub) -> None:
     revoke.add_argument("grant")
     grants = actions.add_parser("grants", help="a sandbox's grants")
     grants.add_argument("id")
+    why = actions.add_parser("explain", help="how the gateway decides a request of a registered sandbox now",
+                             description="The decision for one request (https://host/path, http://..., "
+                                         "tcp://IP:PORT) under the sandbox's live rules, its grants included, as "
+                                         "`egress-gateway explain` shows one. Names are not looked up: addresses "
+                                         "come from static_hosts, else they are not checked.")
+    why.add_argument("id")
+    why.add_argument("url", metavar="URL")
+    why.add_argument("-X", "--method", default="GET", help="request method (default GET)")
+    why.add_argument("-H", "--header", dest="headers", action="append", default=[], metavar="'NAME: VALUE'",
+                     help="a request header field (repeatable): method overrides in headers are judged too")
+    why.add_argument("--json", action="store_true", help="print the JSON answer")
     sandbox.set_defaults(func=main)
 
 
@@ -168,6 +187,8 @@ def main(args: argparse.Namespace) -> int:
             status, body = client.call("GET", f"/v1/sandboxes/{quoted}")
         elif command == "grants":
             status, body = client.call("GET", f"/v1/sandboxes/{quoted}/grants")
+        elif command == "explain":
+            status, body = client.explain(args.id, args.url, args.method, args.headers)
         elif command == "grant":
             spec: dict = {"rule": args.rule} if args.rule else {"hosts": args.hosts}
             for key in ("ports", "schemes", "methods", "paths"):
@@ -183,5 +204,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     finally:
         client.close()
-    print(json.dumps(body, indent=2))
+    if command == "explain" and status == 200 and not args.json:
+        sys.stdout.write(render_dict(body))
+    else:
+        print(json.dumps(body, indent=2))
     return EXIT_OK if 200 <= status < 300 else EXIT_FAILED

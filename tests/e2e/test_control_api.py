@@ -271,6 +271,69 @@ def test_a_registration_without_addresses_needs_tokens(controlled, origins):  # 
         assert (status, answer["error"]) == (422, "bad_registration") and "tokens" in answer["message"], answer
 
 
+# --- explain agrees with live traffic ----------------------------------------------------------------------
+
+
+def live_line(gw, host: str, method: str = "GET", path: str = "/x") -> dict:
+    """A real request from the registered address (CONNECT, then `method path` in the tunnel when the
+    CONNECT is let through): the audit line of the decision that stood."""
+    conn, answer = tunnel(gw.process, f"{host}:443", timeout=WAIT)
+    event = "request"
+    with conn:
+        if answer.status == 200:
+            with start_tls(conn, gw.process, host) as tls:
+                tls.request(method, path, [("Host", host)])
+        else:
+            event, method = "connect", "CONNECT"
+
+    def found():
+        return [e for e in gw.lines(event=event, method=method) if e.get("client") == conn.client]
+    gw.wait(found, f"the audit line of {method} {host}{path}")
+    return found()[-1]
+
+
+def explained_and_live(gw, api, host: str, method: str = "GET") -> tuple[dict, dict]:
+    """The explain endpoint's decision and a real request's line, for the same sandbox and URL,
+    each as (verdict, reason, rule); and their messages."""
+    status, body = api.explain("task-1", f"https://{host}/x", method)
+    assert status == 200, body
+    line = live_line(gw, host, method)
+    said = body["decision"]
+    assert (said["verdict"], said["reason"], said["rule"]) == (line["decision"], line["reason"], line["rule"]), (
+        body, line)
+    return said, line
+
+
+def test_explain_agrees_with_live_traffic_before_during_and_after_grants(controlled, origins):  # noqa: F811
+    """The project's rule, for registered sandboxes: `explain` must agree with live traffic. The
+    endpoint explains under the sandbox's live scope, so a grant changes its answer exactly when it
+    changes what the sandbox's requests get."""
+    gw, api = controlled()
+    api.register("task-1", ["127.0.0.1"], "agent")
+    said, _ = explained_and_live(gw, api, "gone.test")
+    assert (said["verdict"], said["reason"]) == ("deny", "no_rule")
+    assert explained_and_live(gw, api, "kept.test")[0]["rule"] == "kept"  # the profile's own rule
+    status, grant = api.grant("task-1", {"hosts": ["gone.test"], "methods": ["GET"], "ttl_seconds": 600})
+    assert status == 201, grant
+    said, line = explained_and_live(gw, api, "gone.test")
+    assert (said["verdict"], said["rule"]) == ("allow", f"grant:{grant['id']}")
+    assert f"(by grant {grant['id']} of sandbox task-1, until" in said["message"]
+    assert said["message"] == line["message"]
+    said, _ = explained_and_live(gw, api, "gone.test", "POST")  # outside the grant's methods
+    assert (said["reason"], said["rule"]) == ("method_not_allowed", f"grant:{grant['id']}")
+    assert api.revoke("task-1", grant["id"])[0] == 200
+    assert explained_and_live(gw, api, "gone.test")[0]["reason"] == "no_rule"
+    status, grant = api.grant("task-1", {"rule": "gone", "ttl_seconds": 600})
+    said, line = explained_and_live(gw, api, "gone.test")
+    assert (said["verdict"], said["rule"]) == ("allow", "gone") and grant["id"] in line["message"]
+    assert said["message"] == line["message"]
+    assert not control_lines(gw, action="explain")  # a read: never a line of its own
+    status, body = api.explain("nobody", "https://gone.test/x")
+    assert (status, body["error"]) == (404, "unknown_sandbox")
+    status, body = api.explain("task-1", "ftp://gone.test/x")
+    assert (status, body["error"]) == (400, "bad_request") and "scheme must be one of" in body["message"]
+
+
 # --- the listener --------------------------------------------------------------------------------------
 
 

@@ -59,6 +59,13 @@ def every_worker(gateway, host: str = "allowed.test"):
     return {(r.status, r.reason) for r in results}, results
 
 
+def explained(api, url: str) -> tuple:
+    """The supervisor's `sandbox explain` for task-1: (verdict, reason, rule)."""
+    status, body = api.explain("task-1", url)
+    assert status == 200, body
+    return body["verdict"], body["decision"]["reason"], body["decision"]["rule"]
+
+
 def test_every_worker_sees_each_change_before_the_call_returns(controlled):
     gateway, api = controlled()
     assert every_worker(gateway)[0] == {(403, "no_rule")}
@@ -69,14 +76,17 @@ def test_every_worker_sees_each_change_before_the_call_returns(controlled):
     clients = {r.client for r in results}
     lines = [e for e in gateway.audit_entries() if e.get("client") in clients and e.get("event") == "request"]
     assert {e["sandbox"] for e in lines} == {"task-1"}
-    # a grant reaches every worker too
+    # a grant reaches every worker too; the supervisor explains what the workers then decide
     assert every_worker(gateway, "slow.test")[0] == {(403, "no_rule")}
+    assert explained(api, "http://slow.test/") == ("deny", "no_rule", None)
     status, grant = api.grant("task-1", {"rule": "slow"})
     assert status == 201 and grant["workers"] == 2
     assert every_worker(gateway, "slow.test")[0] == {(200, None)}
+    assert explained(api, "http://slow.test/") == ("allow", "allowed", "slow")
     status, body = api.revoke("task-1", grant["id"])
     assert body["workers"] == 2
     assert every_worker(gateway, "slow.test")[0] == {(403, "no_rule")}
+    assert explained(api, "http://slow.test/") == ("deny", "no_rule", None)
     status, body = api.deregister("task-1")
     assert status == 200 and body["workers"] == 2
     assert every_worker(gateway)[0] == {(403, "no_rule")}
