@@ -68,6 +68,9 @@ METADATA: tuple[MetadataKey, ...] = (
                 "the RequestFacts a request was judged by: its body checks and a reload judge the same facts"),
     MetadataKey("egress_generation", "addons.revocation:GENERATION", "addons.request_guard", "addons.revocation",
                 "the engine generation that judged the request: a reload judges again only what an older one allowed"),
+    MetadataKey("egress_registry_seq", "addons.revocation:REGISTRY_SEQ", "addons.request_guard", "addons.revocation",
+                "the control registry's op count when the request's scope was taken: a registry change "
+                "while it was decided (a DNS wait) judges it again once it is in flight"),
     MetadataKey("egress_body_check", "addons.method_body:BODY_CHECK", "addons.body_checks, addons.rate_limits",
                 "addons.http_stream, addons.rate_limits",
                 "the check a request body must pass as it is read (method overrides, an empty body, the upload "

@@ -36,6 +36,7 @@ class ConnectGuard:
         engine = self.state.require_engine()
         # Who is asking first (the proxy token sets the connection's identity), then its gates.
         refused, auth_fields = proxy_auth.check(flow, session, engine, self.state)
+        registry_seq = self.state.registry.seq  # the registry the scope is taken from (judged again if it moves)
         scope = self.state.scope(session)
         if refused is not None:
             step = Step(refused)
@@ -56,6 +57,6 @@ class ConnectGuard:
         flow.server_conn.sni = step.pin.sni or str(step.pin.address)
         session.commit(step)
         if step.establish is not None:
-            self.state.establish(flow.client_conn.id, session, step.establish)
+            self.state.establish(flow.client_conn.id, session, step.establish, registry_seq)
         if session.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
             refuse(flow, session.poisoned, flow_page(self.state, flow, session.poisoned))

@@ -22,7 +22,7 @@ from .failclosed import fail_closed
 from .layers import end_stream, raw_authority, target_form
 from .respond import flow_page, refuse
 from .session_driver import drive
-from .revocation import FACTS, GENERATION
+from .revocation import FACTS, GENERATION, REGISTRY_SEQ
 from .state import GatewayState
 
 
@@ -71,6 +71,7 @@ class RequestGuard:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername)
         engine = self.state.require_engine()  # once: the whole request is judged by one policy
+        registry_seq = self.state.registry.seq  # the registry the scope below is taken from
         # An absolute-form request is addressed to the proxy: its credential first (addons/proxy_auth.py).
         refused, auth_fields = proxy_auth.check(flow, conn, engine, self.state)
         scope = self.state.scope_under(engine.policy, conn)
@@ -116,6 +117,7 @@ class RequestGuard:
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin
         flow.metadata[GENERATION] = engine.generation  # with FACTS: what a WebSocket is judged again by
+        flow.metadata[REGISTRY_SEQ] = registry_seq  # a registry change during the decision: judged again
         # Also on a report-mode (would_deny) head: a body naming TRACE is refused in report mode too,
         # and any other override in it is recorded.
         body_checks.plan(self.state, flow, decision, pin, engine, sent, bound=bool(injected))

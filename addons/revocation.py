@@ -39,6 +39,7 @@ logger = logging.getLogger("egress")
 
 FACTS = "egress_facts"  # flow.metadata: the RequestFacts a request was judged by (request guard)
 GENERATION = "egress_generation"  # flow.metadata: the engine generation that judged it
+REGISTRY_SEQ = "egress_registry_seq"  # flow.metadata: the registry's op count when its scope was taken
 
 
 def close_client(client_id: str) -> bool:
@@ -99,7 +100,7 @@ class Revoker:
         # (Inside a tunnel, the tunnel's own entry carries its destination checks.)
         established = Established("websocket", pin, decision.rule, conn.address, flow.metadata.get(GENERATION, 0),
                                   request=facts)
-        self.state.establish(flow.client_conn.id, conn, established)
+        self.state.establish(flow.client_conn.id, conn, established, flow.metadata.get(REGISTRY_SEQ, -1))
 
     # --- requests in flight: registered while they last, so a reload judges an endless stream ------
 
@@ -115,7 +116,8 @@ class Revoker:
         self._prune(flow.client_conn.id, conn)
         self._flows.setdefault(flow.client_conn.id, {})[flow.id] = flow
         self.state.establish(flow.client_conn.id, conn, Established(
-            "request", pin, decision.rule, conn.address, flow.metadata.get(GENERATION, 0), request=facts))
+            "request", pin, decision.rule, conn.address, flow.metadata.get(GENERATION, 0), request=facts),
+            flow.metadata.get(REGISTRY_SEQ, -1))
 
     def client_disconnected(self, client) -> None:
         self._flows.pop(client.id, None)

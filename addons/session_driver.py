@@ -12,5 +12,8 @@ from .state import GatewayState
 
 
 async def drive(steps: Steps, engine: Engine, state: GatewayState, client_id: str, session: ClientSession) -> Step:
+    """The caller took the connection's scope just before (no await between): the registry as it
+    was then is what the decision was made under, whatever changes while names are resolved."""
+    seq = state.registry.seq
     return await sessions.drive(steps, engine.resolved,
-                                lambda established: state.establish(client_id, session, established))
+                                lambda established: state.establish(client_id, session, established, seq))

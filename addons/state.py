@@ -57,7 +57,7 @@ class GatewayState:
         self.install_listeners: list[Callable[[Engine], None]] = []
         # Told (client id, connection) when a connection became long-lived under an engine that is no
         # longer the current one (decided while a reload happened): it must be judged again now.
-        self.stale_listeners: list[Callable[[str, ClientSession], None]] = []
+        self.stale_listeners: list[Callable[[str, ClientSession, bool], None]] = []  # (.., registry moved)
         # Called by RequestGuard for every allowed request before its audit line, with (flow, decision,
         # scope, engine, injected secret names): a refusal to answer instead, or None
         # (addons/rate_limits.py).
@@ -153,16 +153,21 @@ class GatewayState:
                 logging.getLogger("egress").exception("egress gateway: registry listener failed")
         return change
 
-    def establish(self, client_id: str, conn: ClientSession, established: Established) -> None:
+    def establish(self, client_id: str, conn: ClientSession, established: Established,
+                  registry_seq: int | None = None) -> None:
         """A guard made something long-lived on this connection, judged by the engine of generation
-        `established.generation`. If a reload installed another engine while that decision was under
-        way (a CONNECT waiting for DNS, an upgrade waiting for its 101), it is judged again at once:
-        no connection slips past a reload by being decided during it."""
+        `established.generation`, under the registry as it was after `registry_seq` ops (None: not
+        looked at). If a reload installed another engine, or the control API changed the registry,
+        while that decision was under way (a CONNECT waiting for DNS, an upgrade waiting for its
+        101), it is judged again at once: no connection slips past a reload or a revocation by
+        being decided during it (review 26: a grant revoked during the DNS wait left 29 of 30
+        tunnels open for good)."""
         conn.establish(established)
-        if self.engine is not None and established.generation != self.engine.generation:
+        moved = registry_seq is not None and registry_seq != self.registry.seq
+        if self.engine is not None and (moved or established.generation != self.engine.generation):
             for listener in self.stale_listeners:
                 try:
-                    listener(client_id, conn)
+                    listener(client_id, conn, moved)
                 except Exception:
                     logging.getLogger("egress").exception("egress gateway: stale listener failed")
 

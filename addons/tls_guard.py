@@ -45,6 +45,7 @@ class TlsGuard:
             data.ignore_connection = True
             return
         engine = self.state.require_engine()
+        registry_seq = self.state.registry.seq  # the registry the scope is taken from (judged again if it moves)
         scope = self.state.scope(session)
         hello = data.client_hello
         pinning = session.pins_by_sni()
@@ -72,7 +73,7 @@ class TlsGuard:
         if pinning:
             session.commit(step)
         if step.establish is not None:
-            self.state.establish(data.context.client.id, session, step.establish)
+            self.state.establish(data.context.client.id, session, step.establish, registry_seq)
         if session.poisoned is not None:  # decided under a policy that a reload replaced meanwhile, and revoked
             data.context.server.error = "egress gateway: revoked"
             return

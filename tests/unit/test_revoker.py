@@ -235,3 +235,63 @@ def test_a_stream_that_died_without_a_hook_is_forgotten_and_never_revoked():
     assert sum(e.kind == "request" for e in conn.established) <= 1  # pruned at each new request
     world.state.install(engine(A.replace("hosts: [a.test]", "hosts: [a.test]\n    methods: [GET]") + B))
     assert world.closed == [] and world.revoked() == []
+
+
+SANDBOXED = POLICY.format(rules=A + B) + """\
+sandboxes:
+  - id: default
+    rules: []
+  - id: agent
+    rules: [b]
+    grantable:
+      rules: [a]
+"""
+
+
+@pytest.mark.parametrize("change", ["revoke", "deregister"])
+def test_a_connection_decided_while_the_registry_changed_is_judged_at_once(change):
+    """Review 26: a CONNECT awaiting DNS while its grant was revoked (or its sandbox deregistered)
+    was established after the revocation had judged the sandbox's connections, and never again:
+    29 of 30 tunnels outlived the revoke. The registry's op count at the decision says it moved."""
+    world = World()
+    world.state.install(Engine.build(compile_policy(SANDBOXED, "t.yaml")))
+    world.state.apply_registry({"op": "register", "registration": {
+        "id": "task-1", "source_ips": ["10.0.0.9"], "profile": "agent", "expires": 1e12, "expires_at": 1e12,
+        "by": "test"}})
+    world.state.apply_registry({"op": "grant", "grant": {
+        "id": "g1", "sandbox": "task-1", "rule": "a", "expires": 1e12, "expires_at": 1e12, "by": "test"}})
+    conn = world.state.connection("late", ("10.0.0.9", 50000))
+    assert world.state.scope(conn).grants(world.state.engine.policy.rules_by_id["a"])
+    decided_at = world.state.registry.seq  # the guard takes the scope, then awaits DNS ...
+    if change == "revoke":
+        world.state.apply_registry({"op": "revoke", "sandbox": "task-1", "grant": "g1"})
+    else:
+        world.state.apply_registry({"op": "deregister", "id": "task-1"})
+    assert world.closed == []  # nothing was established yet: the revocation found nothing to close
+    _, pin = pin_of(world.state.engine, "a.test")
+    world.state.establish("late", conn, Established("tunnel", pin, "a", conn.address, world.state.engine.generation),
+                          decided_at)
+    assert world.closed == ["late"] and conn.poisoned is not None
+    # decided after the change, under the registry as it is now: not judged again
+    ok = world.state.connection("fresh", ("10.0.0.9", 50001))
+    _, pin_b = pin_of(world.state.engine, "b.test")
+    established = Established("tunnel", pin_b, "b", ok.address, world.state.engine.generation)
+    if change == "revoke":
+        world.state.establish("fresh", ok, established, world.state.registry.seq)
+        assert world.closed == ["late"] and ok.poisoned is None
+
+
+def test_a_token_sandboxs_rate_windows_outlive_its_registration_an_address_ones_do_not():
+    """Review 26: deregistering (or the TTL of) a registration without addresses reset the quotas
+    of the sandbox its token still names; it closed its connections around the TTL to get them."""
+    from addons.rate_limits import Limiter
+    from gateway.registry import Change
+
+    state = GatewayState()
+    limiter = Limiter(state)
+    for sandbox in ("pod-7", "task-1"):
+        limiter.quotas.window(("sandbox", sandbox, None, None, "requests_per_minute", "agent"), 10, 60.0)
+    limiter._on_registry_change(Change("deregister", "pod-7", frozenset(), removed=True))
+    limiter._on_registry_change(Change("deregister", "task-1", frozenset({ipaddress.ip_address("10.0.0.9")}),
+                                       removed=True))
+    assert len(limiter.quotas) == 1  # pod-7's (named by its token) stays; task-1's (by address) goes
