@@ -128,10 +128,13 @@ class Limiter:
         self.quotas.keep(lambda key: limit_of(policy, key))  # (a key names its profile)
 
     def _on_registry_change(self, change) -> None:
-        """A registered sandbox is gone: its windows go (bounded memory; the same id registered again
-        starts at 0). Not while connections whose token names it are open: the token, not the
-        registration, is what names them, and they go on counting in the same windows."""
-        if change.op == "deregister" and change.removed and not self.state.by_sandbox.get(change.sandbox):
+        """A sandbox registered by address is gone: its windows go (bounded memory; the same id
+        registered again starts at 0). Not one named by its token (a registration without addresses,
+        or connections whose token names it open now): the token, not the registration, names it, and
+        it goes on counting in the same windows (review 26: closing its connections around the TTL
+        reset its quotas); the Quotas table's own bound and sweep keep those."""
+        if (change.op == "deregister" and change.removed and change.addresses
+                and not self.state.by_sandbox.get(change.sandbox)):
             self.quotas.drop_group(change.sandbox)
 
     def windows(self, policy: Policy, scope: Scope, rule_id: str | None, injected: list[str]):

@@ -275,14 +275,30 @@ def supervise(args: argparse.Namespace, modes: list[str], workers: int) -> int:
 
 
 class _PolicyWatch:
-    """The supervisor's view of the policy, for validating control requests: the file re-read when
-    its identity changes (looked at most once a second); an invalid new version keeps the old one,
-    as the workers do."""
+    """The supervisor's view of the policy, for validating control requests and explaining: the
+    file re-read when the workers re-read it: when its identity changes, looked at most every
+    `poll` seconds (egress_policy_poll), and on SIGHUP (`reload`); with `poll` 0, only on SIGHUP
+    (review 26: it polled anyway, and explained by a policy no worker had loaded). An invalid new
+    version keeps the old one, as the workers do."""
 
-    def __init__(self, path: str | None, policy):
-        self.path, self.policy = path, policy
+    def __init__(self, path: str | None, policy, poll: float = 1.0):
+        self.path, self.policy, self.poll = path, policy, poll
         self._seen = self._stat()
         self._checked = 0.0
+
+    def reload(self) -> None:
+        self._seen = None
+        self._checked = 0.0
+        self._load()
+
+    def _load(self) -> None:
+        seen = self._stat()
+        if seen != self._seen:
+            self._seen = seen
+            try:
+                self.policy = load_policy(self.path)
+            except PolicyError:
+                pass
 
     def _stat(self):
         import os
@@ -297,16 +313,23 @@ class _PolicyWatch:
         import time
 
         now = time.monotonic()
-        if self.path and now - self._checked >= 1.0:
+        if self.path and self.poll > 0 and now - self._checked >= max(self.poll, 1.0):
             self._checked = now
-            seen = self._stat()
-            if seen != self._seen:
-                self._seen = seen
-                try:
-                    self.policy = load_policy(self.path)
-                except PolicyError:
-                    pass
+            self._load()
         return self.policy
+
+
+def _policy_poll(args: argparse.Namespace) -> float:
+    """egress_policy_poll as the workers get it (`--set egress_policy_poll=N`), else its default."""
+    poll: float = OPTIONS["egress_policy_poll"].default
+    for option in getattr(args, "setoptions", None) or ():
+        name, _, value = option.partition("=")
+        if name.strip() == "egress_policy_poll":
+            try:
+                poll = float(value)
+            except ValueError:
+                pass
+    return poll
 
 
 class _SupervisorControl:
@@ -381,7 +404,10 @@ def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor, modes:
     from gateway.metrics import ControlMetrics
 
     metrics = ControlMetrics(CollectorRegistry())
-    policy = _PolicyWatch(args.policy, load_policy(args.policy) if args.policy else load_default_policy())
+    policy = _PolicyWatch(args.policy, load_policy(args.policy) if args.policy else load_default_policy(),
+                          _policy_poll(args))
+    if args.policy:
+        supervisor.on_sighup.append(policy.reload)
     registry = Registry()
     rate = parse_rate(getattr(args, "control_rate", OPTIONS["egress_control_rate"].default))
     limits = Limits(max_sandboxes=getattr(args, "control_max_sandboxes", OPTIONS["egress_control_max_sandboxes"].default),
@@ -395,6 +421,8 @@ def _supervisor_control(args: argparse.Namespace, supervisor: Supervisor, modes:
         return confirmed
 
     listeners = _mode_listeners(modes)
+    if getattr(args, "metrics", None):  # the metrics port is one of the gateway's own listeners too (review 26)
+        listeners.extend(_mode_listeners([f"metrics@{args.metrics}"]))
     service = ControlService(registry, policy, publish, supervisor.record, limits, count=metrics.count,
                              engine=_SupervisorEngine(policy, registry, listeners))
     fanout = holder["fanout"] = Fanout(registry, service.lock, supervisor.served, supervisor.kill)

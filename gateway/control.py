@@ -56,6 +56,7 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
 CHANGES = frozenset({"register", "deregister", "grant", "revoke", "expire"})
 ACTIONS = tuple(sorted({a for _, _, a in ROUTES} | {"expire", "unknown"}))
 _SEGMENT = r"([^/]+)"
+MAX_EXPLAIN_URL = 8192
 _METHOD_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}\Z")  # an HTTP token
 
 
@@ -213,9 +214,16 @@ class ControlService:
         if not url:
             raise ControlError(400, "bad_request", "url is required (url=https://host/path, http://... or "
                                                    "tcp://IP:PORT)")
+        if len(url) > MAX_EXPLAIN_URL:  # each candidate rule is matched against it: bounded work on the loop
+            raise ControlError(400, "bad_request", f"url: at most {MAX_EXPLAIN_URL} characters")
         method = _one(query, "method") or "GET"
         if not _METHOD_RE.match(method):
             raise ControlError(400, "bad_request", f"method {method[:40]!r} is not an HTTP method")
+        if method != method.upper():
+            # Explained as given, never upper-cased: live traffic refuses such a request (400
+            # non_http), and an answer for GET would disagree with it (review 26).
+            raise ControlError(400, "bad_request", f"method {method!r}: methods are case-sensitive and the gateway "
+                                                   "refuses one that is not upper-case (400 non_http)")
         engine = self._engine()
         scope = self.registry.scope_of_registration(engine.policy, reg.id, self.clock())
         if scope is None:
@@ -255,7 +263,7 @@ class ControlService:
         _keys(data, {"id", "source_ips", "profile", "ttl_seconds", "labels"}, "bad_registration")
         sandbox = data.get("id")
         if not isinstance(sandbox, str) or not SANDBOX_ID_RE.match(sandbox):
-            raise ControlError(422, "bad_registration", "id: letters, digits, '_', '.', ':', '-' (at most 128)")
+            raise ControlError(422, "bad_registration", "id: letters, digits, '_', '.', ':', '-' (at most 512, as a token's sub)")
         if sandbox in policy.sandboxes_by_id:
             raise ControlError(409, "id_reserved", f"{sandbox!r} is a sandbox id of the policy file; a registration "
                                                    "needs an id of its own")

@@ -39,7 +39,7 @@ from .grants import Grant, GrantRules, compile_grants, envelope_refusal
 from .hostnames import IPAddress
 from .policy import Policy, Scope
 
-SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,511}\Z")  # a token sub is at most 512
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}\Z")
 MAX_ADDRESSES = 16
 MAX_LABELS = 16

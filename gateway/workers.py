@@ -174,6 +174,7 @@ class Supervisor:
         self.stopping = False
         self.audit_errors = 0  # worker lines lost (malformed, or beyond MAX_HELD_LINES): logged
         self._signals: list[int] = []
+        self.on_sighup: list = []  # called on SIGHUP, before it is passed on (the control API's policy view)
         self._audit_lock = threading.Lock()
         self.held: list[str] = []  # worker lines not written yet: the audit file is failing
         self.max_held_lines, self.max_held_bytes = MAX_HELD_LINES, MAX_HELD_BYTES
@@ -227,6 +228,11 @@ class Supervisor:
             signum = self._signals.pop(0)
             if signum == signal.SIGHUP:
                 self._reopen_audit()
+                for listener in self.on_sighup:
+                    try:
+                        listener()
+                    except Exception:
+                        logger.exception("egress gateway: a SIGHUP listener failed")
                 self._send_all(signal.SIGHUP)
             else:
                 logger.info("egress gateway: %s: stopping %d workers", signal.Signals(signum).name, self.count)

@@ -161,7 +161,9 @@ def register(sub) -> None:
                                          "come from static_hosts, else they are not checked.")
     why.add_argument("id")
     why.add_argument("url", metavar="URL")
-    why.add_argument("-X", "--method", default="GET", help="request method (default GET)")
+    why.add_argument("-X", "--method", default="GET", type=str.upper,
+                     help="request method (default GET; any case here, sent upper-case: the API explains a "
+                          "method as live traffic sends it, and refuses a lower-case one as the gateway does)")
     why.add_argument("-H", "--header", dest="headers", action="append", default=[], metavar="'NAME: VALUE'",
                      help="a request header field (repeatable): method overrides in headers are judged too")
     why.add_argument("--json", action="store_true", help="print the JSON answer")

@@ -219,6 +219,10 @@ def test_an_unknown_or_expired_sandbox_is_404():
     ({"url": ""}, "url is required"),
     ({"url": "https://a.test/", "method": "GET /x"}, "is not an HTTP method"),
     ({"url": "https://a.test/", "header": "no-colon"}, "give a header as 'NAME: VALUE'"),
+    # live traffic refuses a method that is not upper-case (400 non_http): never explained as GET (review 26)
+    ({"url": "https://a.test/", "method": "get"}, "methods are case-sensitive"),
+    ({"url": "https://a.test/", "method": "Post"}, "methods are case-sensitive"),
+    ({"url": "https://a.test/" + "x" * 8200}, "url: at most 8192 characters"),  # bounded work on the loop
 ])
 def test_a_question_explain_cannot_ask_is_400_with_its_reason(gw, query, message):
     status, body = gw.call("GET", "/v1/sandboxes/s1/explain", query=query)
