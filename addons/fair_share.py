@@ -370,6 +370,13 @@ def install(state) -> None:
         if handler is None:
             return run(self)
         key = getattr(handler, ATTR, None)
+        if key is not None and _order.held(key) and isinstance(self._loop, selector_events.BaseSelectorEventLoop):
+            # Once one of its callbacks waited, each of the sandbox's later ones waits too, until
+            # the next poll: decided first, as cheaply as possible (a flood of many connections
+            # has hundreds of them set aside at every poll).
+            _order.waits(key, perf_counter())
+            _defer(self)
+            return None
         load = _share.noted_load(key) if key is not None else -1.0
         _step[0] = _began[0] = perf_counter()
         yielding = _order.yielding(key, load, _step[0])

@@ -119,6 +119,7 @@ class CollectorFreeze:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._released_at_thaw = 0  # the ledger's bytes given back, at the last thaw
         self._frozen_at_thaw = 0  # frozen objects after the last thaw
+        self._frozen_count = 0  # frozen objects now (counted as they are frozen)
         self._soon = False  # a thaw is scheduled (the gc callback cannot collect itself)
 
     # -- freezing survivors -------------------------------------------------------------------------
@@ -128,6 +129,9 @@ class CollectorFreeze:
         what is frozen has grown too much since the last thaw, a thaw comes next (it cannot run
         inside a collection: it is scheduled on the loop, from whatever thread collected)."""
         if phase == "stop" and info.get("generation") == 2 and not self._thawing:
+            # Counted as they are frozen: gc.get_freeze_count() walks every frozen object, and was
+            # asked at every closed connection (7.6% of a worker's CPU with ~1,000 connections open).
+            self._frozen_count += len(gc.get_objects(2))
             gc.freeze()
             self._frozen += 1
             if not self._soon and self._loop is not None and self._grown():
@@ -141,7 +145,7 @@ class CollectorFreeze:
     def _grown(self) -> bool:
         if self._released() - self._released_at_thaw > THAW_AFTER_RELEASED:
             return True
-        frozen = gc.get_freeze_count()
+        frozen = self._frozen_count
         return frozen > max(2 * self._frozen_at_thaw, self._frozen_at_thaw + THAW_AFTER_OBJECTS)
 
     def _thaw_soon(self) -> None:
@@ -160,10 +164,10 @@ class CollectorFreeze:
             self._thawing = False
         self._frozen = self._closed = 0
         self._last_thaw = time.monotonic()
-        self._frozen_at_thaw = gc.get_freeze_count()
+        self._frozen_at_thaw = self._frozen_count = gc.get_freeze_count()  # (once a thaw: walked anyway)
         self._released_at_thaw = self._released()
         logger.debug("egress gateway: thawed: %d objects collected in %.1f ms, %d frozen", collected,
-                     (time.perf_counter() - started) * 1000, gc.get_freeze_count())
+                     (time.perf_counter() - started) * 1000, self._frozen_count)
 
     def _thaw_due(self, now: float) -> bool:
         if not self._frozen:
@@ -216,7 +220,7 @@ class CollectorFreeze:
             gc.callbacks.append(self._after_collection)
         self._loop = loop
         self._last_thaw = time.monotonic()
-        self._frozen_at_thaw = gc.get_freeze_count()
+        self._frozen_at_thaw = self._frozen_count = gc.get_freeze_count()
         self._released_at_thaw = self._released()
         if self._timer is None:
             self._timer = loop.call_later(MAX_THAW_SECONDS / 4, self._tick)
