@@ -289,4 +289,6 @@ def retry_after_header(seconds: float) -> str:
     than `MAX_RETRY_AFTER` (nor infinite, nor NaN: those are `MAX_RETRY_AFTER` too)."""
     if not seconds <= MAX_RETRY_AFTER:  # NaN too
         return str(MAX_RETRY_AFTER)
-    return str(max(1, math.ceil(seconds)))
+    if not seconds >= 1:  # down to -inf (math.ceil(-inf) raises: a 500 where a 429 was due)
+        return "1"
+    return str(math.ceil(seconds))

@@ -223,6 +223,8 @@ def test_bad_sizes_are_refused(value):
 
 def test_retry_after_is_whole_seconds_and_never_zero():
     assert [retry_after_header(s) for s in (0.0, 0.01, 1.0, 1.2, 59.99)] == ["1", "1", "1", "2", "60"]
+    assert [retry_after_header(s) for s in (-1.0, float("-inf"), float("nan"), float("inf"))] == [
+        "1", "1", str(MAX_RETRY_AFTER), str(MAX_RETRY_AFTER)]
 
 
 @settings(max_examples=300, deadline=None)
