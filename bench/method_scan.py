@@ -1,4 +1,4 @@
-"""CPU per byte of the request-body method-override scan (gateway/methods.py `BodyScanner`) on
+"""CPU per byte of the request-body method-override scan (gateway/methods/ `BodyScanner`) on
 adversarial bodies: many tiny fields, keys or parts that are no override, so the scan's per-field
 work is all there is. The scan runs on the event loop every sandbox shares, so its cost per byte is
 what one sandbox can make every other one wait.
