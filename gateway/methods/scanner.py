@@ -27,16 +27,18 @@ def body_parsers(content_types: Sequence[str]) -> list:
     return _parsers(plan_body(content_types))
 
 
-def _parsers(plan: BodyPlan) -> list:
+def _parsers(plan: BodyPlan, form: type = _Form, multipart: type = _Multipart, json: type = _Json) -> list:
+    """The parsers of one reading. The classes are parameters: the unabridged scanner the fast paths
+    are tested against (bench/lib/methods_reference.py) is this one with parsers of its own."""
     charsets = plan.field_charsets
     parsers: list = []
     if plan.form:
-        parsers.append(_Form(charsets))
+        parsers.append(form(charsets))
     if plan.multipart:
-        parsers += [_Multipart(b, charsets) for b in plan.boundaries]
-        parsers.append(_Multipart(None, charsets, plan.boundaries))
+        parsers += [multipart(b, charsets) for b in plan.boundaries]
+        parsers.append(multipart(None, charsets, plan.boundaries))
     if plan.json:
-        parsers.append(_Json())
+        parsers.append(json())
     return parsers
 
 
@@ -99,8 +101,9 @@ class _Stream:
 
     HEAD = 4
 
-    def __init__(self, plan: BodyPlan):
+    def __init__(self, plan: BodyPlan, parsers: Callable[[BodyPlan], list] = _parsers):
         self.plan = plan
+        self._parsers = parsers
         self._head: bytearray | None = bytearray()
         self.readings: list[_Reading] = []
 
@@ -108,11 +111,11 @@ class _Stream:
         head = bytes(self._head or b"")[: self.HEAD]
         self._head = None
         codecs_: list[str | None] = [None, *self.plan.charsets]
-        self.readings = [_Reading(c, _parsers(self.plan)) for c in codecs_]
+        self.readings = [_Reading(c, self._parsers(self.plan)) for c in codecs_]
         if self.plan.wide or head.startswith(_WIDE_BOMS):
-            self.readings += [_Reading(c, _parsers(self.plan)) for c in _WIDE]
+            self.readings += [_Reading(c, self._parsers(self.plan)) for c in _WIDE]
         elif self.plan.json and b"\0" in head:
-            self.readings += [_Reading(c, [_Json()]) for c in _WIDE]
+            self.readings += [_Reading(c, self._parsers(BodyPlan(json=True))) for c in _WIDE]  # JSON's alone
 
     def feed(self, data: bytes, found: list[Override]) -> None:
         if self._head is not None:
@@ -163,11 +166,13 @@ class BodyScanner:
     name or value (NAME_CAP, VALUE_CAP; the first LONG_HEAD bytes of an over-long form name), one part's header block (HEADER_CAP) and one delimiter's
     worth of bytes, and there are at most a few dozen parsers (READINGS_CAP, CODINGS_CAP)."""
 
+    make_parsers: Callable[[BodyPlan], list] = staticmethod(_parsers)  # one reading's (`_parsers`)
+
     def __init__(self, plan: BodyPlan, decoders: Sequence = (), problem: str | None = None):
         self.plan = plan
         self.decoders = list(decoders)  # outermost coding first (applied last by the sender)
-        self._raw = _Stream(plan)
-        self._decoded = _Stream(plan) if self.decoders else None
+        self._raw = _Stream(plan, self.make_parsers)
+        self._decoded = _Stream(plan, self.make_parsers) if self.decoders else None
         self._armed = problem or plan.problem  # reported once the body turns out not to be empty
         self._problem: str | None = None
         self._read = 0

@@ -1,6 +1,6 @@
 """The body scan's fast paths (gateway/methods/: `_NameFilter`, `_Form.feed`, `_Json`, `_Multipart`)
-find exactly what the unabridged scanner finds (bench/lib/methods_reference.py, the scanner before
-them): for random bodies built from override names in every spelling the readings undo (case,
+find exactly what the unabridged scanner finds (bench/lib/methods_reference.py, the scanner with
+them switched off): for random bodies built from override names in every spelling the readings undo (case,
 percent-escapes of any characters, nested, `+`, brackets, whitespace, NULs, JSON escapes, multipart
 headers), random Content-Types and charsets, cut into random chunks. An override the fast path missed
 would be a bypass (a POST executed as DELETE), so the filters are also checked on their own: they
