@@ -417,6 +417,69 @@ def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
     return found
 
 
+
+# The lists a rule and a profile's `grantable:` share, read one way for both (each error names the
+# item's file, line, column and key path).
+
+
+def _host_patterns(v: _Validator, node: Node, path: str, non_empty: bool = False) -> list[HostPattern]:
+    found = []
+    for i, item in enumerate(v.sequence(node, path, non_empty=non_empty) or []):
+        pattern = _host_pattern(v, item, f"{path}[{i}]")
+        if pattern is not None:
+            found.append(pattern)
+    return found
+
+
+def _ports(v: _Validator, node: Node, path: str) -> frozenset[int]:
+    found = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        if isinstance(item.value, bool) or not isinstance(item.value, int) or not 1 <= item.value <= 65535:
+            v.error(item, f"{path}[{i}]", f"{item.value!r}: a port is a number from 1 to 65535")
+        else:
+            found.add(item.value)
+    return frozenset(found)
+
+
+def _schemes(v: _Validator, node: Node, path: str) -> frozenset[str]:
+    """Lower-cased: `HTTPS` is `https`, as URLs have it."""
+    found = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        s = v.string(item, f"{path}[{i}]")
+        if s is not None and s.lower() not in SCHEMES:
+            v.error(item, f"{path}[{i}]", f"{s!r}: scheme must be one of {', '.join(SCHEMES)}")
+        elif s is not None:
+            found.add(s.lower())
+    return frozenset(found)
+
+
+def _methods(v: _Validator, node: Node, path: str) -> frozenset[str]:
+    found = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        m = v.string(item, f"{path}[{i}]")
+        if m is None:
+            continue
+        if not _METHOD_RE.match(m):
+            v.error(item, f"{path}[{i}]", f"{m!r}: methods are upper-case tokens like GET")
+        elif m in FORBIDDEN_METHODS:
+            v.error(item, f"{path}[{i}]", f"{m!r} is always refused and cannot be allowed")
+        else:
+            found.add(m)
+    return frozenset(found)
+
+
+def _rule_ids(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> set[str]:
+    """Ids of rules the policy has (a sandbox's `rules`, a grantable's)."""
+    found = set()
+    for i, item in enumerate(v.sequence(node, path) or []):
+        name = v.string(item, f"{path}[{i}]")
+        if name is not None and name not in rule_ids:
+            v.error(item, f"{path}[{i}]", f"{name!r}: no rule has this id")
+        elif name is not None:
+            found.add(name)
+    return found
+
+
 def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location],
           secret_names: set[str] = frozenset(), foreign_default: ForeignCredentials = DEFAULT_FOREIGN) -> Rule | None:
     fields = v.mapping(node, path, RULE_KEYS)
@@ -434,51 +497,12 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
         else:
             seen[rule_id] = fields["id"].location
 
-    hosts: list[HostPattern] = []
-    if "hosts" in fields:
-        for i, item in enumerate(v.sequence(fields["hosts"], f"{path}.hosts", non_empty=True) or []):
-            pattern = _host_pattern(v, item, f"{path}.hosts[{i}]")
-            if pattern is not None:
-                hosts.append(pattern)
-
+    hosts = _host_patterns(v, fields["hosts"], f"{path}.hosts", non_empty=True) if "hosts" in fields else []
     schemes = frozenset({"https"})
     if "schemes" in fields:
-        items = v.sequence(fields["schemes"], f"{path}.schemes", non_empty=True) or []
-        values = set()
-        for i, item in enumerate(items):
-            s = v.string(item, f"{path}.schemes[{i}]")
-            if s is not None and s.lower() not in SCHEMES:
-                v.error(item, f"{path}.schemes[{i}]", f"{s!r}: scheme must be one of {', '.join(SCHEMES)}")
-            elif s is not None:
-                values.add(s.lower())
-        schemes = frozenset(values) or schemes
-
-    ports: frozenset[int] | None = None
-    if "ports" in fields:
-        items = v.sequence(fields["ports"], f"{path}.ports", non_empty=True) or []
-        values_p = set()
-        for i, item in enumerate(items):
-            if isinstance(item.value, bool) or not isinstance(item.value, int) or not 1 <= item.value <= 65535:
-                v.error(item, f"{path}.ports[{i}]", f"{item.value!r}: a port is a number from 1 to 65535")
-            else:
-                values_p.add(item.value)
-        ports = frozenset(values_p)
-
-    methods: frozenset[str] | None = None
-    if "methods" in fields:
-        items = v.sequence(fields["methods"], f"{path}.methods", non_empty=True) or []
-        values_m = set()
-        for i, item in enumerate(items):
-            m = v.string(item, f"{path}.methods[{i}]")
-            if m is None:
-                continue
-            if not _METHOD_RE.match(m):
-                v.error(item, f"{path}.methods[{i}]", f"{m!r}: methods are upper-case tokens like GET")
-            elif m in FORBIDDEN_METHODS:
-                v.error(item, f"{path}.methods[{i}]", f"{m!r} is always refused and cannot be allowed")
-            else:
-                values_m.add(m)
-        methods = frozenset(values_m)
+        schemes = _schemes(v, fields["schemes"], f"{path}.schemes") or schemes
+    ports = _ports(v, fields["ports"], f"{path}.ports") if "ports" in fields else None
+    methods = _methods(v, fields["methods"], f"{path}.methods") if "methods" in fields else None
 
     globs: tuple[str, ...] | None = None
     patterns: tuple[PathGlob, ...] | None = None
@@ -962,14 +986,7 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
                 elif sandbox_id is not None:
                     seen_ranges[network] = sandbox_id
                     sources.add(network, sandbox_id)
-        granted: set[str] = set()
-        if "rules" in fields:
-            for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or []):
-                name = v.string(rule_node, f"{path}.rules[{j}]")
-                if name is not None and name not in rule_ids:
-                    v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
-                elif name is not None:
-                    granted.add(name)
+        granted = _rule_ids(v, fields["rules"], f"{path}.rules", rule_ids) if "rules" in fields else set()
         limits = _limits(v, fields["limits"], f"{path}.limits") if "limits" in fields else NO_LIMITS
         grantable = _grantable(v, fields["grantable"], f"{path}.grantable", rule_ids) if "grantable" in fields else None
         if sandbox_id is not None:
@@ -985,48 +1002,11 @@ def _grantable(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> Gran
         return None
     if "rules" not in fields and "hosts" not in fields:
         v.error(node, path, "must set rules or hosts (what may be granted)")
-    rules: set[str] = set()
-    for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or [] if "rules" in fields else []):
-        name = v.string(rule_node, f"{path}.rules[{j}]")
-        if name is not None and name not in rule_ids:
-            v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
-        elif name is not None:
-            rules.add(name)
-    hosts: list[HostPattern] = []
-    for j, host_node in enumerate(v.sequence(fields["hosts"], f"{path}.hosts") or [] if "hosts" in fields else []):
-        pattern = _host_pattern(v, host_node, f"{path}.hosts[{j}]")
-        if pattern is not None:
-            hosts.append(pattern)
-    ports = DEFAULT_GRANT_PORTS
-    if "ports" in fields:
-        found = set()
-        for j, item in enumerate(v.sequence(fields["ports"], f"{path}.ports", non_empty=True) or []):
-            if type(item.value) is not int or not 1 <= item.value <= 65535:
-                v.error(item, f"{path}.ports[{j}]", f"{item.value!r}: a port is a whole number from 1 to 65535")
-            else:
-                found.add(item.value)
-        ports = frozenset(found)
-    schemes = DEFAULT_GRANT_SCHEMES
-    if "schemes" in fields:
-        found_s = set()
-        for j, item in enumerate(v.sequence(fields["schemes"], f"{path}.schemes", non_empty=True) or []):
-            if item.value not in SCHEMES:
-                v.error(item, f"{path}.schemes[{j}]", f"{item.value!r}: one of {', '.join(SCHEMES)}")
-            else:
-                found_s.add(item.value)
-        schemes = frozenset(found_s)
-    methods = None
-    if "methods" in fields:
-        found_m = set()
-        for j, item in enumerate(v.sequence(fields["methods"], f"{path}.methods", non_empty=True) or []):
-            m = item.value
-            if not isinstance(m, str) or not _METHOD_RE.match(m):
-                v.error(item, f"{path}.methods[{j}]", f"{m!r}: methods are upper-case tokens like GET")
-            elif m in FORBIDDEN_METHODS:
-                v.error(item, f"{path}.methods[{j}]", f"{m!r} is always refused and cannot be granted")
-            else:
-                found_m.add(m)
-        methods = frozenset(found_m)
+    rules = _rule_ids(v, fields["rules"], f"{path}.rules", rule_ids) if "rules" in fields else set()
+    hosts = _host_patterns(v, fields["hosts"], f"{path}.hosts") if "hosts" in fields else []
+    ports = _ports(v, fields["ports"], f"{path}.ports") if "ports" in fields else DEFAULT_GRANT_PORTS
+    schemes = _schemes(v, fields["schemes"], f"{path}.schemes") if "schemes" in fields else DEFAULT_GRANT_SCHEMES
+    methods = _methods(v, fields["methods"], f"{path}.methods") if "methods" in fields else None
     max_ttl = DEFAULT_MAX_TTL
     if "max_ttl" in fields:
         try:
