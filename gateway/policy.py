@@ -42,7 +42,7 @@ from .tokens import (
     load_keys,
     parse_duration,
 )
-from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
+from .yamlsource import ConfigIssue, Location, Node, PolicyError, Validator, parse_checked, value_kind
 
 SCHEMES = ("http", "https")
 DEFAULT_PORTS = {"https": 443, "http": 80}
@@ -232,54 +232,7 @@ class Policy:
         return self._scopes.get(DEFAULT_SANDBOX_ID, NO_RULE)
 
 
-class _Validator:
-    """Walks located nodes, collecting every issue instead of stopping at the first."""
-
-    def __init__(self) -> None:
-        self.issues: list[ConfigIssue] = []
-
-    def error(self, node: Node | Location, path: str, message: str) -> None:
-        location = node.location if isinstance(node, Node) else node
-        self.issues.append(ConfigIssue(location, path, message))
-
-    def mapping(self, node: Node, path: str, allowed: set[str]) -> dict[str, Node] | None:
-        if not isinstance(node.value, dict):
-            self.error(node, path, f"must be a mapping, not {_kind(node.value)}")
-            return None
-        for key in node.value:
-            if key not in allowed:
-                hint = ", ".join(sorted(allowed))
-                self.error(node.key_locations[key], _join(path, key), f"unknown key (allowed: {hint})")
-        return node.value
-
-    def sequence(self, node: Node, path: str, *, non_empty: bool = False) -> list[Node] | None:
-        if not isinstance(node.value, list):
-            self.error(node, path, f"must be a list, not {_kind(node.value)}")
-            return None
-        if non_empty and not node.value:
-            self.error(node, path, "must not be empty")
-        return node.value
-
-    def string(self, node: Node, path: str) -> str | None:
-        if not isinstance(node.value, str) or not node.value:
-            self.error(node, path, f"must be a non-empty string, not {_kind(node.value)}")
-            return None
-        return node.value
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _host_pattern(v: _Validator, node: Node, path: str) -> HostPattern | None:
+def _host_pattern(v: Validator, node: Node, path: str) -> HostPattern | None:
     raw = v.string(node, path)
     if raw is None:
         return None
@@ -318,7 +271,7 @@ def _host_pattern(v: _Validator, node: Node, path: str) -> HostPattern | None:
     return HostPattern.exact(host)
 
 
-def _ranges(v: _Validator, node: Node, path: str) -> list[tuple[object, str]]:
+def _ranges(v: Validator, node: Node, path: str) -> list[tuple[object, str]]:
     items = v.sequence(node, path) or []
     out = []
     for i, item in enumerate(items):
@@ -333,7 +286,7 @@ def _ranges(v: _Validator, node: Node, path: str) -> list[tuple[object, str]]:
     return out
 
 
-def _mode(v: _Validator, node: Node | None, path: str) -> str | None:
+def _mode(v: Validator, node: Node | None, path: str) -> str | None:
     if node is None:
         return None
     value = v.string(node, path)
@@ -343,7 +296,7 @@ def _mode(v: _Validator, node: Node | None, path: str) -> str | None:
     return value
 
 
-def _injections(v: _Validator, node: Node, path: str, secret_names: set[str]) -> tuple[Injection, ...]:
+def _injections(v: Validator, node: Node, path: str, secret_names: set[str]) -> tuple[Injection, ...]:
     found: list[Injection] = []
     seen: set[tuple[str, str]] = set()
     for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
@@ -390,10 +343,10 @@ def _injections(v: _Validator, node: Node, path: str, secret_names: set[str]) ->
     return tuple(found)
 
 
-def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
+def _secrets(v: Validator, node: Node) -> dict[str, SecretSource]:
     found: dict[str, SecretSource] = {}
     if not isinstance(node.value, dict):
-        v.error(node, "secrets", f"must be a mapping of name to {{env: VAR}} or {{file: PATH}}, not {_kind(node.value)}")
+        v.error(node, "secrets", f"must be a mapping of name to {{env: VAR}} or {{file: PATH}}, not {value_kind(node.value)}")
         return found
     for name, item in node.value.items():
         p = f"secrets.{name}"
@@ -422,7 +375,7 @@ def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
 # item's file, line, column and key path).
 
 
-def _host_patterns(v: _Validator, node: Node, path: str, non_empty: bool = False) -> list[HostPattern]:
+def _host_patterns(v: Validator, node: Node, path: str, non_empty: bool = False) -> list[HostPattern]:
     found = []
     for i, item in enumerate(v.sequence(node, path, non_empty=non_empty) or []):
         pattern = _host_pattern(v, item, f"{path}[{i}]")
@@ -431,7 +384,7 @@ def _host_patterns(v: _Validator, node: Node, path: str, non_empty: bool = False
     return found
 
 
-def _ports(v: _Validator, node: Node, path: str) -> frozenset[int]:
+def _ports(v: Validator, node: Node, path: str) -> frozenset[int]:
     found = set()
     for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
         if isinstance(item.value, bool) or not isinstance(item.value, int) or not 1 <= item.value <= 65535:
@@ -441,7 +394,7 @@ def _ports(v: _Validator, node: Node, path: str) -> frozenset[int]:
     return frozenset(found)
 
 
-def _schemes(v: _Validator, node: Node, path: str) -> frozenset[str]:
+def _schemes(v: Validator, node: Node, path: str) -> frozenset[str]:
     """Lower-cased: `HTTPS` is `https`, as URLs have it."""
     found = set()
     for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
@@ -453,7 +406,7 @@ def _schemes(v: _Validator, node: Node, path: str) -> frozenset[str]:
     return frozenset(found)
 
 
-def _methods(v: _Validator, node: Node, path: str) -> frozenset[str]:
+def _methods(v: Validator, node: Node, path: str) -> frozenset[str]:
     found = set()
     for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
         m = v.string(item, f"{path}[{i}]")
@@ -468,7 +421,7 @@ def _methods(v: _Validator, node: Node, path: str) -> frozenset[str]:
     return frozenset(found)
 
 
-def _rule_ids(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> set[str]:
+def _rule_ids(v: Validator, node: Node, path: str, rule_ids: set[str]) -> set[str]:
     """Ids of rules the policy has (a sandbox's `rules`, a grantable's)."""
     found = set()
     for i, item in enumerate(v.sequence(node, path) or []):
@@ -480,7 +433,7 @@ def _rule_ids(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> set[s
     return found
 
 
-def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location],
+def _rule(v: Validator, node: Node, path: str, index: int, seen: dict[str, Location],
           secret_names: set[str] = frozenset(), foreign_default: ForeignCredentials = DEFAULT_FOREIGN) -> Rule | None:
     fields = v.mapping(node, path, RULE_KEYS)
     if fields is None:
@@ -585,7 +538,7 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
                 limits=limits)
 
 
-def _limits(v: _Validator, node: Node, path: str) -> Limits:
+def _limits(v: Validator, node: Node, path: str) -> Limits:
     """`limits: {requests_per_minute: N, upload_bytes_per_hour: SIZE, ...}`: positive whole numbers;
     the byte keys also take sizes like `100MiB` or `1.5GB`."""
     fields = v.mapping(node, path, set(LIMIT_KEYS))
@@ -618,7 +571,7 @@ def _limits(v: _Validator, node: Node, path: str) -> Limits:
     return Limits(**values)
 
 
-def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
+def _names(v: Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
     """A list of header names (kind "header") or query parameter names (kind "query"), each listed
     once after the loose comparison gateway/foreign.py makes (`key`)."""
     found: list[str] = []
@@ -646,7 +599,7 @@ def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, .
     return tuple(found)
 
 
-def _foreign_credentials(v: _Validator, node: Node, path: str, base: ForeignCredentials) -> ForeignCredentials:
+def _foreign_credentials(v: Validator, node: Node, path: str, base: ForeignCredentials) -> ForeignCredentials:
     """`foreign_credentials: {headers: [...], query: [...]}`; a list given replaces `base`'s."""
     fields = v.mapping(node, path, FOREIGN_KEYS)
     if fields is None:
@@ -656,7 +609,7 @@ def _foreign_credentials(v: _Validator, node: Node, path: str, base: ForeignCred
     return ForeignCredentials(headers, query)
 
 
-def _placeholders(v: _Validator, node: Node, path: str) -> Positions:
+def _placeholders(v: Validator, node: Node, path: str) -> Positions:
     """`placeholders: {query: [NAME...], path: true|false}`."""
     fields = v.mapping(node, path, PLACEHOLDER_KEYS)
     if fields is None:
@@ -683,7 +636,7 @@ PASSTHROUGH_FORBIDDEN_KEYS = {
 }
 
 
-def _refusals(v: _Validator, node: Node) -> RefusalStyle:
+def _refusals(v: Validator, node: Node) -> RefusalStyle:
     """`refusals: {message: TEMPLATE, format: text | json | negotiate}`: the template compiled here,
     once, so a refusal only fills it in."""
     fields = v.mapping(node, "refusals", REFUSALS_KEYS)
@@ -716,7 +669,7 @@ def _is_ip_text(value: str) -> bool:
         return False
 
 
-def _inspect(v: _Validator, fields: dict[str, Node], path: str, protocol: str,
+def _inspect(v: Validator, fields: dict[str, Node], path: str, protocol: str,
              hosts: list[HostPattern], schemes: frozenset[str]) -> bool:
     """`inspect: false` (TLS passthrough) and what it rules out."""
     if "inspect" not in fields:
@@ -745,12 +698,7 @@ def _inspect(v: _Validator, fields: dict[str, Node], path: str, protocol: str,
 
 def compile_policy(text: str, source: str) -> Policy:
     """Parse, validate and compile policy text; raise PolicyError listing every problem."""
-    root, parse_issues = parse(text, source)
-    v = _Validator()
-    v.issues.extend(parse_issues)
-    top = v.mapping(root, "", TOP_KEYS)
-    if top is None:
-        raise PolicyError(v.issues)
+    v, root, top = parse_checked(text, source, TOP_KEYS)
 
     if "version" not in top:
         v.error(root, "version", "missing required key 'version' (use: version: 1)")
@@ -785,7 +733,7 @@ def compile_policy(text: str, source: str) -> Policy:
         if "static_hosts" in resolver:
             node = resolver["static_hosts"]
             if not isinstance(node.value, dict):
-                v.error(node, "resolver.static_hosts", f"must be a mapping of name to addresses, not {_kind(node.value)}")
+                v.error(node, "resolver.static_hosts", f"must be a mapping of name to addresses, not {value_kind(node.value)}")
             else:
                 for name, value in node.value.items():
                     p = f"resolver.static_hosts.{name}"
@@ -850,7 +798,7 @@ def compile_policy(text: str, source: str) -> Policy:
     )
 
 
-def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, ...] | None) -> TokenSettings | None:
+def _identity(v: Validator, node: Node, source: str, sandboxes: tuple[Sandbox, ...] | None) -> TokenSettings | None:
     """`identity: {tokens: {...}}`: signed tokens as proxy credentials (gateway/tokens.py). Key files
     are read here, so a policy whose keys cannot be used does not load (nor reload)."""
     fields = v.mapping(node, "identity", IDENTITY_KEYS)
@@ -886,7 +834,7 @@ def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, 
                 if name:
                     key_files.append(base / name)
         else:
-            v.error(keys_node, f"{path}.keys", f"must be a JWKS file or a list of PEM files, not {_kind(keys_node.value)}")
+            v.error(keys_node, f"{path}.keys", f"must be a JWKS file or a list of PEM files, not {value_kind(keys_node.value)}")
 
     algorithms = tuple(SUPPORTED_ALGORITHMS)
     if "algorithms" in t:
@@ -957,7 +905,7 @@ def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, 
                          default_profile, rules_claim, required, keys)
 
 
-def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sandbox, ...], RangeTable]:
+def _sandboxes(v: Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sandbox, ...], RangeTable]:
     sandboxes: list[Sandbox] = []
     sources = RangeTable()
     seen_ids: dict[str, Location] = {}
@@ -994,7 +942,7 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
     return tuple(sandboxes), sources
 
 
-def _grantable(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> Grantable | None:
+def _grantable(v: Validator, node: Node, path: str, rule_ids: set[str]) -> Grantable | None:
     """`grantable: {rules, hosts, ports, schemes, methods, max_ttl}`: the envelope of the grants the
     control API may give a registered sandbox of this profile (gateway/grants.py)."""
     fields = v.mapping(node, path, GRANTABLE_KEYS)
