@@ -7,8 +7,8 @@ character but the ASCII letters casefolds to a piece of a contiguous "method" (U
 casefold to a letter and a combining mark, U+FB05 and U+FB06 to "st"), so a text can only be an
 override name if, once its percent-escapes are decoded, it holds "method" in ASCII letters of any
 case. The tests here (and `fields._may_be_key`) are necessary conditions only (never the verdict):
-whatever passes them goes through the full reading, as before. tests/unit/test_method_scan_fast.py checks them against the
-unabridged scanner (bench/lib/methods_reference.py).
+whatever passes them goes through the full reading, as before. tests/unit/test_method_scan_fast.py
+checks them against the unabridged scanner (bench/lib/methods_reference.py).
 """
 
 from __future__ import annotations
