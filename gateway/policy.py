@@ -433,22 +433,26 @@ def _rule_ids(v: Validator, node: Node, path: str, rule_ids: set[str]) -> set[st
     return found
 
 
+def _entry_id(v: Validator, fields: dict[str, Node], path: str, kind: str, seen: dict[str, Location]) -> str | None:
+    """A rule's or a sandbox's `id` (an issue if it is malformed or an earlier entry's; `seen` records it)."""
+    entry_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
+    if entry_id is not None:
+        if not _RULE_ID_RE.match(entry_id):
+            v.error(fields["id"], f"{path}.id", f"{entry_id!r}: use letters, digits, '_', '.', '-' (max 63)")
+        elif entry_id in seen:
+            v.error(fields["id"], f"{path}.id", f"duplicate {kind} id {entry_id!r} (first at {seen[entry_id]})")
+        else:
+            seen[entry_id] = fields["id"].location
+    return entry_id
+
+
 def _rule(v: Validator, node: Node, path: str, index: int, seen: dict[str, Location],
           secret_names: set[str] = frozenset(), foreign_default: ForeignCredentials = DEFAULT_FOREIGN) -> Rule | None:
     fields = v.mapping(node, path, RULE_KEYS)
     if fields is None:
         return None
-    for required in ("id", "hosts"):
-        if required not in fields:
-            v.error(node, path, f"missing required key {required!r}")
-    rule_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
-    if rule_id is not None:
-        if not _RULE_ID_RE.match(rule_id):
-            v.error(fields["id"], f"{path}.id", f"{rule_id!r}: use letters, digits, '_', '.', '-' (max 63)")
-        elif rule_id in seen:
-            v.error(fields["id"], f"{path}.id", f"duplicate rule id {rule_id!r} (first at {seen[rule_id]})")
-        else:
-            seen[rule_id] = fields["id"].location
+    v.required(node, path, fields, ("id", "hosts"))
+    rule_id = _entry_id(v, fields, path, "rule", seen)
 
     hosts = _host_patterns(v, fields["hosts"], f"{path}.hosts", non_empty=True) if "hosts" in fields else []
     schemes = frozenset({"https"})
@@ -810,9 +814,7 @@ def _identity(v: Validator, node: Node, source: str, sandboxes: tuple[Sandbox, .
     t = v.mapping(fields["tokens"], path, TOKEN_KEYS)
     if t is None:
         return None
-    for required in ("keys", "audience"):
-        if required not in t:
-            v.error(fields["tokens"], path, f"missing required key {required!r}")
+    v.required(fields["tokens"], path, t, ("keys", "audience"))
     if sandboxes is None:
         v.error(fields["tokens"], path, "a token names a profile, an entry of sandboxes:, so the policy needs a "
                 "sandboxes section")
@@ -915,17 +917,8 @@ def _sandboxes(v: Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sand
         fields = v.mapping(item, path, SANDBOX_KEYS)
         if fields is None:
             continue
-        for required in ("id", "rules"):
-            if required not in fields:
-                v.error(item, path, f"missing required key {required!r}")
-        sandbox_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
-        if sandbox_id is not None:
-            if not _RULE_ID_RE.match(sandbox_id):
-                v.error(fields["id"], f"{path}.id", f"{sandbox_id!r}: use letters, digits, '_', '.', '-' (max 63)")
-            elif sandbox_id in seen_ids:
-                v.error(fields["id"], f"{path}.id", f"duplicate sandbox id {sandbox_id!r} (first at {seen_ids[sandbox_id]})")
-            else:
-                seen_ids[sandbox_id] = fields["id"].location
+        v.required(item, path, fields, ("id", "rules"))
+        sandbox_id = _entry_id(v, fields, path, "sandbox", seen_ids)
         if "source_ips" in fields:
             for network, _label in _ranges(v, fields["source_ips"], f"{path}.source_ips"):
                 if network in seen_ranges:

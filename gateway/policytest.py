@@ -139,9 +139,7 @@ def _case(c: Validator, node: Node, path: str) -> Case | None:
     if fields is None:
         return None
     before = len(c.issues)
-    for required in ("url", "expect"):
-        if required not in fields:
-            c.error(node, path, f"missing required key {required!r}")
+    c.required(node, path, fields, ("url", "expect"))
     values: dict = {}
     for key in ("name", "url", "method", "sandbox", "source_ip", "expect", "reason", "rule"):
         if key in fields:

@@ -184,6 +184,12 @@ class Validator:
                 self.error(node.key_locations[key], _join(path, key), f"unknown key (allowed: {hint})")
         return node.value
 
+    def required(self, node: Node, path: str, fields: dict[str, Node], keys: tuple[str, ...]) -> None:
+        """An issue at `node` for each of `keys` its mapping `fields` lacks."""
+        for key in keys:
+            if key not in fields:
+                self.error(node, path, f"missing required key {key!r}")
+
     def sequence(self, node: Node, path: str, *, non_empty: bool = False) -> list[Node] | None:
         if not isinstance(node.value, list):
             self.error(node, path, f"must be a list, not {value_kind(node.value)}")
