@@ -146,7 +146,7 @@ async def pieces(pieces: Iterator[bytes]):
 
 
 async def drive(steps: Generator):
-    """Run a sans-I/O steps generator (gateway/methods.py `BodyScanner.feed_steps`): each call it
+    """Run a sans-I/O steps generator (gateway/methods/scanner.py `BodyScanner.feed_steps`): each call it
     yields on the pool, its result (or exception) sent back, the sandbox's turn after each; its
     result. (gateway/steps.py `run_steps` is the same, inline.)"""
     value, error = None, None

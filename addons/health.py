@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import re
 import socket
 import threading
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from mitmproxy import ctx, exceptions
 from prometheus_client import make_wsgi_app
 
+from gateway.listen import parse_listen
 from gateway.workers import worker_index
 
 from .lifecycle import Lifecycle
@@ -29,24 +29,6 @@ from .options import declare
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
-
-
-def parse_listen(spec: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """HOST:PORT or [IPV6]:PORT, HOST an IP address (or `localhost`); PORT 0 picks a free port."""
-    match = re.fullmatch(r"\[([^\]]+)\]:(\d{1,5})|([^:\[\]]+):(\d{1,5})", spec.strip())
-    if not match:
-        raise ValueError(f"{spec!r}: expected HOST:PORT or [IPV6]:PORT")
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"{spec!r}: the host must be an IP address") from None
-    if port > 65535:
-        raise ValueError(f"{spec!r}: port out of range")
-    return address, port
 
 
 class _Server(ThreadingMixIn, WSGIServer):

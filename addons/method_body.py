@@ -1,4 +1,4 @@
-"""Method overrides in request bodies: a form field or JSON key `_method` (gateway/methods.py).
+"""Method overrides in request bodies: a form field or JSON key `_method` (gateway/methods/).
 
 The head of a request is decided in `requestheaders`, before its body exists. A POST its rule
 allows may still carry `_method=DELETE` in a form body, which Rails, Laravel, Symfony, Spring and

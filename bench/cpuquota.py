@@ -27,6 +27,16 @@ def _mounts() -> list[tuple[str, str, list[str]]]:
     return found
 
 
+def _probe(root: Path, name: str, value: str) -> None:
+    """Write `value` to `name` of a throw-away cgroup under `root`: OSError when quotas cannot be set there."""
+    probe = root / f"egress-bench-probe-{os.getpid()}"
+    probe.mkdir()
+    try:
+        (probe / name).write_text(value)
+    finally:
+        probe.rmdir()
+
+
 class CpuQuota:
     def __init__(self, period_us: int = 20_000):
         self.period_us = period_us
@@ -69,12 +79,7 @@ class CpuQuota:
                 enabled = (root / "cgroup.subtree_control").read_text().split()
                 if "cpu" not in enabled:
                     (root / "cgroup.subtree_control").write_text("+cpu")
-                probe = root / f"egress-bench-probe-{os.getpid()}"
-                probe.mkdir()
-                try:
-                    (probe / "cpu.max").write_text(f"max {self.period_us}")
-                finally:
-                    probe.rmdir()
+                _probe(root, "cpu.max", f"max {self.period_us}")
             except OSError as exc:
                 problems.append(f"cgroup v2 at {root}: cannot enable cpu for children ({exc})")
                 continue
@@ -87,12 +92,7 @@ class CpuQuota:
                     problems.append(f"cgroup v1 at {root} has no cpu.cfs_quota_us (kernel without CFS bandwidth control)")
                     continue
                 try:
-                    probe = root / f"egress-bench-probe-{os.getpid()}"
-                    probe.mkdir()
-                    try:
-                        (probe / "cpu.cfs_period_us").write_text(str(self.period_us))
-                    finally:
-                        probe.rmdir()
+                    _probe(root, "cpu.cfs_period_us", str(self.period_us))
                 except OSError as exc:
                     problems.append(f"cgroup v1 at {root}: {exc}")
                     continue

@@ -1,12 +1,12 @@
-"""CPU per byte of the request-body method-override scan (gateway/methods.py `BodyScanner`) on
+"""CPU per byte of the request-body method-override scan (gateway/methods/ `BodyScanner`) on
 adversarial bodies: many tiny fields, keys or parts that are no override, so the scan's per-field
 work is all there is. The scan runs on the event loop every sandbox shares, so its cost per byte is
 what one sandbox can make every other one wait.
 
     PYTHONPATH=. python bench/method_scan.py [--size BYTES] [--chunk BYTES] [--only NAME,...]
 
-For each shape it reports µs per byte of the scanner as it is now ("after") and of the copy kept
-for the differential tests (bench/lib/methods_reference.py, "before"), each also as a ratio to a
+For each shape it reports µs per byte of the scanner as it is now ("after") and with its fast
+paths switched off, as the differential tests compare it (bench/lib/methods_reference.py, "before"), each also as a ratio to a
 baseline measured on the same body in the same run (one `re.findall` pass for the separators), so
 the machine's noise cancels. It checks the two scanners find the same overrides, and says so when
 the new one refused a body the old one read (more than SLOW_FIELDS_CAP fields in a charset without

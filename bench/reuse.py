@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.gateway_process import GatewayProcess  # noqa: E402
+from bench.lib.http1_wire import read_request  # noqa: E402
 from bench.lib.pki import TestPKI  # noqa: E402
 
 ORIGIN = "127.0.0.1"
@@ -61,21 +62,8 @@ class Origin:
         try:
             conn = self._tls.wrap_socket(raw, server_side=True)
             buf = b""
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                head, buf = buf.split(b"\r\n\r\n", 1)
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                while len(buf) < length:
-                    buf += conn.recv(65536)
-                buf = buf[length:]
+            while (request := read_request(conn, buf)) is not None:
+                _, buf = request
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         except (OSError, ssl.SSLError, ValueError):
             pass

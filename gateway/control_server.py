@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import grp
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from socketserver import TCPServer, ThreadingMixIn, UnixStreamServer
 from urllib.parse import parse_qs, urlsplit
 
 from .control import DEFAULT_SOCKET, ControlService, Reply
+from .listen import parse_listen
 from .ratelimit import retry_after_header
 
 logger = logging.getLogger("egress")
@@ -58,17 +58,10 @@ def parse_spec(spec: str) -> tuple[str, object]:
         if not path.startswith("/"):
             raise ControlSpecError(f"{spec!r}: the socket path must be absolute")
         return "unix", path
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ControlSpecError(f"{spec!r}: expected unix:PATH or HOST:PORT")
-    host = host.strip("[]")
-    if host == "localhost":
-        host = "127.0.0.1"
     try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ControlSpecError(f"{spec!r}: the host must be an IP address") from None
-    return "tcp", (address, int(port))
+        return "tcp", parse_listen(spec, forms="unix:PATH, HOST:PORT or [IPV6]:PORT")
+    except ValueError as exc:
+        raise ControlSpecError(str(exc)) from None
 
 
 def read_tokens(path: str) -> dict[str, str]:

@@ -84,7 +84,7 @@ REASONS: dict[str, tuple[int, str]] = {
     "small_frame_flood": (429, "the sandbox sent more small frames (HTTP/2 DATA frames, HTTP/1 chunks, WebSocket "
                                "frames and pings under egress_small_frame_bytes) than its per-second budget; the "
                                "connection was closed (HTTP/2 GOAWAY, WebSocket 1008, HTTP/1 429 if not answered yet)"),
-    "buffer_budget": (503, "buffering this body would pass the per-connection (or per-sandbox) buffer budget"),
+    "buffer_budget": (503, "buffering this body would pass the connection's or the sandbox's buffer budget"),
     "connection_rate_limited": (503, "the sandbox opens new connections faster than the gateway allows; closed at "
                                      "accept (audit and metrics only: no status is sent)"),
     "rate_limited": (429, "the sandbox (or its rule) sends requests faster than the gateway or its policy limits "
@@ -109,7 +109,6 @@ REASONS: dict[str, tuple[int, str]] = {
                                           "reassembled; both sides closed with 1009 (audit and metrics only: no "
                                           "status is sent)"),
     "request_too_large": (413, "the request body exceeds body_size_limit"),
-    "buffer_budget": (503, "buffering this body would pass the connection's or the sandbox's buffer budget"),
     "request_body_timeout": (408, "the request body stopped moving (no byte for egress_body_idle_timeout)"),
     "response_body_timeout": (504, "the upstream response body stopped moving; cut off if its head was sent"),
     "response_too_large": (502, "the upstream response exceeds body_size_limit (or its decoded budget), or its head "

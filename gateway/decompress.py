@@ -365,7 +365,7 @@ def streaming_decoder(content_encoding: str, limit: int | None = None, ratio: in
     return decoder
 
 
-# A request body is decoded only to be scanned for method overrides (gateway/methods.py), and every
+# A request body is decoded only to be scanned for method overrides (gateway/methods/), and every
 # decoded byte costs scanning time on the event loop: a tighter budget than a response's. A
 # compressed upload is rare, and one that inflates more than 100x past its first MiB rarer still;
 # over it the body is refused, 413 request_too_large (it cannot be checked).

@@ -48,7 +48,7 @@ class RequestFacts:
     scheme: str
     method: str
     target: str  # the request target as sent (origin-form path with query)
-    # The request's header fields as sent, for method overrides (gateway/methods.py); callers that
+    # The request's header fields as sent, for method overrides (gateway/methods/); callers that
     # have none (explain without -H, replay, policy tests) judge the target's overrides only.
     headers: tuple[tuple[str, str], ...] = ()
     # What the head says about the body (gateway/bodies.py); None: read from `headers` as HTTP/1
@@ -350,7 +350,7 @@ def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str,
                    overrides: tuple[methods.Override, ...] = ()) -> tuple[int | None, str, methods.Override | None]:
     """How far `rule` gets with this request: (stage it fails at, why, the override that failed it),
     or (None, "", None) when it allows it. The method stage checks the wire method and then every
-    method an override names (gateway/methods.py): each must be one the rule allows."""
+    method an override names (gateway/methods/): each must be one the rule allows."""
     if facts.scheme not in rule.schemes:
         return 0, f"scheme {facts.scheme} not in [{', '.join(sorted(rule.schemes))}]", None
     if not rule.allows_port(facts.port, facts.scheme):
@@ -368,8 +368,8 @@ def _first_failure(rule: Rule, facts: RequestFacts, method: str, path: str,
 
 
 def body_override_refusal(rule: Rule | None, method: str, found: list[methods.Override]) -> Decision | None:
-    """A method override in the body of a request `rule` allowed by its head (gateway/methods.py
-    BodyScanner): refused when it names a method the rule does not allow, or TRACE/TRACK/CONNECT
+    """A method override in the body of a request `rule` allowed by its head
+    (gateway/methods/scanner.py BodyScanner): refused when it names a method the rule does not allow, or TRACE/TRACK/CONNECT
     (those also when no rule was involved: a report-mode `no_rule`)."""
     if (never := methods.forbidden(found)) is not None:
         return Decision.deny("method_forbidden", f"the request body names {never.method} as a method override "

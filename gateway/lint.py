@@ -11,6 +11,7 @@ methods and paths are at least as wide, so the later rule can never decide a req
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .addresses import AddressGuard
@@ -130,6 +131,19 @@ class _Tree:
 
 def _rule_id_location(view: _Tree, rule: Rule) -> Location:
     return view.location("rules", rule.index, "id")
+
+
+def _per_host(view: _Tree, rules: Iterable[Rule], code: str,
+              say: Callable[[Rule, HostPattern], str | None]) -> list[Finding]:
+    """A finding `code` at each host pattern of `rules` that `say` has something to say about."""
+    findings = []
+    for rule in rules:
+        for j, pattern in enumerate(rule.hosts):
+            message = say(rule, pattern)
+            if message is not None:
+                findings.append(Finding(code, view.location("rules", rule.index, "hosts", j),
+                                        f"rules[{rule.index}].hosts[{j}]", message))
+    return findings
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,22 +291,14 @@ def multi_tenant_platform(domain: str) -> str | None:
 
 
 def _multi_tenant_wildcards(policy: Policy, view: _Tree) -> list[Finding]:
-    findings = []
-    for rule in policy.rules:
-        for j, pattern in enumerate(rule.hosts):
-            if pattern.kind != "wildcard":
-                continue
-            platform = multi_tenant_platform(pattern.value)
-            if platform is None:
-                continue
-            what = "is" if platform == pattern.value else f"covers {platform}, which is"
-            findings.append(Finding(
-                "multi-tenant-wildcard", view.location("rules", rule.index, "hosts", j),
-                f"rules[{rule.index}].hosts[{j}]",
-                f"{pattern} {what} a multi-tenant platform: anyone can host a name there, so this lets the "
-                f"sandbox reach (and send data to) other customers' endpoints; list the exact names instead",
-            ))
-    return findings
+    def say(rule: Rule, pattern: HostPattern) -> str | None:
+        platform = multi_tenant_platform(pattern.value) if pattern.kind == "wildcard" else None
+        if platform is None:
+            return None
+        what = "is" if platform == pattern.value else f"covers {platform}, which is"
+        return (f"{pattern} {what} a multi-tenant platform: anyone can host a name there, so this lets the "
+                f"sandbox reach (and send data to) other customers' endpoints; list the exact names instead")
+    return _per_host(view, policy.rules, "multi-tenant-wildcard", say)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,23 +363,15 @@ def _denied_static_hosts(policy: Policy, view: _Tree) -> list[Finding]:
 
 
 def _passthrough_shared_cdn(policy: Policy, view: _Tree) -> list[Finding]:
-    findings = []
-    for rule in policy.rules:
-        if rule.inspect:
-            continue
-        for j, pattern in enumerate(rule.hosts):
-            cdn = shared_cdn(pattern.value, wildcard=pattern.kind == "wildcard")
-            if cdn is None:
-                continue
-            findings.append(Finding(
-                "passthrough-shared-cdn", view.location("rules", rule.index, "hosts", j),
-                f"rules[{rule.index}].hosts[{j}]",
-                f"{pattern} is served by a shared CDN ({cdn}) and rule {rule.id} relays it unread "
+    def say(rule: Rule, pattern: HostPattern) -> str | None:
+        cdn = shared_cdn(pattern.value, wildcard=pattern.kind == "wildcard")
+        if cdn is None:
+            return None
+        return (f"{pattern} is served by a shared CDN ({cdn}) and rule {rule.id} relays it unread "
                 f"(inspect: false): inside the TLS the sandbox can send a Host header naming any other site "
                 f"on that CDN (domain fronting), which the gateway cannot see; inspect this host unless the "
-                f"bulk traffic really needs passthrough (docs/policy.md, Passthrough)",
-            ))
-    return findings
+                f"bulk traffic really needs passthrough (docs/policy.md, Passthrough)")
+    return _per_host(view, [r for r in policy.rules if not r.inspect], "passthrough-shared-cdn", say)
 
 
 def _passthrough_overlap(policy: Policy, view: _Tree) -> list[Finding]:
@@ -411,25 +409,18 @@ def _bound_host_also_unbound(policy: Policy, view: _Tree) -> list[Finding]:
     granted = None if policy.sandboxes is None else set().union(set(), *(s.rule_ids for s in policy.sandboxes))
     unbound = [r for r in policy.rules if r.protocol == "http" and not r.injections
                and (granted is None or r.id in granted)]
-    findings = []
-    for rule in policy.rules:
-        if not rule.injections:
-            continue
-        for j, pattern in enumerate(rule.hosts):
-            others = [o.id for o in unbound if any(_pattern_covers(p, pattern) for p in o.hosts)]
-            if not others:
-                continue
-            which = ", ".join(others)
-            findings.append(Finding(
-                "bound-host-also-unbound", view.location("rules", rule.index, "hosts", j),
-                f"rules[{rule.index}].hosts[{j}]",
-                f"{pattern} is bound to credentials by rule {rule.id}, but rule{'s' if len(others) > 1 else ''} "
+
+    def say(rule: Rule, pattern: HostPattern) -> str | None:
+        others = [o.id for o in unbound if any(_pattern_covers(p, pattern) for p in o.hosts)]
+        if not others:
+            return None
+        which = ", ".join(others)
+        return (f"{pattern} is bound to credentials by rule {rule.id}, but rule{'s' if len(others) > 1 else ''} "
                 f"{which} also allow{'' if len(others) > 1 else 's'} it without any: there the sandbox can send "
                 f"its own key and upload whatever it likes into an account of its choosing (foreign credentials "
                 f"are refused only on rules that inject); remove the host from {which}, or bind "
-                f"{'them' if len(others) > 1 else 'it'} too",
-            ))
-    return findings
+                f"{'them' if len(others) > 1 else 'it'} too")
+    return _per_host(view, [r for r in policy.rules if r.injections], "bound-host-also-unbound", say)
 
 
 # --------------------------------------------------------------------------------------------

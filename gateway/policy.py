@@ -42,7 +42,7 @@ from .tokens import (
     load_keys,
     parse_duration,
 )
-from .yamlsource import ConfigIssue, Location, Node, PolicyError, parse
+from .yamlsource import ConfigIssue, Location, Node, PolicyError, Validator, parse_checked, value_kind
 
 SCHEMES = ("http", "https")
 DEFAULT_PORTS = {"https": 443, "http": 80}
@@ -232,54 +232,7 @@ class Policy:
         return self._scopes.get(DEFAULT_SANDBOX_ID, NO_RULE)
 
 
-class _Validator:
-    """Walks located nodes, collecting every issue instead of stopping at the first."""
-
-    def __init__(self) -> None:
-        self.issues: list[ConfigIssue] = []
-
-    def error(self, node: Node | Location, path: str, message: str) -> None:
-        location = node.location if isinstance(node, Node) else node
-        self.issues.append(ConfigIssue(location, path, message))
-
-    def mapping(self, node: Node, path: str, allowed: set[str]) -> dict[str, Node] | None:
-        if not isinstance(node.value, dict):
-            self.error(node, path, f"must be a mapping, not {_kind(node.value)}")
-            return None
-        for key in node.value:
-            if key not in allowed:
-                hint = ", ".join(sorted(allowed))
-                self.error(node.key_locations[key], _join(path, key), f"unknown key (allowed: {hint})")
-        return node.value
-
-    def sequence(self, node: Node, path: str, *, non_empty: bool = False) -> list[Node] | None:
-        if not isinstance(node.value, list):
-            self.error(node, path, f"must be a list, not {_kind(node.value)}")
-            return None
-        if non_empty and not node.value:
-            self.error(node, path, "must not be empty")
-        return node.value
-
-    def string(self, node: Node, path: str) -> str | None:
-        if not isinstance(node.value, str) or not node.value:
-            self.error(node, path, f"must be a non-empty string, not {_kind(node.value)}")
-            return None
-        return node.value
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _host_pattern(v: _Validator, node: Node, path: str) -> HostPattern | None:
+def _host_pattern(v: Validator, node: Node, path: str) -> HostPattern | None:
     raw = v.string(node, path)
     if raw is None:
         return None
@@ -318,7 +271,7 @@ def _host_pattern(v: _Validator, node: Node, path: str) -> HostPattern | None:
     return HostPattern.exact(host)
 
 
-def _ranges(v: _Validator, node: Node, path: str) -> list[tuple[object, str]]:
+def _ranges(v: Validator, node: Node, path: str) -> list[tuple[object, str]]:
     items = v.sequence(node, path) or []
     out = []
     for i, item in enumerate(items):
@@ -333,7 +286,7 @@ def _ranges(v: _Validator, node: Node, path: str) -> list[tuple[object, str]]:
     return out
 
 
-def _mode(v: _Validator, node: Node | None, path: str) -> str | None:
+def _mode(v: Validator, node: Node | None, path: str) -> str | None:
     if node is None:
         return None
     value = v.string(node, path)
@@ -343,7 +296,7 @@ def _mode(v: _Validator, node: Node | None, path: str) -> str | None:
     return value
 
 
-def _injections(v: _Validator, node: Node, path: str, secret_names: set[str]) -> tuple[Injection, ...]:
+def _injections(v: Validator, node: Node, path: str, secret_names: set[str]) -> tuple[Injection, ...]:
     found: list[Injection] = []
     seen: set[tuple[str, str]] = set()
     for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
@@ -390,10 +343,10 @@ def _injections(v: _Validator, node: Node, path: str, secret_names: set[str]) ->
     return tuple(found)
 
 
-def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
+def _secrets(v: Validator, node: Node) -> dict[str, SecretSource]:
     found: dict[str, SecretSource] = {}
     if not isinstance(node.value, dict):
-        v.error(node, "secrets", f"must be a mapping of name to {{env: VAR}} or {{file: PATH}}, not {_kind(node.value)}")
+        v.error(node, "secrets", f"must be a mapping of name to {{env: VAR}} or {{file: PATH}}, not {value_kind(node.value)}")
         return found
     for name, item in node.value.items():
         p = f"secrets.{name}"
@@ -417,68 +370,96 @@ def _secrets(v: _Validator, node: Node) -> dict[str, SecretSource]:
     return found
 
 
-def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Location],
+
+# The lists a rule and a profile's `grantable:` share, read one way for both (each error names the
+# item's file, line, column and key path).
+
+
+def _host_patterns(v: Validator, node: Node, path: str, non_empty: bool = False) -> list[HostPattern]:
+    found = []
+    for i, item in enumerate(v.sequence(node, path, non_empty=non_empty) or []):
+        pattern = _host_pattern(v, item, f"{path}[{i}]")
+        if pattern is not None:
+            found.append(pattern)
+    return found
+
+
+def _ports(v: Validator, node: Node, path: str) -> frozenset[int]:
+    found = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        if isinstance(item.value, bool) or not isinstance(item.value, int) or not 1 <= item.value <= 65535:
+            v.error(item, f"{path}[{i}]", f"{item.value!r}: a port is a number from 1 to 65535")
+        else:
+            found.add(item.value)
+    return frozenset(found)
+
+
+def _schemes(v: Validator, node: Node, path: str) -> frozenset[str]:
+    """Lower-cased: `HTTPS` is `https`, as URLs have it."""
+    found = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        s = v.string(item, f"{path}[{i}]")
+        if s is not None and s.lower() not in SCHEMES:
+            v.error(item, f"{path}[{i}]", f"{s!r}: scheme must be one of {', '.join(SCHEMES)}")
+        elif s is not None:
+            found.add(s.lower())
+    return frozenset(found)
+
+
+def _methods(v: Validator, node: Node, path: str) -> frozenset[str]:
+    found = set()
+    for i, item in enumerate(v.sequence(node, path, non_empty=True) or []):
+        m = v.string(item, f"{path}[{i}]")
+        if m is None:
+            continue
+        if not _METHOD_RE.match(m):
+            v.error(item, f"{path}[{i}]", f"{m!r}: methods are upper-case tokens like GET")
+        elif m in FORBIDDEN_METHODS:
+            v.error(item, f"{path}[{i}]", f"{m!r} is always refused and cannot be allowed")
+        else:
+            found.add(m)
+    return frozenset(found)
+
+
+def _rule_ids(v: Validator, node: Node, path: str, rule_ids: set[str]) -> set[str]:
+    """Ids of rules the policy has (a sandbox's `rules`, a grantable's)."""
+    found = set()
+    for i, item in enumerate(v.sequence(node, path) or []):
+        name = v.string(item, f"{path}[{i}]")
+        if name is not None and name not in rule_ids:
+            v.error(item, f"{path}[{i}]", f"{name!r}: no rule has this id")
+        elif name is not None:
+            found.add(name)
+    return found
+
+
+def _entry_id(v: Validator, fields: dict[str, Node], path: str, kind: str, seen: dict[str, Location]) -> str | None:
+    """A rule's or a sandbox's `id` (an issue if it is malformed or an earlier entry's; `seen` records it)."""
+    entry_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
+    if entry_id is not None:
+        if not _RULE_ID_RE.match(entry_id):
+            v.error(fields["id"], f"{path}.id", f"{entry_id!r}: use letters, digits, '_', '.', '-' (max 63)")
+        elif entry_id in seen:
+            v.error(fields["id"], f"{path}.id", f"duplicate {kind} id {entry_id!r} (first at {seen[entry_id]})")
+        else:
+            seen[entry_id] = fields["id"].location
+    return entry_id
+
+
+def _rule(v: Validator, node: Node, path: str, index: int, seen: dict[str, Location],
           secret_names: set[str] = frozenset(), foreign_default: ForeignCredentials = DEFAULT_FOREIGN) -> Rule | None:
     fields = v.mapping(node, path, RULE_KEYS)
     if fields is None:
         return None
-    for required in ("id", "hosts"):
-        if required not in fields:
-            v.error(node, path, f"missing required key {required!r}")
-    rule_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
-    if rule_id is not None:
-        if not _RULE_ID_RE.match(rule_id):
-            v.error(fields["id"], f"{path}.id", f"{rule_id!r}: use letters, digits, '_', '.', '-' (max 63)")
-        elif rule_id in seen:
-            v.error(fields["id"], f"{path}.id", f"duplicate rule id {rule_id!r} (first at {seen[rule_id]})")
-        else:
-            seen[rule_id] = fields["id"].location
+    v.required(node, path, fields, ("id", "hosts"))
+    rule_id = _entry_id(v, fields, path, "rule", seen)
 
-    hosts: list[HostPattern] = []
-    if "hosts" in fields:
-        for i, item in enumerate(v.sequence(fields["hosts"], f"{path}.hosts", non_empty=True) or []):
-            pattern = _host_pattern(v, item, f"{path}.hosts[{i}]")
-            if pattern is not None:
-                hosts.append(pattern)
-
+    hosts = _host_patterns(v, fields["hosts"], f"{path}.hosts", non_empty=True) if "hosts" in fields else []
     schemes = frozenset({"https"})
     if "schemes" in fields:
-        items = v.sequence(fields["schemes"], f"{path}.schemes", non_empty=True) or []
-        values = set()
-        for i, item in enumerate(items):
-            s = v.string(item, f"{path}.schemes[{i}]")
-            if s is not None and s.lower() not in SCHEMES:
-                v.error(item, f"{path}.schemes[{i}]", f"{s!r}: scheme must be one of {', '.join(SCHEMES)}")
-            elif s is not None:
-                values.add(s.lower())
-        schemes = frozenset(values) or schemes
-
-    ports: frozenset[int] | None = None
-    if "ports" in fields:
-        items = v.sequence(fields["ports"], f"{path}.ports", non_empty=True) or []
-        values_p = set()
-        for i, item in enumerate(items):
-            if isinstance(item.value, bool) or not isinstance(item.value, int) or not 1 <= item.value <= 65535:
-                v.error(item, f"{path}.ports[{i}]", f"{item.value!r}: a port is a number from 1 to 65535")
-            else:
-                values_p.add(item.value)
-        ports = frozenset(values_p)
-
-    methods: frozenset[str] | None = None
-    if "methods" in fields:
-        items = v.sequence(fields["methods"], f"{path}.methods", non_empty=True) or []
-        values_m = set()
-        for i, item in enumerate(items):
-            m = v.string(item, f"{path}.methods[{i}]")
-            if m is None:
-                continue
-            if not _METHOD_RE.match(m):
-                v.error(item, f"{path}.methods[{i}]", f"{m!r}: methods are upper-case tokens like GET")
-            elif m in FORBIDDEN_METHODS:
-                v.error(item, f"{path}.methods[{i}]", f"{m!r} is always refused and cannot be allowed")
-            else:
-                values_m.add(m)
-        methods = frozenset(values_m)
+        schemes = _schemes(v, fields["schemes"], f"{path}.schemes") or schemes
+    ports = _ports(v, fields["ports"], f"{path}.ports") if "ports" in fields else None
+    methods = _methods(v, fields["methods"], f"{path}.methods") if "methods" in fields else None
 
     globs: tuple[str, ...] | None = None
     patterns: tuple[PathGlob, ...] | None = None
@@ -561,7 +542,7 @@ def _rule(v: _Validator, node: Node, path: str, index: int, seen: dict[str, Loca
                 limits=limits)
 
 
-def _limits(v: _Validator, node: Node, path: str) -> Limits:
+def _limits(v: Validator, node: Node, path: str) -> Limits:
     """`limits: {requests_per_minute: N, upload_bytes_per_hour: SIZE, ...}`: positive whole numbers;
     the byte keys also take sizes like `100MiB` or `1.5GB`."""
     fields = v.mapping(node, path, set(LIMIT_KEYS))
@@ -594,7 +575,7 @@ def _limits(v: _Validator, node: Node, path: str) -> Limits:
     return Limits(**values)
 
 
-def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
+def _names(v: Validator, node: Node, path: str, kind: str, key) -> tuple[str, ...]:
     """A list of header names (kind "header") or query parameter names (kind "query"), each listed
     once after the loose comparison gateway/foreign.py makes (`key`)."""
     found: list[str] = []
@@ -622,7 +603,7 @@ def _names(v: _Validator, node: Node, path: str, kind: str, key) -> tuple[str, .
     return tuple(found)
 
 
-def _foreign_credentials(v: _Validator, node: Node, path: str, base: ForeignCredentials) -> ForeignCredentials:
+def _foreign_credentials(v: Validator, node: Node, path: str, base: ForeignCredentials) -> ForeignCredentials:
     """`foreign_credentials: {headers: [...], query: [...]}`; a list given replaces `base`'s."""
     fields = v.mapping(node, path, FOREIGN_KEYS)
     if fields is None:
@@ -632,7 +613,7 @@ def _foreign_credentials(v: _Validator, node: Node, path: str, base: ForeignCred
     return ForeignCredentials(headers, query)
 
 
-def _placeholders(v: _Validator, node: Node, path: str) -> Positions:
+def _placeholders(v: Validator, node: Node, path: str) -> Positions:
     """`placeholders: {query: [NAME...], path: true|false}`."""
     fields = v.mapping(node, path, PLACEHOLDER_KEYS)
     if fields is None:
@@ -659,7 +640,7 @@ PASSTHROUGH_FORBIDDEN_KEYS = {
 }
 
 
-def _refusals(v: _Validator, node: Node) -> RefusalStyle:
+def _refusals(v: Validator, node: Node) -> RefusalStyle:
     """`refusals: {message: TEMPLATE, format: text | json | negotiate}`: the template compiled here,
     once, so a refusal only fills it in."""
     fields = v.mapping(node, "refusals", REFUSALS_KEYS)
@@ -692,7 +673,7 @@ def _is_ip_text(value: str) -> bool:
         return False
 
 
-def _inspect(v: _Validator, fields: dict[str, Node], path: str, protocol: str,
+def _inspect(v: Validator, fields: dict[str, Node], path: str, protocol: str,
              hosts: list[HostPattern], schemes: frozenset[str]) -> bool:
     """`inspect: false` (TLS passthrough) and what it rules out."""
     if "inspect" not in fields:
@@ -721,12 +702,7 @@ def _inspect(v: _Validator, fields: dict[str, Node], path: str, protocol: str,
 
 def compile_policy(text: str, source: str) -> Policy:
     """Parse, validate and compile policy text; raise PolicyError listing every problem."""
-    root, parse_issues = parse(text, source)
-    v = _Validator()
-    v.issues.extend(parse_issues)
-    top = v.mapping(root, "", TOP_KEYS)
-    if top is None:
-        raise PolicyError(v.issues)
+    v, root, top = parse_checked(text, source, TOP_KEYS)
 
     if "version" not in top:
         v.error(root, "version", "missing required key 'version' (use: version: 1)")
@@ -761,7 +737,7 @@ def compile_policy(text: str, source: str) -> Policy:
         if "static_hosts" in resolver:
             node = resolver["static_hosts"]
             if not isinstance(node.value, dict):
-                v.error(node, "resolver.static_hosts", f"must be a mapping of name to addresses, not {_kind(node.value)}")
+                v.error(node, "resolver.static_hosts", f"must be a mapping of name to addresses, not {value_kind(node.value)}")
             else:
                 for name, value in node.value.items():
                     p = f"resolver.static_hosts.{name}"
@@ -826,7 +802,7 @@ def compile_policy(text: str, source: str) -> Policy:
     )
 
 
-def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, ...] | None) -> TokenSettings | None:
+def _identity(v: Validator, node: Node, source: str, sandboxes: tuple[Sandbox, ...] | None) -> TokenSettings | None:
     """`identity: {tokens: {...}}`: signed tokens as proxy credentials (gateway/tokens.py). Key files
     are read here, so a policy whose keys cannot be used does not load (nor reload)."""
     fields = v.mapping(node, "identity", IDENTITY_KEYS)
@@ -838,9 +814,7 @@ def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, 
     t = v.mapping(fields["tokens"], path, TOKEN_KEYS)
     if t is None:
         return None
-    for required in ("keys", "audience"):
-        if required not in t:
-            v.error(fields["tokens"], path, f"missing required key {required!r}")
+    v.required(fields["tokens"], path, t, ("keys", "audience"))
     if sandboxes is None:
         v.error(fields["tokens"], path, "a token names a profile, an entry of sandboxes:, so the policy needs a "
                 "sandboxes section")
@@ -862,7 +836,7 @@ def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, 
                 if name:
                     key_files.append(base / name)
         else:
-            v.error(keys_node, f"{path}.keys", f"must be a JWKS file or a list of PEM files, not {_kind(keys_node.value)}")
+            v.error(keys_node, f"{path}.keys", f"must be a JWKS file or a list of PEM files, not {value_kind(keys_node.value)}")
 
     algorithms = tuple(SUPPORTED_ALGORITHMS)
     if "algorithms" in t:
@@ -933,7 +907,7 @@ def _identity(v: _Validator, node: Node, source: str, sandboxes: tuple[Sandbox, 
                          default_profile, rules_claim, required, keys)
 
 
-def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sandbox, ...], RangeTable]:
+def _sandboxes(v: Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[Sandbox, ...], RangeTable]:
     sandboxes: list[Sandbox] = []
     sources = RangeTable()
     seen_ids: dict[str, Location] = {}
@@ -943,17 +917,8 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
         fields = v.mapping(item, path, SANDBOX_KEYS)
         if fields is None:
             continue
-        for required in ("id", "rules"):
-            if required not in fields:
-                v.error(item, path, f"missing required key {required!r}")
-        sandbox_id = v.string(fields["id"], f"{path}.id") if "id" in fields else None
-        if sandbox_id is not None:
-            if not _RULE_ID_RE.match(sandbox_id):
-                v.error(fields["id"], f"{path}.id", f"{sandbox_id!r}: use letters, digits, '_', '.', '-' (max 63)")
-            elif sandbox_id in seen_ids:
-                v.error(fields["id"], f"{path}.id", f"duplicate sandbox id {sandbox_id!r} (first at {seen_ids[sandbox_id]})")
-            else:
-                seen_ids[sandbox_id] = fields["id"].location
+        v.required(item, path, fields, ("id", "rules"))
+        sandbox_id = _entry_id(v, fields, path, "sandbox", seen_ids)
         if "source_ips" in fields:
             for network, _label in _ranges(v, fields["source_ips"], f"{path}.source_ips"):
                 if network in seen_ranges:
@@ -962,14 +927,7 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
                 elif sandbox_id is not None:
                     seen_ranges[network] = sandbox_id
                     sources.add(network, sandbox_id)
-        granted: set[str] = set()
-        if "rules" in fields:
-            for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or []):
-                name = v.string(rule_node, f"{path}.rules[{j}]")
-                if name is not None and name not in rule_ids:
-                    v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
-                elif name is not None:
-                    granted.add(name)
+        granted = _rule_ids(v, fields["rules"], f"{path}.rules", rule_ids) if "rules" in fields else set()
         limits = _limits(v, fields["limits"], f"{path}.limits") if "limits" in fields else NO_LIMITS
         grantable = _grantable(v, fields["grantable"], f"{path}.grantable", rule_ids) if "grantable" in fields else None
         if sandbox_id is not None:
@@ -977,7 +935,7 @@ def _sandboxes(v: _Validator, node: Node, rule_ids: set[str]) -> tuple[tuple[San
     return tuple(sandboxes), sources
 
 
-def _grantable(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> Grantable | None:
+def _grantable(v: Validator, node: Node, path: str, rule_ids: set[str]) -> Grantable | None:
     """`grantable: {rules, hosts, ports, schemes, methods, max_ttl}`: the envelope of the grants the
     control API may give a registered sandbox of this profile (gateway/grants.py)."""
     fields = v.mapping(node, path, GRANTABLE_KEYS)
@@ -985,48 +943,11 @@ def _grantable(v: _Validator, node: Node, path: str, rule_ids: set[str]) -> Gran
         return None
     if "rules" not in fields and "hosts" not in fields:
         v.error(node, path, "must set rules or hosts (what may be granted)")
-    rules: set[str] = set()
-    for j, rule_node in enumerate(v.sequence(fields["rules"], f"{path}.rules") or [] if "rules" in fields else []):
-        name = v.string(rule_node, f"{path}.rules[{j}]")
-        if name is not None and name not in rule_ids:
-            v.error(rule_node, f"{path}.rules[{j}]", f"{name!r}: no rule has this id")
-        elif name is not None:
-            rules.add(name)
-    hosts: list[HostPattern] = []
-    for j, host_node in enumerate(v.sequence(fields["hosts"], f"{path}.hosts") or [] if "hosts" in fields else []):
-        pattern = _host_pattern(v, host_node, f"{path}.hosts[{j}]")
-        if pattern is not None:
-            hosts.append(pattern)
-    ports = DEFAULT_GRANT_PORTS
-    if "ports" in fields:
-        found = set()
-        for j, item in enumerate(v.sequence(fields["ports"], f"{path}.ports", non_empty=True) or []):
-            if type(item.value) is not int or not 1 <= item.value <= 65535:
-                v.error(item, f"{path}.ports[{j}]", f"{item.value!r}: a port is a whole number from 1 to 65535")
-            else:
-                found.add(item.value)
-        ports = frozenset(found)
-    schemes = DEFAULT_GRANT_SCHEMES
-    if "schemes" in fields:
-        found_s = set()
-        for j, item in enumerate(v.sequence(fields["schemes"], f"{path}.schemes", non_empty=True) or []):
-            if item.value not in SCHEMES:
-                v.error(item, f"{path}.schemes[{j}]", f"{item.value!r}: one of {', '.join(SCHEMES)}")
-            else:
-                found_s.add(item.value)
-        schemes = frozenset(found_s)
-    methods = None
-    if "methods" in fields:
-        found_m = set()
-        for j, item in enumerate(v.sequence(fields["methods"], f"{path}.methods", non_empty=True) or []):
-            m = item.value
-            if not isinstance(m, str) or not _METHOD_RE.match(m):
-                v.error(item, f"{path}.methods[{j}]", f"{m!r}: methods are upper-case tokens like GET")
-            elif m in FORBIDDEN_METHODS:
-                v.error(item, f"{path}.methods[{j}]", f"{m!r} is always refused and cannot be granted")
-            else:
-                found_m.add(m)
-        methods = frozenset(found_m)
+    rules = _rule_ids(v, fields["rules"], f"{path}.rules", rule_ids) if "rules" in fields else set()
+    hosts = _host_patterns(v, fields["hosts"], f"{path}.hosts") if "hosts" in fields else []
+    ports = _ports(v, fields["ports"], f"{path}.ports") if "ports" in fields else DEFAULT_GRANT_PORTS
+    schemes = _schemes(v, fields["schemes"], f"{path}.schemes") if "schemes" in fields else DEFAULT_GRANT_SCHEMES
+    methods = _methods(v, fields["methods"], f"{path}.methods") if "methods" in fields else None
     max_ttl = DEFAULT_MAX_TTL
     if "max_ttl" in fields:
         try:

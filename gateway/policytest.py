@@ -36,7 +36,7 @@ from .explain import ExplainError, Explanation, Target, explain, parse_target, s
 from .hostnames import IPAddress
 from .lint import issue_dict
 from .policy import Policy, PolicyError, load_policy
-from .yamlsource import ConfigIssue, Location, Node, parse
+from .yamlsource import ConfigIssue, Location, Node, Validator, parse_checked
 
 FILE_KEYS = {"policy", "cases", "description"}
 CASE_KEYS = {"name", "url", "method", "sandbox", "source_ip", "expect", "reason", "rule", "inject", "addresses",
@@ -105,49 +105,9 @@ class FileResult:
         return sum(not r.passed for r in self.results)
 
 
-class _Checker:
-    def __init__(self) -> None:
-        self.issues: list[ConfigIssue] = []
-
-    def error(self, node: Node, path: str, message: str) -> None:
-        self.issues.append(ConfigIssue(node.location, path, message))
-
-    def string(self, node: Node, path: str) -> str | None:
-        if isinstance(node.value, str) and node.value:
-            return node.value
-        self.error(node, path, "must be a non-empty string")
-        return None
-
-    def strings(self, node: Node, path: str) -> list[tuple[Node, str]] | None:
-        if not isinstance(node.value, list):
-            self.error(node, path, "must be a list")
-            return None
-        out = []
-        for i, item in enumerate(node.value):
-            value = self.string(item, f"{path}[{i}]")
-            if value is not None:
-                out.append((item, value))
-        return out
-
-    def keys(self, node: Node, path: str, allowed: set[str]) -> dict[str, Node] | None:
-        if not isinstance(node.value, dict):
-            self.error(node, path, "must be a mapping")
-            return None
-        for key in node.value:
-            if key not in allowed:
-                self.error(Node(None, node.key_locations[key]), f"{path}.{key}" if path else key,
-                           f"unknown key (allowed: {', '.join(sorted(allowed))})")
-        return node.value
-
-
 def parse_cases(text: str, source: str, policy_override: str | None = None) -> CaseFile:
     """Parse and validate a test file; PolicyError (file:line:column, key path) when it is invalid."""
-    root, issues = parse(text, source)
-    c = _Checker()
-    c.issues.extend(issues)
-    top = c.keys(root, "", FILE_KEYS)
-    if top is None:
-        raise PolicyError(c.issues)
+    c, root, top = parse_checked(text, source, FILE_KEYS)
     policy_path = policy_override
     policy_location = root.location
     if "policy" in top:
@@ -174,14 +134,12 @@ def parse_cases(text: str, source: str, policy_override: str | None = None) -> C
     return CaseFile(source, policy_path, policy_location, cases)
 
 
-def _case(c: _Checker, node: Node, path: str) -> Case | None:
-    fields = c.keys(node, path, CASE_KEYS)
+def _case(c: Validator, node: Node, path: str) -> Case | None:
+    fields = c.mapping(node, path, CASE_KEYS)
     if fields is None:
         return None
     before = len(c.issues)
-    for required in ("url", "expect"):
-        if required not in fields:
-            c.error(node, path, f"missing required key {required!r}")
+    c.required(node, path, fields, ("url", "expect"))
     values: dict = {}
     for key in ("name", "url", "method", "sandbox", "source_ip", "expect", "reason", "rule"):
         if key in fields:

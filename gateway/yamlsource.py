@@ -3,6 +3,8 @@
 Policy errors must name the file, line, column and key path; PyYAML's composer keeps marks on
 nodes, so the loader walks nodes instead of plain dicts. Duplicate mapping keys are an error here
 (plain PyYAML silently keeps the last one, which would let a second `hosts:` hide the first).
+`Validator` checks the shapes of such a tree (the policy's and the policy tests'), collecting every
+issue instead of stopping at the first.
 """
 
 from __future__ import annotations
@@ -160,6 +162,84 @@ def parse(text: str, file: str) -> tuple[Node, list[ConfigIssue]]:
     except yaml.YAMLError as exc:
         raise PolicyError([ConfigIssue(Location(file, 1, 1), "", f"YAML error: {exc}")]) from None
     return tree, issues
+
+
+class Validator:
+    """Walks located nodes, collecting every issue instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.issues: list[ConfigIssue] = []
+
+    def error(self, node: Node | Location, path: str, message: str) -> None:
+        location = node.location if isinstance(node, Node) else node
+        self.issues.append(ConfigIssue(location, path, message))
+
+    def mapping(self, node: Node, path: str, allowed: set[str]) -> dict[str, Node] | None:
+        if not isinstance(node.value, dict):
+            self.error(node, path, f"must be a mapping, not {value_kind(node.value)}")
+            return None
+        for key in node.value:
+            if key not in allowed:
+                hint = ", ".join(sorted(allowed))
+                self.error(node.key_locations[key], _join(path, key), f"unknown key (allowed: {hint})")
+        return node.value
+
+    def required(self, node: Node, path: str, fields: dict[str, Node], keys: tuple[str, ...]) -> None:
+        """An issue at `node` for each of `keys` its mapping `fields` lacks."""
+        for key in keys:
+            if key not in fields:
+                self.error(node, path, f"missing required key {key!r}")
+
+    def sequence(self, node: Node, path: str, *, non_empty: bool = False) -> list[Node] | None:
+        if not isinstance(node.value, list):
+            self.error(node, path, f"must be a list, not {value_kind(node.value)}")
+            return None
+        if non_empty and not node.value:
+            self.error(node, path, "must not be empty")
+        return node.value
+
+    def string(self, node: Node, path: str) -> str | None:
+        if not isinstance(node.value, str) or not node.value:
+            self.error(node, path, f"must be a non-empty string, not {value_kind(node.value)}")
+            return None
+        return node.value
+
+    def strings(self, node: Node, path: str) -> list[tuple[Node, str]] | None:
+        """A list's non-empty strings, each with its node (an item that is none is an issue)."""
+        items = self.sequence(node, path)
+        if items is None:
+            return None
+        found = []
+        for i, item in enumerate(items):
+            value = self.string(item, f"{path}[{i}]")
+            if value is not None:
+                found.append((item, value))
+        return found
+
+
+def value_kind(value: object) -> str:
+    """What a value is, for an error message: `a mapping`, `a list`, `null`..."""
+    if value is None:
+        return "null"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def parse_checked(text: str, file: str, keys: set[str]) -> tuple[Validator, Node, dict[str, Node]]:
+    """Parse a document whose top level is a mapping of these keys: the validator (holding the
+    issues found so far), the root and its keys. PolicyError when the top level is no such mapping."""
+    root, issues = parse(text, file)
+    v = Validator()
+    v.issues.extend(issues)
+    top = v.mapping(root, "", keys)
+    if top is None:
+        raise PolicyError(v.issues)
+    return v, root, top
 
 
 def node_at(root: "Node | None", *keys: str | int) -> "Node | None":

@@ -20,16 +20,27 @@ from lib.session import Setup
 fmtn = report.fmt
 
 
+def _each(meta: RunMeta, rnd: int, figure: str, keys, measure, line, pause: float) -> dict:
+    """One figure of one round through every configuration in `keys`: each measured, its failures
+    noted, its progress line logged, then a pause; the results by configuration."""
+    results = {}
+    for key in keys:
+        res = measure(key)
+        note_failures(meta, rnd, figure, key, res)
+        results[key] = res
+        log(line(key, res))
+        time.sleep(pause)
+    return results
+
+
 def throughput(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
     for figure, keepalive in (("keepalive", True), ("newconn", False)):
-        results = {}
-        for key in rotated(plan.configs, rnd):
-            res = run_hey(setup, setup.proxies[key], args.duration, args.concurrency, keepalive)
-            note_failures(meta, rnd, figure, key, res)
-            results[key] = res
-            log(f"  {figure:9s} {key:22s} {res['rps']:9.1f}/s  cpu {fmtn(res.get('cpu_us_per_req'), 0)} "
-                f"µs/req  load-generator CPU {fmtn(res['loadgen_cpu_fraction'], 2)}")
-            time.sleep(0.3)
+        results = _each(
+            meta, rnd, figure, rotated(plan.configs, rnd),
+            lambda key: run_hey(setup, setup.proxies[key], args.duration, args.concurrency, keepalive),
+            lambda key, res: f"  {figure:9s} {key:22s} {res['rps']:9.1f}/s  cpu {fmtn(res.get('cpu_us_per_req'), 0)} "
+                             f"µs/req  load-generator CPU {fmtn(res['loadgen_cpu_fraction'], 2)}",
+            0.3)
         if results:
             measured.raw.setdefault(figure, []).append(results)
 
@@ -37,15 +48,15 @@ def throughput(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan,
 def latency(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
     for figure, keepalive, rate in (("latency_keepalive", True, args.latency_rate),
                                     ("latency_newconn", False, args.latency_conn_rate)):
-        results = {}
-        for key in rotated(plan.configs, rnd + 1):
-            res = run_hey(setup, setup.proxies[key], args.latency_duration, 1, keepalive, rate=rate)
-            note_failures(meta, rnd, figure, key, res)
-            results[key] = res
+        def line(key: str, res: dict) -> str:
             s = sorted(res["samples_ms"])
-            log(f"  {figure:17s} {key:22s} {len(s):4d} at {rate:g}/s  p50 "
-                f"{fmtn(report.percentile(s, 50), 2)} ms  p99 {fmtn(report.percentile(s, 99), 2)} ms")
-            time.sleep(0.2)
+            return (f"  {figure:17s} {key:22s} {len(s):4d} at {rate:g}/s  p50 "
+                    f"{fmtn(report.percentile(s, 50), 2)} ms  p99 {fmtn(report.percentile(s, 99), 2)} ms")
+
+        results = _each(
+            meta, rnd, figure, rotated(plan.configs, rnd + 1),
+            lambda key: run_hey(setup, setup.proxies[key], args.latency_duration, 1, keepalive, rate=rate),
+            line, 0.2)
         if results:
             measured.raw.setdefault(figure, []).append(results)
 
@@ -53,28 +64,24 @@ def latency(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rn
 def scaling(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
     cores_each = meta.scaling["cores_each"]
     for figure, keepalive in (("scaling_keepalive", True), ("scaling_newconn", False)):
-        results = {}
-        for key in rotated(plan.scaling, rnd):
-            res = run_scaling(setup, setup.proxies[key], args.duration, args.concurrency, keepalive, cores_each)
-            note_failures(meta, rnd, figure, key, res)
-            results[key] = res
-            log(f"  {figure:17s} {key:22s} {res['rps']:9.1f}/s  quota used "
-                f"{', '.join(fmtn(q, 2) for q in res['quota_used'] or [])}  load-generator CPU "
-                f"{fmtn(res['loadgen_cpu_fraction'], 2)}")
-            time.sleep(0.3)
+        results = _each(
+            meta, rnd, figure, rotated(plan.scaling, rnd),
+            lambda key: run_scaling(setup, setup.proxies[key], args.duration, args.concurrency, keepalive, cores_each),
+            lambda key, res: f"  {figure:17s} {key:22s} {res['rps']:9.1f}/s  quota used "
+                             f"{', '.join(fmtn(q, 2) for q in res['quota_used'] or [])}  load-generator CPU "
+                             f"{fmtn(res['loadgen_cpu_fraction'], 2)}",
+            0.3)
         measured.raw.setdefault(figure, []).append(results)
 
 
 def transparent(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
     for figure, keepalive in (("transparent_keepalive", True), ("transparent_newconn", False)):
-        results = {}
-        for key in rotated(plan.transparent_keys, rnd):
-            res = run_hey(setup, setup.proxies[key], args.duration, args.concurrency, keepalive)
-            note_failures(meta, rnd, figure, key, res)
-            results[key] = res
-            log(f"  {figure:21s} {key:22s} {res['rps']:9.1f}/s  cpu "
-                f"{fmtn(res.get('cpu_us_per_req'), 0)} µs/req")
-            time.sleep(0.3)
+        results = _each(
+            meta, rnd, figure, rotated(plan.transparent_keys, rnd),
+            lambda key: run_hey(setup, setup.proxies[key], args.duration, args.concurrency, keepalive),
+            lambda key, res: f"  {figure:21s} {key:22s} {res['rps']:9.1f}/s  cpu "
+                             f"{fmtn(res.get('cpu_us_per_req'), 0)} µs/req",
+            0.3)
         measured.raw.setdefault(figure, []).append(results)
 
 

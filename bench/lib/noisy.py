@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .gateway_process import GatewayProcess
+from .http1_wire import read_head, read_request
 from .pki import TestPKI
 
 ORIGIN_NAME = "origin.noisy"
@@ -120,26 +121,9 @@ def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes, lines_b
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = tls.wrap_socket(raw, server_side=True)
         buf = b""
-        while True:
-            while b"\r\n\r\n" not in buf:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-            head, buf = buf.split(b"\r\n\r\n", 1)
-            lines = head.split(b"\r\n")
+        while (request := read_request(conn, buf)) is not None:
+            lines, buf = request
             path = lines[0].split(b" ")[1].split(b"?")[0].decode("ascii", "replace")
-            length = 0
-            for line in lines[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            while len(buf) < length:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-            buf = buf[length:]
             if path in ("/bomb", "/lines"):
                 body = bomb if path == "/bomb" else lines_br
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
@@ -254,12 +238,10 @@ def _tunnel(host: str, port: int, source: str, authority: str, timeout: float = 
         sock.bind((source, 0))
         sock.connect((host, port))
         sock.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            piece = sock.recv(4096)
-            if not piece:
-                raise ConnectionError(f"CONNECT {authority}: closed after {answer!r}")
-            answer += piece
+        try:
+            answer, _ = read_head(sock, size=4096)
+        except EOFError as closed:
+            raise ConnectionError(f"CONNECT {authority}: closed after {closed.args[0]!r}") from None
         if not answer.startswith(b"HTTP/1.1 200"):
             raise ConnectionError(f"CONNECT {authority}: {answer[:200]!r}")
     except BaseException:
@@ -293,13 +275,10 @@ def _tunnel_when_allowed(world: World, alpn: str, timeout: float = TIMEOUT) -> s
 def read_response(tls: ssl.SSLSocket, limit: int = 1 << 20) -> tuple[int, dict[str, str], int]:
     """(status, headers, body bytes read) of one HTTP/1.1 response; reads a Content-Length body
     (at most `limit` bytes kept) or, without one, until close."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        piece = tls.recv(65536)
-        if not piece:
-            raise ConnectionError(f"closed before a response head: {buf[:200]!r}")
-        buf += piece
-    head, body = buf.split(b"\r\n\r\n", 1)
+    try:
+        head, body = read_head(tls)
+    except EOFError as closed:
+        raise ConnectionError(f"closed before a response head: {closed.args[0][:200]!r}") from None
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ")[1])
     headers = {}

@@ -349,7 +349,7 @@ def test_report_mode_injects_no_credentials():
 
 
 def test_method_overrides_in_headers_and_the_url(policy, policy_file):
-    """The engine judges every method a request names (gateway/methods.py); explain takes headers
+    """The engine judges every method a request names (gateway/methods/); explain takes headers
     with -H, and finds overrides in the URL's query itself."""
     e = explain(policy, "https://api.example.com/v1/items", "GET", headers=[("X-HTTP-Method-Override", "DELETE")])
     assert (e.decision.allowed, e.decision.reason, e.decision.rule) == (False, "method_not_allowed", "api-read")

@@ -1,7 +1,7 @@
 """No audit line a client can shape is large (review of issue 15): values are capped (strings,
 lists and dicts), a line is capped as a whole (MAX_LINE_BYTES, the longest client values shortened
 and named in `truncated`), the chain stays valid, and method overrides are described distinct and
-capped (gateway/methods.py), found once and in linear time."""
+capped (gateway/methods/overrides.py), found once and in linear time."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ connections sending a byte every 5 s, without a token, kept every slot and the p
 
 from __future__ import annotations
 
+import re
 import socket
 from types import SimpleNamespace
 
@@ -77,3 +78,20 @@ def test_the_listeners_refusals_are_rate_limited_in_the_audit_log_and_the_rest_c
     now[0] += 1 / REFUSAL_LINES_PER_SECOND
     service.refuse(401, "unauthorized", "a valid bearer token is required", "anonymous", "/v1/status")
     assert lines[-1]["suppressed"] == 30
+
+
+def test_host_port_is_read_as_the_metrics_endpoint_reads_it():
+    """--control HOST:PORT and --metrics HOST:PORT are one grammar (gateway/listen.py): an IP
+    address or localhost, IPv6 in brackets; the control API also takes unix:PATH."""
+    import ipaddress
+
+    from gateway.control_server import ControlSpecError, parse_spec
+
+    assert parse_spec("127.0.0.1:0") == ("tcp", (ipaddress.ip_address("127.0.0.1"), 0))
+    assert parse_spec("[::1]:8081") == ("tcp", (ipaddress.ip_address("::1"), 8081))
+    assert parse_spec("localhost:8081") == ("tcp", (ipaddress.ip_address("127.0.0.1"), 8081))
+    assert parse_spec("unix:/run/x.sock") == ("unix", "/run/x.sock")
+    for bad, said in (("8081", "expected unix:PATH, HOST:PORT or [IPV6]:PORT"), ("::1:8081", "expected unix:PATH"),
+                      ("example.com:8081", "the host must be an IP address"), ("127.0.0.1:99999", "port out of range")):
+        with pytest.raises(ControlSpecError, match=re.escape(said)):
+            parse_spec(bad)

@@ -4,7 +4,7 @@ proxy. Checked from the source (every import statement, nested ones too) and at 
 every gateway module loads no mitmproxy).
 
 `bench/` uses no test internals: the tests may use bench's harness (bench/lib: the noisy-neighbour
-world, the frozen method scanner, the test CA, the closed namespace network), never the other way,
+world, the unabridged method scanner, the test CA, the closed namespace network), never the other way,
 so a benchmark does not break when a suite's helpers change."""
 
 from __future__ import annotations

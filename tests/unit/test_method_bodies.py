@@ -1,4 +1,4 @@
-"""Method overrides in request bodies, read as a superset of what frameworks read (gateway/methods.py
+"""Method overrides in request bodies, read as a superset of what frameworks read (gateway/methods/
 `plan_body`, `_Stream`, `_Multipart`, `BodyScanner`): liberal Content-Types, every charset reading,
 every compressed stream, PHP- and Rack-liberal multipart -- in any chunking -- while ordinary
 clients' bodies (JSON APIs, requests/httpx uploads, pip, npm, git) are neither refused nor flagged.

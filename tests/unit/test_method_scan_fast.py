@@ -1,6 +1,6 @@
-"""The body scan's fast paths (gateway/methods.py `_NameFilter`, `_Form.feed`, `_Json`, `_Multipart`)
-find exactly what the unabridged scanner finds (bench/lib/methods_reference.py, the scanner before
-them): for random bodies built from override names in every spelling the readings undo (case,
+"""The body scan's fast paths (gateway/methods/: `_NameFilter`, `_Form.feed`, `_Json`, `_Multipart`)
+find exactly what the unabridged scanner finds (bench/lib/methods_reference.py, the scanner with
+them switched off): for random bodies built from override names in every spelling the readings undo (case,
 percent-escapes of any characters, nested, `+`, brackets, whitespace, NULs, JSON escapes, multipart
 headers), random Content-Types and charsets, cut into random chunks. An override the fast path missed
 would be a bypass (a POST executed as DELETE), so the filters are also checked on their own: they
@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import methods as new
+from gateway.methods import fields, form, name_filter
 from gateway.decompress import streaming_decoder
 from bench.lib import methods_reference as old
 
@@ -191,12 +192,12 @@ def _same(types: list[str], body: bytes, cuts: list[int]) -> None:
 
 @contextlib.contextmanager
 def _long_names_skipped():
-    saved = new._LONG_SUSPECT, new._Form._suspect
-    new._LONG_SUSPECT, new._Form._suspect = re.compile(b"(?!)"), lambda self, piece: False
+    saved = fields._LONG_SUSPECT, form._Form._suspect
+    fields._LONG_SUSPECT, form._Form._suspect = re.compile(b"(?!)"), lambda self, piece: False
     try:
         yield
     finally:
-        new._LONG_SUSPECT, new._Form._suspect = saved
+        fields._LONG_SUSPECT, form._Form._suspect = saved
 
 
 EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
@@ -234,14 +235,14 @@ def test_multipart_bodies(body, cuts, charset):
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
-@given(names(), st.lists(st.sampled_from(sorted(new._IDENTITY)), max_size=3), st.sampled_from(["utf-8", "utf-7"]))
+@given(names(), st.lists(st.sampled_from(sorted(name_filter._IDENTITY)), max_size=3), st.sampled_from(["utf-8", "utf-7"]))
 def test_the_name_filter_never_drops_a_name_the_full_reading_judges(name, charsets, encoding):
     """A superset test: every field whose name the full reading takes for an override name is kept."""
     raw = name.encode(encoding, "surrogatepass")
     if b"&" in raw or b";" in raw or b"=" in raw:
         return
     names_ = old._override_names(raw, tuple(charsets))
-    kept = new._NameFilter.for_charsets(tuple(charsets)).candidates(b"x=1&" + raw + b"=DELETE&y")
+    kept = name_filter._NameFilter.for_charsets(tuple(charsets)).candidates(b"x=1&" + raw + b"=DELETE&y")
     if names_:
         assert 1 in kept, (raw, charsets, names_)
 
@@ -273,12 +274,12 @@ def test_names_padded_with_escaped_unicode_whitespace_are_kept():
 
 
 def test_the_filters_own_examples():
-    f = new._NameFilter.for_charsets(())
+    f = name_filter._NameFilter.for_charsets(())
     fields = b"a=b&_method=PUT&x=_method&%5F%6d%65%74%68%6f%64=1&_methodx=1&X-HTTP-Method-Override&k[_method=1"
     assert f.candidates(fields) == [1, 3, 5]  # not k[_method: query_key reads k__method
     assert f.candidates(b"k1_method=1& [_method[]=1&\xe3\x80\x80_METHOD=1&%20%5b%2e%6DeThOd=1") == [1, 2, 3]
-    assert new._NameFilter.for_charsets(("shift_jis_2004",)).candidates(b"\x81\x40_method=1") == [0]
-    assert new._NameFilter.for_charsets(("cp500",)) is None
+    assert name_filter._NameFilter.for_charsets(("shift_jis_2004",)).candidates(b"\x81\x40_method=1") == [0]
+    assert name_filter._NameFilter.for_charsets(("cp500",)) is None
 
 
 def test_a_multipart_override_between_harmless_parts_is_never_skipped_over():

@@ -1,4 +1,4 @@
-"""Method overrides (gateway/methods.py): every spelling a framework reads, found; the engine judges
+"""Method overrides (gateway/methods/): every spelling a framework reads, found; the engine judges
 the wire method and every override; bodies are scanned chunk by chunk with the same result as whole."""
 
 from __future__ import annotations

@@ -425,6 +425,32 @@ def test_forbidden_methods_cannot_be_allowed(method):
     assert only_issue(text) == (5, 20, "rules[0].methods[1]", f"{method!r} is always refused and cannot be allowed")
 
 
+@pytest.mark.parametrize("key, item, message", [
+    ("ports", "0", "0: a port is a number from 1 to 65535"),
+    ("ports", "true", "True: a port is a number from 1 to 65535"),
+    ("schemes", "ftp", "'ftp': scheme must be one of http, https"),
+    ("schemes", "1", "must be a non-empty string, not a number"),
+    ("methods", "get", "'get': methods are upper-case tokens like GET"),
+    ("methods", "TRACE", "'TRACE' is always refused and cannot be allowed"),
+])
+def test_a_grantable_reads_its_lists_as_a_rule_does(key, item, message):
+    """One parser for a rule's and a profile's `grantable:` ports, schemes and methods: the same
+    values refused with the same words, each naming its file, line, column and key."""
+    rule = f"version: 1\nrules:\n  - id: a\n    hosts: [a.com]\n    {key}: [{item}]\n"
+    grantable = ("version: 1\nrules:\n  - id: a\n    hosts: [a.com]\nsandboxes:\n  - id: agent\n    rules: [a]\n"
+                 f"    grantable:\n      hosts: [a.com]\n      {key}: [{item}]\n")
+    assert only_issue(rule)[2:] == (f"rules[0].{key}[0]", message)
+    line, column, path, said = only_issue(grantable)
+    assert (line, column, path, said) == (10, len(f"      {key}: [") + 1, f"sandboxes[0].grantable.{key}[0]", message)
+
+
+def test_a_grantable_takes_schemes_in_any_case_as_a_rule_does():
+    policy = compile_policy("version: 1\nrules:\n  - id: a\n    hosts: [a.com]\n    schemes: [HTTPS, Http]\n"
+                            "sandboxes:\n  - id: agent\n    rules: [a]\n"
+                            "    grantable: {hosts: [a.com], schemes: [HTTPS, Http]}\n", "p.yaml")
+    assert policy.rules[0].schemes == policy.sandboxes_by_id["agent"].grantable.schemes == frozenset({"https", "http"})
+
+
 @pytest.mark.parametrize("glob", ["api/*", "*", "**/x", "", "?"])
 def test_path_glob_must_start_with_slash(glob):
     line, column, path, message = only_issue(

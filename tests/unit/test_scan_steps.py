@@ -1,4 +1,4 @@
-"""A compressed request body's method-override scan in steps (gateway/methods.py `feed_steps`,
+"""A compressed request body's method-override scan in steps (gateway/methods/scanner.py `feed_steps`,
 addons/decode_pool.py `drive`): its decoder calls run on a pool thread, the scanning of what they
 return on the loop's thread, and the answer is the one the inline scan gives, in any chunking."""
 
@@ -17,6 +17,7 @@ from addons import decode_pool
 from addons.http_stream import _NOT_SCANNED
 from addons.method_body import BodyOverrideCheck
 from gateway import methods
+from gateway.methods import scanner as body_scan
 from gateway.decision import Decision
 from gateway.decompress import request_decoder, streaming_decoder
 from gateway.methods import BodyScanner
@@ -75,13 +76,13 @@ def test_the_pooled_scan_finds_what_the_inline_scan_finds_in_any_chunking(fields
 def test_decoder_calls_run_on_the_pool_and_the_scan_on_the_loop_thread(monkeypatch):
     loop_thread = threading.current_thread()
     scanned_on, decoded_on = set(), set()
-    feed = methods._Stream.feed
+    feed = body_scan._Stream.feed
 
     def recording_feed(self, data, found):
         scanned_on.add(threading.current_thread())
         return feed(self, data, found)
 
-    monkeypatch.setattr(methods._Stream, "feed", recording_feed)
+    monkeypatch.setattr(body_scan._Stream, "feed", recording_feed)
     scanner = _scanner("br")
     inner = scanner.decoders[0].inner
     decompress = inner.decompress
