@@ -349,7 +349,7 @@ class LayerGuard:
         tls_like = nextlayer.data_client()[:1] == b"\x16"  # a TLS record header in pieces: the hello's clock
         timeout = ctx.options.egress_client_hello_timeout if tls_like else ctx.options.egress_head_timeout
         nextlayer.layer = HoldLayer(nextlayer.context, self._feed_first_bytes, self._first_bytes_expired,
-                                    float(timeout))
+                                    float(timeout), data_follows=bool(nextlayer.data_client()))
 
     def _feed_first_bytes(self, hold: HoldLayer, chunk: bytes) -> None:
         hold.held += chunk
@@ -404,7 +404,7 @@ class LayerGuard:
             hold.deadline(timeout)
             feed(hold, data)
         else:  # mitmproxy's NextLayer replays what it holds (data included) into the new layer
-            nextlayer.layer = HoldLayer(nextlayer.context, feed, expire, timeout)
+            nextlayer.layer = HoldLayer(nextlayer.context, feed, expire, timeout, data_follows=bool(data))
 
     def running(self):
         # The decisions here are the only ones: mitmproxy's own next_layer would decide on too few
