@@ -33,7 +33,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
 from gateway.session import PASSTHROUGH, ClientSession
 
-from . import passthrough
+from . import layer_memory, passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .http1_server import MAX_EMPTY_LINES
@@ -139,6 +139,7 @@ def _refuse_on_error(self, nextlayer: layer.NextLayer, error: Exception) -> None
 
 class LayerGuard:
     def __init__(self, state: GatewayState):
+        layer_memory.install()  # every layer's queue of paused events made only when first used
         self.state = state
 
     def load(self, loader):
