@@ -92,8 +92,10 @@ if os.environ.get("EGRESS_BENCH_TRACEMALLOC"):
         import asyncio, functools, types as t
         out = collections.Counter()
         name = lambda x: f"{type(x).__module__}.{type(x).__qualname__}"
+        import sys
         for o in objects:
             k = type(o)
+            out["~bytes " + name(o)] += sys.getsizeof(o)  # (the object's own size: not what it refers to)
             if k is t.MethodType:
                 out["~method " + name(o.__self__) + "." + getattr(o.__func__, "__name__", "?")] += 1
             elif k is t.FunctionType:
