@@ -93,8 +93,18 @@ if os.environ.get("EGRESS_BENCH_TRACEMALLOC"):
         out = collections.Counter()
         name = lambda x: f"{type(x).__module__}.{type(x).__qualname__}"
         import sys
+        own = ("addons", "gateway", "mitmproxy", "h11", "asyncio")
         for o in objects:
             k = type(o)
+            module = k.__dict__.get("__module__") if isinstance(k, type) else None
+            if isinstance(module, str) and module.startswith(own) and k.__dictoffset__:
+                # an instance whose attributes live in a dict of their own, not CPython's inline values
+                # (found among its referents without touching __dict__, which would make one)
+                for r in gc.get_referents(o):
+                    if type(r) is dict and r and all(type(a) is str and getattr(o, a, r) is v for a, v in r.items()):
+                        out["~dict of " + name(o)] += 1
+                        out["~bytes dict of " + name(o)] += sys.getsizeof(r)
+                        break
             out["~bytes " + name(o)] += sys.getsizeof(o)  # (the object's own size: not what it refers to)
             if k is t.MethodType:
                 out["~method " + name(o.__self__) + "." + getattr(o.__func__, "__name__", "?")] += 1
@@ -224,6 +234,12 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -278,7 +294,8 @@ class Run:
         self.mitmdump = args.mitmdump or str(Path(sys.executable).with_name("mitmdump"))
         self.work = Path(tempfile.mkdtemp(prefix="egress-tunnel-mem-"))
         self.origin_port = args.port_base
-        self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3}
+        self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3,
+                      "baseline": args.port_base + 4}
         for port in (self.origin_port, *self.ports.values()):
             if not port_free(port):
                 raise RuntimeError(f"port {port} is taken (use --port-base)")
@@ -328,11 +345,12 @@ rules:
         confdir = self.work / f"confdir-{key}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("EGRESS_BENCH_TRACEMALLOC", None)
-        if key == "gateway":
+        root = Path(self.args.baseline) if key == "baseline" else PROJECT_ROOT
+        if key in ("gateway", "baseline"):
             cmd = [self.python, "-m", "gateway", "run", "-q", "--workers", "1", "--policy", str(self.policy),
                    "--mode", f"regular@127.0.0.1:{port}", "--confdir", str(confdir),
                    "--set", f"ssl_verify_upstream_trusted_ca={self.ca}"]
-            env["PYTHONPATH"] = str(PROJECT_ROOT)
+            env["PYTHONPATH"] = str(root)
         else:
             cmd = self.hosts_prefix + [
                 self.mitmdump, "-q", "--mode", f"regular@127.0.0.1:{port}", "--set", f"confdir={confdir}",
@@ -346,7 +364,7 @@ rules:
                 env["EGRESS_BENCH_DETAILS"] = "1"
         logf = open(self.work / f"{key}{'-tm' if tracemalloc_dir else ''}.log", "ab")
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=PROJECT_ROOT)
+                                cwd=root)
         proc.port = port  # type: ignore[attr-defined]
         wait_port(port, proc, 60)
         ca = confdir / "mitmproxy-ca-cert.pem"
@@ -395,7 +413,9 @@ rules:
                     raise RuntimeError(f"{key}: warm-up tunnels failed: {warm.report}")  # type: ignore[attr-defined]
                 time.sleep(2.0)
             before = rss_kib(pid)
+            cpu = cpu_seconds(pid)
             client = self.tunnels(proc, ca, self.args.count)
+            cpu = cpu_seconds(pid) - cpu
             time.sleep(self.args.settle)
             with_tunnels = max(rss_kib(pid), 0)
             time.sleep(0.5)
@@ -406,7 +426,8 @@ rules:
             return {"config": key, "open": n, "failed": report["failed"], "errors": report.get("errors"),
                     "open_seconds": report["seconds"], "still_open_at_end": tail.get("still_open_at_end"),
                     "rss_before_kib": before, "rss_tunnels_kib": with_tunnels,
-                    "kib_per_tunnel": (with_tunnels - before) / n if n else None}
+                    "kib_per_tunnel": (with_tunnels - before) / n if n else None,
+                    "cpu_ms_per_tunnel": 1000 * cpu / n if n else None}
         finally:
             stop(proc)
 
@@ -525,7 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=1000, help="idle tunnels per configuration and round")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--configs", default="mitmdump,gateway")
+    p.add_argument("--configs", default="mitmdump,gateway",
+                   help="mitmdump, gateway (this tree's), baseline (the gateway of the tree --baseline names)")
+    p.add_argument("--baseline", help="another checkout of the gateway (e.g. `git archive` of an older commit), "
+                                      "measured as configuration `baseline` in the same rounds")
     p.add_argument("--warmup", type=int, default=20, help="tunnels opened and closed before RSS is first read")
     p.add_argument("--settle", type=float, default=2.0, help="seconds between the last tunnel and the RSS reading")
     p.add_argument("--tracemalloc", action="store_true", help="also a tracemalloc profile of each configuration")
@@ -574,25 +598,30 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: dict, configs: list[str]) -> str:
     out = [f"# Memory per idle tunnel ({results['count']} tunnels, commit {results['commit']}, {results['started']})", ""]
     if results["rounds"]:
+        gateways = [c for c in configs if c != "mitmdump"] if "mitmdump" in configs else []
         out += ["| round | " + " | ".join(f"{c} RSS before, MiB | {c} KiB/tunnel" for c in configs)
-                + (" | gateway / mitmdump |" if {"gateway", "mitmdump"} <= set(configs) else " |"),
-                "|---" * (1 + 2 * len(configs) + ({"gateway", "mitmdump"} <= set(configs))) + "|"]
-        ratios = []
+                + "".join(f" | {c} / mitmdump" for c in gateways) + " |",
+                "|---" * (1 + 2 * len(configs) + len(gateways)) + "|"]
+        ratios: dict[str, list[float]] = {c: [] for c in gateways}
         for i, rnd in enumerate(results["rounds"], 1):
             cells = []
             for c in configs:
                 m = rnd[c]
                 cells += [f"{m['rss_before_kib'] / 1024:.1f}", f"{m['kib_per_tunnel']:.1f}"
                           + ("" if not m["failed"] else f" ({m['failed']} failed)")]
-            if {"gateway", "mitmdump"} <= set(configs):
-                ratio = rnd["gateway"]["kib_per_tunnel"] / rnd["mitmdump"]["kib_per_tunnel"]
-                ratios.append(ratio)
+            for c in gateways:
+                ratio = rnd[c]["kib_per_tunnel"] / rnd["mitmdump"]["kib_per_tunnel"]
+                ratios[c].append(ratio)
                 cells.append(f"{ratio:.2f}")
             out.append(f"| {i} | " + " | ".join(cells) + " |")
         med = {c: statistics.median(r[c]["kib_per_tunnel"] for r in results["rounds"]) for c in configs}
-        out += ["", "median KiB per tunnel: " + ", ".join(f"{c} {v:.1f}" for c, v in med.items())
-                + (f"; gateway / mitmdump {statistics.median(ratios):.2f} (rounds: "
-                   + ", ".join(f"{x:.2f}" for x in ratios) + ")" if ratios else "")]
+        out += ["", "median KiB per tunnel: " + ", ".join(f"{c} {v:.1f}" for c, v in med.items())]
+        if all("cpu_ms_per_tunnel" in r[c] for r in results["rounds"] for c in configs):
+            cpu = {c: statistics.median(r[c]["cpu_ms_per_tunnel"] for r in results["rounds"]) for c in configs}
+            out += ["median CPU ms of the proxy per tunnel opened (CONNECT, two handshakes, one request; noisy): "
+                    + ", ".join(f"{c} {v:.2f}" for c, v in cpu.items())]
+        out += [f"{c} / mitmdump: median {statistics.median(x):.2f} (rounds: " + ", ".join(f"{y:.2f}" for y in x) + ")"
+                for c, x in ratios.items()]
     for kind in ("native", "tracemalloc"):
         for key, tm in (results.get(kind) or {}).items():
             out += ["", f"## {kind} profile, {key}, {tm['tunnels']} tunnels", ""]
