@@ -33,7 +33,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
 from gateway.session import PASSTHROUGH, ClientSession
 
-from . import passthrough
+from . import layer_memory, passthrough
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .http1_server import MAX_EMPTY_LINES
@@ -139,6 +139,7 @@ def _refuse_on_error(self, nextlayer: layer.NextLayer, error: Exception) -> None
 
 class LayerGuard:
     def __init__(self, state: GatewayState):
+        layer_memory.install()  # every layer's queue of paused events made only when first used
         self.state = state
 
     def load(self, loader):
@@ -349,7 +350,7 @@ class LayerGuard:
         tls_like = nextlayer.data_client()[:1] == b"\x16"  # a TLS record header in pieces: the hello's clock
         timeout = ctx.options.egress_client_hello_timeout if tls_like else ctx.options.egress_head_timeout
         nextlayer.layer = HoldLayer(nextlayer.context, self._feed_first_bytes, self._first_bytes_expired,
-                                    float(timeout))
+                                    float(timeout), data_follows=bool(nextlayer.data_client()))
 
     def _feed_first_bytes(self, hold: HoldLayer, chunk: bytes) -> None:
         hold.held += chunk
@@ -404,7 +405,7 @@ class LayerGuard:
             hold.deadline(timeout)
             feed(hold, data)
         else:  # mitmproxy's NextLayer replays what it holds (data included) into the new layer
-            nextlayer.layer = HoldLayer(nextlayer.context, feed, expire, timeout)
+            nextlayer.layer = HoldLayer(nextlayer.context, feed, expire, timeout, data_follows=bool(data))
 
     def running(self):
         # The decisions here are the only ones: mitmproxy's own next_layer would decide on too few

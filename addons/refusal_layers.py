@@ -90,14 +90,23 @@ class HoldLayer(layer.Layer):
     incrementally stays linear) and may set `hold.layer`, and `hold.replay` to the bytes the new
     layer is given (by default those kept in `hold.held`); `expire(hold)` sets a refusal layer when
     the deadline passes. Like NextLayer, it is not on the layer stack; unlike it, it stays in the
-    event path (one check per event) so that its own timers never reach the layers under it."""
+    event path (one check per event) so that its own timers never reach the layers under it.
+
+    `data_follows`: the maker holds client bytes that mitmproxy's NextLayer replays right after
+    Start; the deadline's timer then waits for them and is armed only if they leave the hold
+    undecided. A ClientHello that came whole arms none (a timer is a task, a future and a timer
+    handle that lived on for the whole timeout on every tunnel: issue 18). Any other event than that
+    Start arms it, as does every event of a hold made without bytes. Once decided, the hold lets go
+    of its callbacks and of the bytes it replayed (what they captured: the ClientHello's reader)."""
 
     def __init__(self, context, feed: Callable[["HoldLayer", bytes], None],
-                 expire: Callable[["HoldLayer"], None], timeout: float):
+                 expire: Callable[["HoldLayer"], None], timeout: float, data_follows: bool = False):
         super().__init__(context)
         self.context.layers.remove(self)
         self.layer: layer.Layer | None = None
-        self.feed, self.expire = feed, expire
+        self.feed: Callable[["HoldLayer", bytes], None] | None = feed
+        self.expire: Callable[["HoldLayer"], None] | None = expire
+        self._data_follows = data_follows
         self.held = bytearray()  # bytes the feed keeps for a decision on the whole (a first line)
         self.replay: bytes | None = None
         self.started = time.monotonic()
@@ -133,17 +142,28 @@ class HoldLayer(layer.Layer):
         if self.layer is not None:
             yield from self.layer.handle_event(event)
             return
-        while self._deadline:
-            yield self._deadline.pop(0)
-        if isinstance(event, events.DataReceived) and event.connection == self.context.client:
+        data = isinstance(event, events.DataReceived) and event.connection == self.context.client
+        waiting = self._data_follows and isinstance(event, events.Start)  # the bytes come next: not timed yet
+        if not data and not waiting:
+            yield from self._arm()
+        if data:
+            self._data_follows = False
             self._call(self.feed, event.data)
             yield from self._decided()
         elif isinstance(event, events.ConnectionClosed) and event.connection == self.context.client:
             yield commands.CloseConnection(self.context.client)  # as NextLayer does
         else:
             self.events.append(event)
-        while self._deadline:  # a feed may have moved the deadline
-            yield self._deadline.pop(0)
+        if not waiting:
+            yield from self._arm()  # undecided: the deadline (a feed may have moved it); decided: none is needed
+
+    def _arm(self) -> layer.CommandGenerator[None]:
+        if self.layer is None:
+            while self._deadline:
+                yield self._deadline.pop(0)
+        else:
+            self._timers.difference_update(self._deadline)
+            self._deadline.clear()
 
     def _call(self, callback, *args) -> None:
         """Fail closed: a callback that raises leaves the connection refused, never undecided."""
@@ -160,6 +180,8 @@ class HoldLayer(layer.Layer):
             return
         replay = bytes(self.held) if self.replay is None else self.replay
         self.held = bytearray()
+        self.replay = None
+        self.feed = self.expire = None  # (a hold calls neither once decided)
         held, self.events = self.events, []
         for event in held:
             yield from self.layer.handle_event(event)

@@ -1,29 +1,127 @@
-"""TLS buffers are given back while a connection is idle.
+"""What OpenSSL keeps per TLS connection: no buffers while idle, one copy of each leaf certificate and key.
 
-OpenSSL keeps a read and a write buffer of about 17 KiB each per TLS connection for as long as the
-connection lives; a gateway holding thousands of kept-alive tunnels and open event streams (two TLS
-connections each: sandbox and upstream) spends much of its memory on buffers that hold nothing.
-`SSL_MODE_RELEASE_BUFFERS` frees them whenever they are empty and takes them again for the next
-record. Set once the handshake is done: the SSL object exists by then whatever the addon order
-(mitmproxy's TlsConfig makes it in tls_start_*, which runs after `-s` scripts but before embedded
-addons).
+Every intercepted tunnel is two TLS connections (the sandbox's, with a certificate the gateway issues,
+and the gateway's own upstream), and a platform holds thousands of idle kept-alive tunnels per node.
+Measured with heaptrack on 500 idle tunnels (docs/performance.md, "Memory per idle tunnel"), per
+tunnel:
+
+- **Write buffers** (~16 KiB each, 32 KiB a tunnel): `SSL_MODE_RELEASE_BUFFERS` frees OpenSSL's read
+  and write buffers whenever they are empty and takes them again for the next record. Set once the
+  handshake is done (as this module first did) it reached only the read side: OpenSSL (3.2 and later)
+  hands the mode to the record layer that exists when it is set, and TLS 1.3 makes the write layer of
+  the application keys during the handshake. So the mode is set as soon as mitmproxy's TlsConfig has
+  made the connection (`tls_start_client`, `tls_start_server`), before any record.
+- **The leaf certificate and key** (~11 KiB a tunnel): mitmproxy's TlsConfig hands each sandbox
+  connection its certificate and private key as `cryptography` objects, and pyOpenSSL converts both
+  into new OpenSSL objects for every connection (DER out and back in). The connection keeps them for
+  its life, and the key's RSA blinding and Montgomery values are computed again for each. They are
+  replaced, before the handshake, by one OpenSSL copy per certificate store entry: the same
+  certificate and key, so the same handshake.
+
+Both are wrappers of TlsConfig's own hooks (tabled in addons/patches.py): the gateway's addons run
+before mitmproxy's, and TlsConfig makes the connection in these hooks, so no addon hook sees it
+between its making and its first record. The `tls_established_*` hooks still set the mode for a
+connection some other addon made (mitmproxy leaves it alone then).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from mitmproxy import tls
-from OpenSSL import SSL
+from OpenSSL import SSL, crypto
+
+SHARED_CERTIFICATES = 256  # entries kept converted (mitmproxy's certificate store keeps 100 by default)
+
+_lib = SSL._lib  # pyOpenSSL's OpenSSL binding (as mitmproxy's own tlsconfig uses it)
 
 
-def _release_buffers(data: tls.TlsData) -> None:
-    conn = data.ssl_conn
-    if conn is not None and not data.is_dtls:
-        SSL._lib.SSL_set_mode(conn._ssl, SSL._lib.SSL_MODE_RELEASE_BUFFERS)
+def _release_buffers(conn: SSL.Connection | None) -> None:
+    if conn is not None:
+        _lib.SSL_set_mode(conn._ssl, _lib.SSL_MODE_RELEASE_BUFFERS)
+
+
+class SharedIdentities:
+    """One pyOpenSSL certificate per certificate store entry's certificate, one key per private key:
+    what every connection presenting them is given. Bounded (least recently used go); what goes is
+    freed once the last connection using it is."""
+
+    def __init__(self, size: int = SHARED_CERTIFICATES) -> None:
+        self.size = size
+        # id() of the cryptography object -> (that object, kept alive so that the id stays its own; the
+        # pyOpenSSL copy)
+        self._certs: OrderedDict[int, tuple[object, crypto.X509]] = OrderedDict()
+        self._keys: OrderedDict[int, tuple[object, crypto.PKey]] = OrderedDict()
+
+    def _get(self, table: OrderedDict, original, convert):
+        key = id(original)
+        found = table.get(key)
+        if found is not None and found[0] is original:
+            table.move_to_end(key)
+            return found[1]
+        converted = convert(original)
+        table[key] = (original, converted)
+        while len(table) > self.size:
+            table.popitem(last=False)
+        return converted
+
+    def certificate(self, cert) -> crypto.X509:
+        return self._get(self._certs, cert, crypto.X509.from_cryptography)
+
+    def key(self, key) -> crypto.PKey:
+        return self._get(self._keys, key, crypto.PKey.from_cryptography_key)
+
+    def apply(self, conn: SSL.Connection, entry) -> None:
+        """Give `conn` the shared copies of `entry`'s certificate and key (what it was given already,
+        as copies of its own): the per-connection copies are freed."""
+        cert = self.certificate(entry.cert.to_cryptography())
+        key = self.key(entry.privatekey)
+        # OpenSSL checks each against the other as it is set (a mismatch raises, nothing is weakened)
+        if not _lib.SSL_use_certificate(conn._ssl, cert._x509):
+            SSL._raise_current_error()
+        if not _lib.SSL_use_PrivateKey(conn._ssl, key._pkey):
+            SSL._raise_current_error()
+
+
+SHARED = SharedIdentities()
+
+
+def install() -> None:
+    """Wrap TlsConfig's tls_start_client and tls_start_server (mitmproxy 12.3): the connection they make
+    releases its buffers from its first record on; the sandbox's is given the shared certificate and key."""
+    from mitmproxy.addons.tlsconfig import TlsConfig
+
+    if getattr(TlsConfig.tls_start_client, "_egress_tls_memory", False):
+        return
+    start_client, start_server = TlsConfig.tls_start_client, TlsConfig.tls_start_server
+
+    def tls_start_client(self, tls_start: tls.TlsData) -> None:
+        made = tls_start.ssl_conn is None
+        start_client(self, tls_start)
+        if made and tls_start.ssl_conn is not None and not tls_start.is_dtls:
+            _release_buffers(tls_start.ssl_conn)
+            # the entry TlsConfig just used (its certificate store's, looked up again: no new certificate)
+            SHARED.apply(tls_start.ssl_conn, self.get_cert(tls_start.context))
+
+    def tls_start_server(self, tls_start: tls.TlsData) -> None:
+        made = tls_start.ssl_conn is None
+        start_server(self, tls_start)
+        if made and not tls_start.is_dtls:
+            _release_buffers(tls_start.ssl_conn)
+
+    tls_start_client._egress_tls_memory = True
+    TlsConfig.tls_start_client = tls_start_client
+    TlsConfig.tls_start_server = tls_start_server
 
 
 class ReleaseTlsBuffers:
+    def __init__(self) -> None:
+        install()
+
     def tls_established_client(self, data: tls.TlsData) -> None:
-        _release_buffers(data)
+        if not data.is_dtls:
+            _release_buffers(data.ssl_conn)
 
     def tls_established_server(self, data: tls.TlsData) -> None:
-        _release_buffers(data)
+        if not data.is_dtls:
+            _release_buffers(data.ssl_conn)

@@ -46,7 +46,8 @@ async def open_tunnel(args, source: str | None, ctx: ssl.SSLContext):
             if len(status) < 2 or status[1] != b"200":
                 raise ConnectionError(f"CONNECT answered {head.split(b'\r\n', 1)[0][:60]!r}")
         await writer.start_tls(ctx, server_hostname=host)
-        writer.write(f"GET {args.path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        authority = host if port == "443" else f"{host}:{port}"  # RFC 9110: a port other than the default is named
+        writer.write(f"GET {args.path} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
