@@ -17,6 +17,7 @@ import ssl
 import threading
 import time
 
+import h2.exceptions
 import pytest
 
 from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, get, start_tls, tunnel
@@ -320,21 +321,32 @@ def test_http2_streams_over_the_connection_budget_do_not_all_stay_buffered(gatew
     conn, answer = tunnel(gateway, "stall.test:443", timeout=10)
     assert answer.status == 200
     client = H2Client(start_tls(conn, gateway, "stall.test", alpn=["h2"]))
-    for i in range(10):
-        sid = client.h2.get_next_available_stream_id()
-        client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "stall.test"),
-                                     (":path", f"/u{i}"), ("content-length", "400000")])
-        sent = 0
-        while sent < 300_000:
-            window = min(client.h2.local_flow_control_window(sid), 16384)
-            if window <= 0:
-                client.h2.receive_data(client.conn.sock.recv(65536))
+    try:
+        for i in range(10):
+            sid = client.h2.get_next_available_stream_id()
+            client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "stall.test"),
+                                         (":path", f"/u{i}"), ("content-length", "400000")])
+            sent = 0
+            while sent < 300_000:
+                window = min(client.h2.local_flow_control_window(sid), 16384)
+                if window <= 0:
+                    client.h2.receive_data(client.conn.sock.recv(65536))
+                    client._flush()
+                    continue
+                client.h2.send_data(sid, b"x" * window)
+                sent += window
                 client._flush()
-                continue
-            client.h2.send_data(sid, b"x" * window)
-            sent += window
-            client._flush()
-    wait_for(lambda: upstream.connections >= 1 and upstream.received > 0, 10.0, "a connection and bytes upstream",
+    except (OSError, h2.exceptions.ProtocolError):
+        pass  # the gateway closed the connection at its budget (below)
+
+    def refused_at_the_budget() -> bool:
+        # When the gateway's reads fall behind a client writing 3 MB at once (a loaded machine), the
+        # frames not handled yet reach the budget first and the whole connection is closed (GOAWAY):
+        # the budget held all the same. Else the streams past it stream on to the origin.
+        return any(line.get("reason") == "buffer_budget" and line.get("decision") == "deny"
+                   for line in gateway.audit())
+    wait_for(lambda: (upstream.connections >= 1 and upstream.received > 0) or refused_at_the_budget(), 10.0,
+             "a connection and bytes upstream, or the budget's refusal",
              detail=lambda: repr((upstream.connections, upstream.received)))
 
 
