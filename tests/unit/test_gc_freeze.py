@@ -215,9 +215,13 @@ def test_breaking_a_cancelled_tasks_cycles_never_ends_another_task():
                 handed.set_result(error)
             while True:
                 ticks.append(1)
-                await asyncio.sleep(0.001)
+                if len(ticks) >= ticked[0]:
+                    went_on.set()
+                await asyncio.sleep(0)
 
         handling = asyncio.Event()
+        went_on = asyncio.Event()  # the worker ticked past `ticked[0]`
+        ticked = [float("inf")]
 
         async def handler():
             error = await handed
@@ -233,11 +237,9 @@ def test_breaking_a_cancelled_tasks_cycles_never_ends_another_task():
         await handling.wait()
         a.cancel()
         await asyncio.wait([a])
-        await asyncio.sleep(0)
-        before = len(ticks)
-        for _ in range(20):
-            await asyncio.sleep(0.001)
-        assert not b.done() and len(ticks) > before
+        ticked[0] = len(ticks) + 3
+        await asyncio.wait_for(went_on.wait(), 10)  # the worker goes on after the cancellation
+        assert not b.done()
         b.cancel()
 
     asyncio.run(main())
