@@ -5,6 +5,7 @@ is timed and charged to its sandbox), and the socket is not read while its sandb
 from __future__ import annotations
 
 import asyncio
+import selectors
 import socket
 
 from addons import fair_share
@@ -142,5 +143,38 @@ def test_a_socket_reader_set_aside_is_set_aside_once_however_often_polls_make_it
             client.close()
             transport.close()
             server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connecting_socket_s_writer_already_queued_is_not_queued_again_by_a_poll():
+    """A socket whose non-blocking connect completed is reported writable at every poll until the
+    connect's done callback removes its writer; while its sandbox's callbacks wait, that writer is
+    already in the ready queue, and a poll must not queue it once more, as for reads."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        listener = socket.create_server(("127.0.0.1", 0))
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            try:
+                sock.connect(listener.getsockname())
+            except BlockingIOError:
+                pass
+            loop.add_writer(sock.fileno(), lambda: None)
+            loop.add_reader(sock.fileno(), lambda: None)
+            key = loop._selector.get_key(sock.fileno())
+            writer = key.data[1]
+            readable_too = selectors.EVENT_READ | selectors.EVENT_WRITE
+            assert fair_share._without_queued_readers([(key, selectors.EVENT_WRITE)], {id(writer)}) == []
+            assert fair_share._without_queued_readers([(key, selectors.EVENT_WRITE)], {id(object())}) == [
+                (key, selectors.EVENT_WRITE)]
+            assert fair_share._without_queued_readers([(key, readable_too)], {id(writer)}) == [
+                (key, selectors.EVENT_READ)]
+            loop.remove_writer(sock.fileno())
+            loop.remove_reader(sock.fileno())
+        finally:
+            sock.close()
+            listener.close()
 
     asyncio.run(main())
