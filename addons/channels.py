@@ -124,10 +124,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
     Attribute("_egress_light", "ConnectionHandler (class default), fair_share's marks", "", "addons.fair_share",
               "addons.fair_share", "the sandbox was within its share at its last turn (also a row of patches.py)"),
     Attribute("_egress_deferred", "the event loop's __dict__", "addons.fair_share:DEFERRED", "addons.fair_share",
-              "addons.fair_share", "callbacks set aside until the loop's next poll, to keep one connection's order"),
-    Attribute("_egress_deferred_ids", "the event loop's __dict__", "addons.fair_share:DEFERRED_IDS",
-              "addons.fair_share", "addons.fair_share",
-              "ids of the callbacks set aside: a socket's reader made ready again by a poll is set aside once"),
+              "addons.fair_share", "callbacks set aside, per sandbox in order, put back a few at each poll "
+              "(fair_share._SetAside): one connection's order is kept"),
     Attribute("_egress_write_backlog", "ConnectionHandler", "addons.write_backlog:ATTR", "addons.write_backlog",
               "addons.write_backlog", "the ledger account its client's unsent write buffers are charged to"),
     Attribute("_egress_write_backlog_task", "ConnectionHandler", "addons.write_backlog:ATTR + '_task'",

@@ -5,8 +5,12 @@ is timed and charged to its sandbox), and the socket is not read while its sandb
 from __future__ import annotations
 
 import asyncio
+import collections
 import selectors
 import socket
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from addons import fair_share
 
@@ -131,20 +135,71 @@ def test_a_socket_reader_set_aside_is_set_aside_once_however_often_polls_make_it
             other = loop.call_soon(lambda: None)
             other.cancel()
             for _ in range(3):  # three polls made the reader ready while it waited
-                fair_share._defer(reader)
-            fair_share._defer(other)
-            deferred = loop.__dict__[fair_share.DEFERRED]
-            assert [h is reader for h in deferred] == [True, False]
-            deferred.clear()  # back in the ready queue at the next poll (counted_process_events)
-            fair_share._defer(reader)
-            assert deferred == [reader]
-            deferred.clear()
+                fair_share._defer(reader, "s")
+            fair_share._defer(other, "s")
+            aside = loop.__dict__[fair_share.DEFERRED]
+            assert [h is reader for h in aside.queues["s"]] == [True, False]
+            ready = collections.deque()
+            aside.put_back(ready)  # back in the ready queue at the next poll (counted_process_events)
+            assert list(ready) == [reader, other] and not aside.ids
+            fair_share._defer(reader, "s")  # set aside again from the batch: ahead of anything newer
+            assert list(aside.again["s"]) == [reader]
         finally:
             client.close()
             transport.close()
             server.close()
 
     asyncio.run(main())
+
+
+class _Callback:
+    """A stand-in ready callback: its sandbox and its place among that sandbox's."""
+
+    def __init__(self, key: str, n: int):
+        self.key, self.n = key, n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.booleans(), max_size=8), st.lists(st.sampled_from("abc"), max_size=6)),
+                max_size=60))
+def test_callbacks_set_aside_across_polls_run_in_their_sandboxs_order_and_none_is_lost(steps):
+    """fair_share._SetAside keeps a waiting sandbox's callbacks aside across polls, putting back a
+    few at each: whatever waits again, or is made ready meanwhile, each sandbox's callbacks still run
+    in the order they were made (asyncio's FIFO promise), and every one runs once it may. Each step
+    of the model loop is asyncio's: a poll, then the callbacks ready at that moment, each waiting or
+    not (`waits`), and the callbacks they make (`made`) are ready for the next step."""
+    put_back, fair_share.PUT_BACK_PER_SANDBOX = fair_share.PUT_BACK_PER_SANDBOX, 2  # (many polls' worth)
+    try:
+        ran, made = _run_loop(steps)
+    finally:
+        fair_share.PUT_BACK_PER_SANDBOX = put_back
+    for key in "abc":
+        assert [h.n for h in ran if h.key == key] == list(range(1, made.get(key, 0) + 1))
+
+
+def _run_loop(steps) -> tuple[list, dict]:
+    aside, ready, ran, made = fair_share._SetAside(), collections.deque(), [], {}
+
+    def one_step(waits: list[bool], new: list[str]) -> None:
+        held = set()  # (ReadyOrder.held: once one of a sandbox's waited, the rest wait until the next poll)
+        aside.put_back(ready)
+        assert len(aside.batch) <= fair_share.PUT_BACK_PER_SANDBOX * 3
+        for i in range(len(ready)):
+            handle = ready.popleft()
+            if handle.key in held or aside.behind(handle, handle.key) or (waits and waits[i % len(waits)]):
+                held.add(handle.key)
+                assert aside.add(handle, handle.key)
+            else:
+                ran.append(handle)
+        for key in new:
+            made[key] = made.get(key, 0) + 1
+            ready.append(_Callback(key, made[key]))  # (call_soon)
+
+    for waits, new in steps:
+        one_step(waits, new)
+    while ready or aside.ids:  # nothing waits any more: all of it runs
+        one_step([], [])
+    return ran, made
 
 
 def test_a_connecting_socket_s_writer_already_queued_is_not_queued_again_by_a_poll():
@@ -166,10 +221,10 @@ def test_a_connecting_socket_s_writer_already_queued_is_not_queued_again_by_a_po
             key = loop._selector.get_key(sock.fileno())
             writer = key.data[1]
             readable_too = selectors.EVENT_READ | selectors.EVENT_WRITE
-            assert fair_share._without_queued_readers([(key, selectors.EVENT_WRITE)], {id(writer)}) == []
-            assert fair_share._without_queued_readers([(key, selectors.EVENT_WRITE)], {id(object())}) == [
+            assert fair_share._without_queued_readers([(key, selectors.EVENT_WRITE)], set(), {id(writer)}) == []
+            assert fair_share._without_queued_readers([(key, selectors.EVENT_WRITE)], set(), {id(object())}) == [
                 (key, selectors.EVENT_WRITE)]
-            assert fair_share._without_queued_readers([(key, readable_too)], {id(writer)}) == [
+            assert fair_share._without_queued_readers([(key, readable_too)], {id(writer)}, set()) == [
                 (key, selectors.EVENT_READ)]
             loop.remove_writer(sock.fileno())
             loop.remove_reader(sock.fileno())
