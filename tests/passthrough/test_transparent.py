@@ -14,19 +14,15 @@ Two gateways: `lenient` (the default) and `strict` (network.strict_original_dest
 
 from __future__ import annotations
 
-import concurrent.futures
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from tests.support.gateway import GatewayProcess
 from bench.lib.pki import TestPKI
+from tests.support.gateway import GatewayProcess
+from tests.support.namespaced import built_topology, start_gateways, transparent_gateway
+from tests.support.topology import Sandbox, Topology
 from tests.transparent.clients import client_hello, curl, read_tls_record
-from tests.support.topology import Sandbox, Topology, dns_query, unavailable_reason
 
 pytestmark = pytest.mark.netns
 
@@ -52,21 +48,6 @@ rules:
 SITES = {"lenient": (16, 18091, 15361, 18191), "strict": (17, 18092, 15362, 18192)}
 
 
-class NamespacedGateway(GatewayProcess):
-    """Ready when its log says it listens on every mode (a probe per attempt would be slow)."""
-
-    def _wait_prefixed(self) -> None:
-        modes = [arg for arg in self.command() if "@" in arg and not arg.startswith("-")]
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}")
-            if self.log().count(" listening at ") >= len(modes):
-                return
-            time.sleep(0.1)
-        raise TimeoutError("gateway did not listen")
-
-
 @dataclass
 class Site:
     sandbox: Sandbox
@@ -74,13 +55,7 @@ class Site:
 
     def audit_for(self, mark: int, event: str, wait: float = 3.0, **match) -> list[dict]:
         """Lines after `mark` of this event whose fields equal `match` (waiting a little for them)."""
-        deadline = time.monotonic() + wait
-        while True:
-            lines = [e for e in self.gateway.audit()[mark:]
-                     if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
-            if lines or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.05)
+        return self.gateway.audit_lines(mark, 1, wait, event=event, **match)
 
 
 @dataclass
@@ -92,47 +67,22 @@ class Net:
 
 @pytest.fixture(scope="module")
 def net():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="egress-passthrough-"))
-    pki = TestPKI(root / "pki")
-    topology = Topology(pki)
-    gateways: dict[str, GatewayProcess] = {}
-    try:
+    with built_topology("egress-passthrough-") as (topology, root):
+        gateways: dict[str, GatewayProcess] = {}
         try:
-            topology.create()
-        except Exception as exc:  # noqa: BLE001
-            pytest.skip(f"cannot build the namespace topology: {exc}")
-        for name, address in (("pass.test", PASS_IP), ("decoy.test", DECOY_IP)):
-            topology.add_address(address)
-            topology.serve_web(name, address)
-        for key, (index, proxy_port, dns_port, regular_port) in SITES.items():
-            topology.add_sandbox(key, index, proxy_port, dns_port, "80 443")
-            workdir = root / key
-            workdir.mkdir()
-            (workdir / "policy.yaml").write_text(policy(strict=key == "strict"))
-            gateways[key] = NamespacedGateway(
-                workdir / "policy.yaml", workdir, host="127.0.0.1", port=regular_port, upstream_ca=pki.ca_cert,
-                command_prefix=["ip", "netns", "exec", topology.gw],
-                extra_args=["--mode", f"transparent@0.0.0.0:{proxy_port}", "--mode", f"dns@0.0.0.0:{dns_port}"])
-        with concurrent.futures.ThreadPoolExecutor(len(gateways)) as pool:
-            list(pool.map(lambda g: g.start(), gateways.values()))
-        sites = {key: Site(topology.sandboxes[key], gateways[key]) for key in SITES}
-        for site in sites.values():
-            deadline = time.monotonic() + 15
-            while not dns_query(topology, site.sandbox.ns, site.sandbox.gateway_address, "probe.invalid", "A",
-                                timeout=0.5):
-                assert time.monotonic() < deadline, "the gateway's DNS does not answer"
-        topology.check_closed()
-        topology.reset()
-        yield Net(topology, pki, sites)
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        topology.destroy()
-        shutil.rmtree(root, ignore_errors=True)
-        assert topology.leftovers() == [], f"not cleaned up: {topology.leftovers()}"
+            for name, address in (("pass.test", PASS_IP), ("decoy.test", DECOY_IP)):
+                topology.add_address(address)
+                topology.serve_web(name, address)
+            for key, (index, proxy_port, dns_port, regular_port) in SITES.items():
+                topology.add_sandbox(key, index, proxy_port, dns_port, "80 443")
+                gateways[key] = transparent_gateway(topology, root / key, policy(strict=key == "strict"), regular_port,
+                                                    proxy_port, dns_port)
+            sites = {key: Site(topology.sandboxes[key], gateways[key]) for key in SITES}
+            start_gateways(topology, gateways.values(), [site.sandbox for site in sites.values()])
+            yield Net(topology, topology.pki, sites)
+        finally:
+            for gateway in gateways.values():
+                gateway.stop()
 
 
 @pytest.fixture(autouse=True)
