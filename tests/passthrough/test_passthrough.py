@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from tests.e2e.helpers import Conn, assert_untouched, audit_for, curl, tunnel
 from tests.redteam.tlsfrag import FragmentedTLS
+from tests.support.waiting import value_when
 from tests.transparent.clients import client_hello, read_tls_record, tlslite_with_ech
 
 TIMEOUT = 10.0

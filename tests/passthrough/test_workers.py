@@ -8,6 +8,7 @@ import ssl
 
 import pytest
 
+from tests.support.waiting import value_when
 from tests.transparent.clients import client_hello, read_tls_record
 from tests.workers.harness import Probe, WorkerGateway, open_conn, probe_until_every_worker
 
