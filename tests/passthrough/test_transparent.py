@@ -20,8 +20,8 @@ import pytest
 
 from bench.lib.pki import TestPKI
 from tests.support.gateway import GatewayProcess
-from tests.support.namespaced import built_topology, start_gateways, transparent_gateway
-from tests.support.topology import Sandbox, Topology
+from tests.support.namespaced import Site, built_topology, start_gateways, transparent_gateway
+from tests.support.topology import Topology
 from tests.transparent.clients import client_hello, curl, read_tls_record
 
 pytestmark = pytest.mark.netns
@@ -46,16 +46,6 @@ rules:
 
 # key -> (sandbox index, transparent port, dns port, regular port)
 SITES = {"lenient": (16, 18091, 15361, 18191), "strict": (17, 18092, 15362, 18192)}
-
-
-@dataclass
-class Site:
-    sandbox: Sandbox
-    gateway: GatewayProcess
-
-    def audit_for(self, mark: int, event: str, wait: float = 3.0, **match) -> list[dict]:
-        """Lines after `mark` of this event whose fields equal `match` (waiting a little for them)."""
-        return self.gateway.audit_lines(mark, 1, wait, event=event, **match)
 
 
 @dataclass
@@ -109,7 +99,7 @@ def test_by_name_the_sandbox_sees_the_upstreams_certificate(net, lenient):
     assert [(r.path, r.sni) for r in net.topology.server(f"{PASS_IP}:443").requests] == [("/by-name", "pass.test")]
     assert net.topology.touched() == [f"{PASS_IP}:443"]
     # (Transparent mode also writes the SNI's destination decision as a `tls` line of its own.)
-    tls = lenient.audit_for(mark, "tls", passthrough=True)
+    tls = lenient.gateway.audit_lines(mark, event="tls", passthrough=True)
     assert [(e["decision"], e["rule"], e["host"], e["address"], e["original_destination"])
             for e in tls] == [("allow", "pass", "pass.test", PASS_IP, f"{PASS_IP}:443")], tls
     # Only the upstream's CA works: the gateway's CA is not involved.
@@ -125,7 +115,7 @@ def test_dialling_another_ip_with_the_sni_reaches_only_the_pinned_address(net, l
     assert result.headers.get("x-upstream") == "pass.test", "the decoy answered"
     assert [r.path for r in net.topology.server(f"{PASS_IP}:443").requests] == ["/fronted"]
     assert net.topology.touched() == [f"{PASS_IP}:443"], "the dialled IP must never be dialled"
-    tls = lenient.audit_for(mark, "tls", passthrough=True)
+    tls = lenient.gateway.audit_lines(mark, event="tls", passthrough=True)
     assert [(e["decision"], e["address"], e["original_destination"]) for e in tls] == [
         ("allow", PASS_IP, f"{DECOY_IP}:443")], tls
 
@@ -136,7 +126,7 @@ def test_strict_original_destination_refuses_another_ip(net, strict):
                   "--resolve", f"pass.test:443:{DECOY_IP}")
     assert result.status != 200, result
     assert net.topology.touched() == [], "nothing may be dialled"
-    tls = strict.audit_for(mark, "tls")
+    tls = strict.gateway.audit_lines(mark, event="tls")
     assert [(e["decision"], e["reason"], e["original_destination"]) for e in tls] == [
         ("deny", "original_destination_mismatch", f"{DECOY_IP}:443")], tls
 
@@ -153,7 +143,7 @@ def test_ech_with_a_passthrough_outer_sni_is_refused_in_transparent_mode(net, le
         sock.sendall(client_hello("pass.test", ech=True))
         read_tls_record(sock)
     assert net.topology.touched() == []
-    denied = lenient.audit_for(mark, "tls", decision="deny")
+    denied = lenient.gateway.audit_lines(mark, event="tls", decision="deny")
     assert [e["reason"] for e in denied] == ["ech_refused"], denied
     assert lenient.gateway.audit()[-1]["reason"] == "ech_refused", "the connection's last word must be the refusal"
 
@@ -164,5 +154,5 @@ def test_no_sni_to_the_decoy_ip_is_refused(net, lenient):
         sock.sendall(client_hello(None))
         read_tls_record(sock)
     assert net.topology.touched() == []
-    tls = lenient.audit_for(mark, "tls")
+    tls = lenient.gateway.audit_lines(mark, event="tls")
     assert tls and all(e["decision"] == "deny" for e in tls), tls

@@ -9,14 +9,44 @@ import concurrent.futures
 import contextlib
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from bench.lib.pki import TestPKI
-from tests.support.gateway import NamespacedGateway
+from tests.support.gateway import GatewayProcess, NamespacedGateway
 from tests.support.topology import Sandbox, Topology, unavailable_reason, wait_dns_answers
+
+
+@dataclass
+class Site:
+    """A sandbox and the gateway its traffic is redirected to."""
+
+    sandbox: Sandbox
+    gateway: GatewayProcess
+
+    @property
+    def ca(self):
+        return self.gateway.ca_cert
+
+    @property
+    def ns(self) -> str:
+        return self.sandbox.ns
+
+    def audit_mark(self) -> int:
+        return len(self.gateway.audit())
+
+    def audit_since(self, mark: int, settle: float = 0.1, **match) -> list[dict]:
+        """Audit lines after `mark` whose fields equal `match`, once there is one (waiting up to 3 s),
+        and then `settle` seconds more for the last ones."""
+        self.gateway.audit_lines(mark, 1, 3.0, **match)  # none after 3 s: the caller's assertion says so
+        # Not synchronisation (no event says the last line is written): a window for lines after
+        # the first, as the callers do not say how many they expect.
+        time.sleep(settle)
+        return self.gateway.audit_lines(mark, 0, 0, **match)
 
 
 @contextlib.contextmanager

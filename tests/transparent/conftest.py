@@ -22,15 +22,14 @@ removed at the end, and the test run fails if anything is left over.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import pytest
 
-from tests.support.gateway import GatewayProcess, NamespacedGateway
-from tests.support.namespaced import built_topology, start_gateways, transparent_gateway
+from tests.support.gateway import NamespacedGateway
+from tests.support.namespaced import Site, built_topology, start_gateways, transparent_gateway
 from tests.support.topology import (
-    ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Sandbox, Topology,
+    ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Topology,
 )
 
 
@@ -150,34 +149,6 @@ LIMITED_ARGS = ["--set", "egress_max_new_connections_per_second_per_sandbox=0.00
 GATEWAYS = {"main": (MAIN_POLICY, 18181, []), "strict": (STRICT_POLICY, 18182, []),
             "multi": (MULTI_POLICY, 18183, []), "report": (REPORT_POLICY, 18184, []),
             "revoke": (REVOKE_POLICY, 18185, []), "limited": (MAIN_POLICY, 18186, LIMITED_ARGS)}
-
-
-@dataclass
-class Site:
-    """A sandbox and the gateway its traffic is redirected to."""
-
-    sandbox: Sandbox
-    gateway: GatewayProcess
-
-    @property
-    def ca(self):
-        return self.gateway.ca_cert
-
-    @property
-    def ns(self) -> str:
-        return self.sandbox.ns
-
-    def audit_mark(self) -> int:
-        return len(self.gateway.audit())
-
-    def audit_since(self, mark: int, settle: float = 0.1, **match) -> list[dict]:
-        """Audit lines after `mark` whose fields equal `match`, once there is one (waiting up to 3 s),
-        and then `settle` seconds more for the last ones."""
-        self.gateway.audit_lines(mark, 1, 3.0, **match)  # none after 3 s: the caller's assertion says so
-        # Not synchronisation (no event says the last line is written): a window for lines after
-        # the first, as the callers do not say how many they expect.
-        time.sleep(settle)
-        return self.gateway.audit_lines(mark, 0, 0, **match)
 
 
 @dataclass
