@@ -162,6 +162,8 @@ class _DatagramRecorder:
                 packet, source = self._sock.recvfrom(65536)
             except OSError:
                 return
+            if source is None:  # shut down (stop()): a UDP socket then reads b"" from nobody
+                return
             if not self._fence.claims(packet):
                 self._record(packet, source[0])
 

@@ -376,7 +376,7 @@ def test_dns_is_answered_by_worker_0_only(net):
     assert getent.returncode == 0 and ALLOWED in getent.stdout, getent
     refused = net.sandbox.exec(["getent", "ahostsv4", SECRET], timeout=20)
     assert refused.returncode != 0, refused
-    assert net.touched(settle=0.5) == [], "a name was looked up outside the gateway"
+    assert net.touched() == [], "a name was looked up outside the gateway"
 
     dns_lines = procs.wait_for(lambda: [e for e in net.gateway.audit_entries()[mark:] if e["event"] == "dns"
                                          and e["host"] in ("other.test", SECRET)] or None, 5,
