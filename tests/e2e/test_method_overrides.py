@@ -33,7 +33,7 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     tls_tunnel,
 )
 from tests.support.gateway import PROJECT_ROOT
-from tests.support.tcp_origin import start_accepting
+from tests.support.tcp_origin import read_head, start_accepting
 from tests.support.waiting import wait_for
 
 LAST_OCTET = 97  # stream.test, in the session block
@@ -119,14 +119,11 @@ class BodyRecorder:
         except (OSError, ssl.SSLError):
             raw.close()
             return
-        buf = b""
         try:
-            while b"\r\n\r\n" not in buf:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-            head, buf = buf.split(b"\r\n\r\n", 1)
+            got = read_head(conn)
+            if got is None:
+                return
+            head, buf = got
             lines = head.decode("latin-1").split("\r\n")
             method, path, _ = lines[0].split(" ", 2)
             headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]

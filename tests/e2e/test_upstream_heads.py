@@ -18,7 +18,7 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures)
     H2Client, audit_for, connect_proxy, extra_static_hosts, fresh_upstreams, get, shared_gateway, tls_tunnel,
 )
 from tests.support.h2_origin import serve_h2
-from tests.support.tcp_origin import start_accepting
+from tests.support.tcp_origin import read_head, start_accepting
 
 RULES = """
 - id: heads
@@ -88,15 +88,12 @@ class HeadsH1Origin:
     @staticmethod
     def _handle(conn: socket.socket) -> None:
         with conn:
-            data = b""
             conn.settimeout(30)
             try:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                path = data.split(b" ", 2)[1]
+                got = read_head(conn)
+                if got is None:
+                    return
+                path = got[0].split(b" ", 2)[1]
                 if path.endswith(b"/tiny-fields"):  # 50,000 fields in 250 KB: under the 256 KiB head limit
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n" + b"a:0\r\n" * 50_000 + b"\r\nok\n")
                 elif path.endswith(b"/trailers"):

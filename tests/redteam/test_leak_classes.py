@@ -30,7 +30,7 @@ from tests.credentials.clients import leaks
 from tests.credentials.servers import EchoUpstream
 from tests.e2e.helpers import H2Client, extra_static_hosts, get, shared_gateway, tls_tunnel
 from tests.support.gateway import wait_for_port
-from tests.support.tcp_origin import start_accepting
+from tests.support.tcp_origin import read_head, start_accepting
 from tests.support.mitmdump import clean_env, secret_forms_in, start_mitmdump, stop
 
 from .common import attack
@@ -80,13 +80,10 @@ class TeOrigin:
         try:
             tls = self.context.wrap_socket(client, server_side=True)
             tls.settimeout(5)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = tls.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head = data.split(b"\r\n\r\n", 1)[0]
+            got = read_head(tls)
+            if got is None:
+                return
+            head = got[0]
             self.heads.append(head)
             lines = head.split(b"\r\n")
             fields = [line.split(b":", 1) for line in lines[1:]]
