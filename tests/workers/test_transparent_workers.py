@@ -67,16 +67,7 @@ rules:
 
 def _ns_table(pid: int, proto: str) -> list[tuple[tuple[str, int], tuple[str, int], str, int]]:
     """procs.tcp_table, but of the network namespace process `pid` lives in (`proto`: tcp or udp)."""
-    rows = []
-    for name in (f"/proc/{pid}/net/{proto}", f"/proc/{pid}/net/{proto}6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            rows.append((procs._parse_addr(parts[1]), procs._parse_addr(parts[2]), parts[3], int(parts[9])))
-    return rows
+    return procs.socket_table(f"/proc/{pid}/net", proto)
 
 
 def worker_index_of(pid: int) -> str | None:
