@@ -153,6 +153,25 @@ def stop(bound: Bound) -> None:
     bound.open.stop()
 
 
+def fixtures(first: int, label: str, name: str = "b"):
+    """A test module's two fixtures, assigned at its top level (`b, _fresh_b = bound.fixtures(...)`):
+    `name`, this world for the module (its origins at BLOCK.<first> and <first + 1>), and an autouse
+    one that gives every test using it empty records."""
+    @pytest.fixture(scope="module", name=name)
+    def world(tmp_path_factory, upstreams, pki):
+        state = start(tmp_path_factory, upstreams, pki, first, label)
+        yield state
+        stop(state)
+
+    @pytest.fixture(autouse=True, name=f"_fresh_{name}")
+    def fresh(request):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).reset()
+        yield
+
+    return world, fresh
+
+
 def sdk_env(bound: Bound, **extra: str) -> dict[str, str]:
     """The environment of a process in the sandbox: the gateway as HTTPS proxy, its CA trusted,
     no proxy exceptions, no real secret anywhere."""

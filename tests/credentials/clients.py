@@ -87,6 +87,19 @@ def assert_length_true(response: Response) -> None:
 # --- connections ------------------------------------------------------------------------------
 
 
+def read_to_end(sock: socket.socket) -> bytes:
+    """Every byte until the peer closes (or the socket's timeout, or a reset, ends the reading)."""
+    received = b""
+    while True:
+        try:
+            piece = sock.recv(1 << 20)
+        except OSError:
+            return received
+        if not piece:
+            return received
+        received += piece
+
+
 def proxy_conn(gateway: GatewayProcess, source: str | None = None, timeout: float = TIMEOUT) -> Conn:
     sock = socket.create_connection((gateway.host, gateway.port), timeout=timeout,
                                     source_address=(source, 0) if source else None)

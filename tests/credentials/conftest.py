@@ -238,6 +238,18 @@ def cred(tmp_path_factory, upstreams, pki) -> Cred:
         server.stop()
 
 
+def another_gateway(cred: Cred, workdir: Path, pki, args: list[str]) -> GatewayProcess:
+    """A gateway of its own on the shared world's policy and origins, started with `args` (its env
+    secrets set only while it loads, as for the shared one)."""
+    patch = pytest.MonkeyPatch()
+    try:
+        for name, var in ENV.items():
+            patch.setenv(var, SECRETS[name])
+        return GatewayProcess(cred.policy, workdir, upstream_ca=pki.ca_cert, extra_args=args).start()
+    finally:
+        patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _fresh(request, upstreams):
     """Empty upstream records before every test (the shared gateway is not restarted)."""

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, quote_plus, urlsplit
 
+from tests.support.fence import AcceptFence
+
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
@@ -169,6 +171,7 @@ class EchoUpstream:
         # recorded, a connection's handler finished): tests wait on these events, never on sleeps.
         self._changed = threading.Condition(self._lock)
         self._in_flight: set[object] = set()  # connections accepted since reset() whose handler runs
+        self._fence = AcceptFence()
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -297,7 +300,7 @@ class EchoUpstream:
                     else:
                         self.wfile.write(piece)
                     self.wfile.flush()
-                    time.sleep(0.003)  # let every write arrive as its own read at the gateway
+                    time.sleep(0.003)  # pacing, not synchronisation: every write its own read at the gateway
                 if chunked:
                     self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()
@@ -489,6 +492,8 @@ class EchoUpstream:
 
             def get_request(self):
                 sock, addr = super().get_request()
+                if upstream._fence.claims(sock, addr):  # settle()'s own connection: not counted
+                    raise OSError("settle probe")  # socketserver drops the request
                 token = object()
                 with upstream._changed:
                     upstream.connections += 1
@@ -549,6 +554,11 @@ class EchoUpstream:
         """Notified at every change of what this origin has seen: wait on it with
         `tests.support.waiting.wait_for(predicate, cond=origin.changed)`."""
         return self._changed
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """A fence (tests.support.fence): every connection that reached this origin before the call
+        has been counted once this returns."""
+        self._fence.settle((self.host, self.port), timeout)
 
     @property
     def settled(self) -> bool:

@@ -8,25 +8,17 @@ import socket
 
 import pytest
 
-from tests.support.gateway import GatewayProcess
 from tests.support.waiting import wait_for
 
-from .clients import connect, tls_to
-from .conftest import ENV, SECRETS
+from .clients import connect, read_to_end, tls_to
+from .conftest import another_gateway
 from .servers import bomb
 
 
 @pytest.fixture(scope="module")
 def small_budget(cred, tmp_path_factory, pki):
-    patch = pytest.MonkeyPatch()
-    try:
-        for name, var in ENV.items():
-            patch.setenv(var, SECRETS[name])
-        gateway = GatewayProcess(cred.policy, tmp_path_factory.mktemp("budget") / "gw", upstream_ca=pki.ca_cert,
-                                 extra_args=["--set", "egress_max_buffered_bytes_per_connection=4194304"])
-        gateway.start()
-    finally:
-        patch.undo()
+    gateway = another_gateway(cred, tmp_path_factory.mktemp("budget") / "gw", pki,
+                              ["--set", "egress_max_buffered_bytes_per_connection=4194304"])
     yield gateway
     gateway.stop()
 
@@ -34,16 +26,7 @@ def small_budget(cred, tmp_path_factory, pki):
 def _exchange(gateway, path: str) -> bytes:
     with tls_to(gateway, "echo.test", timeout=20) as tls:
         tls.send(f"GET {path} HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n".encode())
-        received = b""
-        while True:
-            try:
-                piece = tls.sock.recv(1 << 20)
-            except OSError:
-                break
-            if not piece:
-                break
-            received += piece
-    return received
+        return read_to_end(tls.sock)
 
 
 @pytest.mark.parametrize("enc", ["br", "gzip", "zstd", "deflate"])
@@ -63,15 +46,8 @@ def test_a_small_bound_response_still_decodes_within_the_budget(small_budget):
 
 @pytest.fixture(scope="module")
 def sandbox_budget(cred, tmp_path_factory, pki):
-    patch = pytest.MonkeyPatch()
-    try:
-        for name, var in ENV.items():
-            patch.setenv(var, SECRETS[name])
-        gateway = GatewayProcess(cred.policy, tmp_path_factory.mktemp("budget-sandbox") / "gw", upstream_ca=pki.ca_cert,
-                                 extra_args=["--set", "egress_max_buffered_bytes_per_sandbox=25165824"])
-        gateway.start()
-    finally:
-        patch.undo()
+    gateway = another_gateway(cred, tmp_path_factory.mktemp("budget-sandbox") / "gw", pki,
+                              ["--set", "egress_max_buffered_bytes_per_sandbox=25165824"])
     yield gateway
     gateway.stop()
 

@@ -28,18 +28,7 @@ STRICT = world.SECRETS["strict_key"]
 ANTHROPIC = world.SECRETS["anthropic_key"]
 
 
-@pytest.fixture(scope="module")
-def b(tmp_path_factory, upstreams, pki):
-    state = world.start(tmp_path_factory, upstreams, pki, 42, "foreign")
-    yield state
-    world.stop(state)
-
-
-@pytest.fixture(autouse=True)
-def _fresh(request):
-    if "b" in request.fixturenames:
-        request.getfixturevalue("b").reset()
-    yield
+b, _fresh_b = world.fixtures(42, "foreign")
 
 
 def _refused(b, response, location: str, own: str = "sk-own-key-0001") -> dict:

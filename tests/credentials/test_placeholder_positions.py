@@ -27,18 +27,7 @@ from .clients import assert_no_leak, fetch, leaks, proxy_conn, response_bytes
 POS = world.SECRETS["pos_key"]
 
 
-@pytest.fixture(scope="module")
-def b(tmp_path_factory, upstreams, pki):
-    state = world.start(tmp_path_factory, upstreams, pki, 40, "positions")
-    yield state
-    world.stop(state)
-
-
-@pytest.fixture(autouse=True)
-def _fresh(request):
-    if "b" in request.fixturenames:
-        request.getfixturevalue("b").reset()
-    yield
+b, _fresh_b = world.fixtures(40, "positions")
 
 
 def _only(b):

@@ -16,7 +16,8 @@ import zlib
 import brotli
 import pytest
 
-from tests.e2e.helpers import H2Client, assert_refused, build_request
+from tests.e2e.helpers import H2Client, assert_refused, build_request, open_clients
+from tests.support.waiting import wait_for
 
 from .clients import assert_length_true, assert_no_leak, fetch, leaks, response_bytes, tls_to
 from .conftest import SECRETS
@@ -309,7 +310,9 @@ def test_websocket_ping_payload_from_the_upstream_is_redacted(cred):
         client.close()
     assert client.pings, "no ping arrived"
     assert client.pings[0].startswith(b"ping ")
-    time.sleep(0.2)
+    # the gateway has logged all it will about this connection once it has finished with it
+    wait_for(lambda: client.tls.client not in open_clients(cred.gateway), what="the WebSocket's client disconnect",
+             detail=cred.gateway.log)
     problems = {}
     for where, data in (("ping payload the sandbox got", b"".join(client.pings)),
                         ("gateway log", cred.gateway.log_path.read_bytes())):

@@ -8,7 +8,7 @@ import pytest
 
 from tests.e2e.helpers import H2Client, get
 
-from .clients import assert_no_leak, fetch, response_bytes, tls_to
+from .clients import assert_no_leak, fetch, read_to_end, response_bytes, tls_to
 from .conftest import SECRETS
 
 TOKEN = SECRETS["api_token"]
@@ -121,15 +121,7 @@ def test_a_decompression_bomb_on_a_bound_rule_stays_within_budget(cred, te):
     with tls_to(cred.gateway, "echo.test") as tls:
         tls.send(f"GET /v1/bomb?te={te} HTTP/1.1\r\nHost: echo.test\r\nConnection: close\r\n\r\n".encode())
         tls.sock.settimeout(20)
-        received = b""
-        while True:
-            try:
-                piece = tls.sock.recv(1 << 20)
-            except OSError:
-                break
-            if not piece:
-                break
-            received += piece
+        received = read_to_end(tls.sock)
     grown = _rss_kib(pid) - before
     assert len(received) < 80 << 20, len(received)
     if te == "cl":

@@ -5,7 +5,7 @@ picked up without a restart."""
 
 from __future__ import annotations
 
-import time
+import os
 
 import pytest
 
@@ -51,8 +51,11 @@ def test_rewritten_secret_file_is_picked_up_without_restart(cred):
     rotated = "rot-0001-Rotated-Value-cccc"  # same length: only the content (and mtime) change
     assert len(rotated) == len(ROTATE_INITIAL)
     cred.remember(rotated)
-    time.sleep(0.05)  # a same-size rewrite is told apart by its mtime: let the coarse clock tick
+    # A same-size rewrite is told apart by its mtime: on a coarse clock the rewrite may keep the old
+    # one, so its mtime is set a second later, as a real rewrite's would be.
+    earlier = path.stat().st_mtime_ns
     write_secret(path, rotated)
+    os.utime(path, ns=(earlier + 1_000_000_000, earlier + 1_000_000_000))
     response = fetch(cred.gateway, "rotate.test", "/v1/anything")
     assert response.status == 200
     assert _bearer(cred.rotate, "rotate.test") == [f"Bearer {ROTATE_INITIAL}", f"Bearer {rotated}"]

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.waiting import wait_for
+
 from . import podman as pm
 from .deployfiles import DOCKER, GATEWAY_UID, ROOT
 
@@ -137,14 +139,12 @@ def _build_topology() -> None:
 
 
 def _wait_ready(ns: str, metrics: str, gateway: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if gateway.poll() is not None:
             raise RuntimeError(f"gateway exited with {gateway.returncode}:\n{log.read_text()}")
-        if curl(ns, f"http://{metrics}/readyz", who=AS_GATEWAY, seconds=1).returncode == 0:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"gateway in {ns} not ready:\n{log.read_text()}")
+        return curl(ns, f"http://{metrics}/readyz", who=AS_GATEWAY, seconds=1).returncode == 0
+
+    wait_for(ready, 30, f"the gateway in {ns} to be ready", interval=0.2, detail=log.read_text)
 
 
 @pytest.fixture(scope="module", params=["checkout", "image"])

@@ -21,7 +21,6 @@ import pytest
 from tests.conftest import policy_text
 from tests.support.gateway import GatewayProcess, free_port
 from tests.support.tcp_origin import TcpOrigin, read_head
-from tests.support.waiting import wait_for
 
 TIMEOUT = 3.0  # refusals must arrive well within this
 
@@ -123,13 +122,7 @@ def audit_for(gateway: GatewayProcess, client: str, count: int = 1, wait: float 
     """The audit lines of one client connection ("ip:port"), waiting up to `wait` s for `count` of them;
     `since`: only lines after the first `since` (an earlier connection of a long-lived gateway may
     have had the same source port)."""
-    def lines() -> list[dict]:
-        return [line for line in gateway.audit()[since:] if line.get("client") == client]
-
-    try:
-        return wait_for(lambda: (found,) if len(found := lines()) >= count else None, wait, interval=0.02)[0]
-    except AssertionError:
-        return lines()  # fewer than `count`: the caller's assertion says which are missing
+    return gateway.audit_lines(since, count, wait, client=client)
 
 
 def open_clients(gateway: GatewayProcess) -> set[str]:

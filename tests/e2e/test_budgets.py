@@ -21,6 +21,7 @@ import h2.exceptions
 import pytest
 
 from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, get, start_tls, tunnel
+from tests.support.tcp_origin import start_accepting
 from tests.support.waiting import wait_for
 
 STALL_OCTET = 210
@@ -49,20 +50,11 @@ class StallingOrigin:
         self.heads: list[bytes] = []
         self.closed = threading.Event()  # a peer closed (the gateway gave up on it)
         self._stop = threading.Event()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(16)
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._sock = socket.create_server((host, port), backlog=16)
+        start_accepting(self._sock, self._handle, self._stop.is_set, self._accepted)
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    def _accepted(self, _client: socket.socket, _addr) -> None:
+        self.connections += 1
 
     def _handle(self, client: socket.socket) -> None:
         try:

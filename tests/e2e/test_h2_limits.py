@@ -12,17 +12,16 @@ import ssl
 import threading
 import time
 
-import h2.config
-import h2.connection
 import h2.errors
 import h2.events
-import h2.exceptions
 import h2.settings
 import pytest
 
 from tests.e2e.helpers import (  # noqa: F401  (fixtures)
     H2Client, audit_for, extra_static_hosts, fresh_upstreams, get, shared_gateway, tls_tunnel,
 )
+from tests.support.h2_origin import serve_h2
+from tests.support.tcp_origin import start_accepting
 from tests.support.waiting import wait_for
 
 MAX_STREAMS = 10
@@ -48,38 +47,21 @@ class GatedH2Origin:
         self._tls.load_cert_chain(str(cert), str(key))
         self._tls.set_alpn_protocols(["h2"])
         self._sock = socket.create_server((host, 443))
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                raw, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(raw,), daemon=True).start()
+        start_accepting(self._sock, self._handle)
 
     def _handle(self, raw: socket.socket) -> None:
         self.accepted.set()
         if not self.release.wait(WAIT * 3):
             raw.close()
             return
-        try:
-            raw.settimeout(WAIT * 3)
-            sock = self._tls.wrap_socket(raw, server_side=True)
-            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
-            conn.initiate_connection()
-            sock.sendall(conn.data_to_send())
-            while data := sock.recv(65536):
-                for event in conn.receive_data(data):
-                    if isinstance(event, h2.events.RequestReceived):
-                        with self.seen:
-                            self.paths.append(dict(event.headers)[":path"])
-                            self.seen.notify_all()
-                        conn.send_headers(event.stream_id, [(":status", "200"), ("content-length", "3")])
-                        conn.send_data(event.stream_id, b"ok\n", end_stream=True)
-                sock.sendall(conn.data_to_send())
-        except (OSError, ssl.SSLError, h2.exceptions.ProtocolError):
-            pass
+        serve_h2(raw, self._tls, self._answer, WAIT * 3)
+
+    def _answer(self, sock, conn, event) -> None:
+        with self.seen:
+            self.paths.append(dict(event.headers)[":path"])
+            self.seen.notify_all()
+        conn.send_headers(event.stream_id, [(":status", "200"), ("content-length", "3")])
+        conn.send_data(event.stream_id, b"ok\n", end_stream=True)
 
     def stop(self) -> None:
         self.release.set()

@@ -33,6 +33,7 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     tls_tunnel,
 )
 from tests.support.gateway import PROJECT_ROOT
+from tests.support.tcp_origin import read_head, start_accepting
 from tests.support.waiting import wait_for
 
 LAST_OCTET = 97  # stream.test, in the session block
@@ -76,11 +77,8 @@ class BodyRecorder:
         self._in_flight = 0  # accepted connections whose handler has not finished
         self._tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._tls.load_cert_chain(str(cert), str(key))
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 443))
-        self._sock.listen(16)
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._sock = socket.create_server((host, 443), backlog=16)
+        start_accepting(self._sock, self._handle, on_accept=self._accepted)
 
     def reset(self) -> None:
         with self.changed:
@@ -98,17 +96,11 @@ class BodyRecorder:
             record.update(fields)
             self.changed.notify_all()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            with self.changed:
-                self.connections += 1
-                self._in_flight += 1
-                self.changed.notify_all()
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    def _accepted(self, _client: socket.socket, _addr) -> None:
+        with self.changed:
+            self.connections += 1
+            self._in_flight += 1
+            self.changed.notify_all()
 
     def _handle(self, raw: socket.socket) -> None:
         record: dict = {}
@@ -127,14 +119,11 @@ class BodyRecorder:
         except (OSError, ssl.SSLError):
             raw.close()
             return
-        buf = b""
         try:
-            while b"\r\n\r\n" not in buf:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-            head, buf = buf.split(b"\r\n\r\n", 1)
+            got = read_head(conn)
+            if got is None:
+                return
+            head, buf = got
             lines = head.decode("latin-1").split("\r\n")
             method, path, _ = lines[0].split(" ", 2)
             headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]

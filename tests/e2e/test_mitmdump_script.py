@@ -1,30 +1,16 @@
 """The addons also load into a plain `mitmdump -s addons/egress.py` (for existing mitmproxy users)."""
 
-import shutil
 import socket
 import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 
 from tests.conftest import policy_text
 from tests.support.gateway import PROJECT_ROOT, free_port, wait_for_port
+from tests.support.mitmdump import mitmdump_path
 
 RULES = """
 - id: allowed
   hosts: [allowed.test]
 """
-
-
-def _mitmdump() -> str:
-    candidate = Path(sys.executable).with_name("mitmdump")
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("mitmdump")
-    if not found:
-        pytest.skip("mitmdump not installed next to this Python")
-    return found
 
 
 def test_mitmdump_script_enforces_policy(tmp_path, pki, upstreams):
@@ -35,7 +21,7 @@ def test_mitmdump_script_enforces_policy(tmp_path, pki, upstreams):
     audit = tmp_path / "audit.jsonl"
     log = open(tmp_path / "mitmdump.log", "wb")
     proc = subprocess.Popen(
-        [_mitmdump(), "-q", "-s", str(PROJECT_ROOT / "addons" / "egress.py"),
+        [mitmdump_path(), "-q", "-s", str(PROJECT_ROOT / "addons" / "egress.py"),
          "--listen-host", "127.0.0.1", "-p", str(port),
          "--set", f"confdir={confdir}", "--set", f"egress_policy={policy}",
          "--set", f"egress_audit_log={audit}", "--set", f"ssl_verify_upstream_trusted_ca={pki.ca_cert}",
@@ -74,7 +60,7 @@ def test_mitmdump_refuses_broken_policy(tmp_path):
     policy = tmp_path / "bad.yaml"
     policy.write_text("version: 1\nrules:\n  - id: x\n    hosts: ['*']\n")
     proc = subprocess.run(
-        [_mitmdump(), "-s", str(PROJECT_ROOT / "addons" / "egress.py"), "--listen-host", "127.0.0.1",
+        [mitmdump_path(), "-s", str(PROJECT_ROOT / "addons" / "egress.py"), "--listen-host", "127.0.0.1",
          "-p", str(free_port()), "--set", f"confdir={tmp_path / 'conf'}", "--set", f"egress_policy={policy}"],
         capture_output=True, text=True, timeout=30,
     )

@@ -492,19 +492,30 @@ def test_a_reload_keeps_the_counters_of_the_limits_it_keeps(start_gateway, upstr
         assert [_get(conn, f"http://allowed.test/new{i}").status for i in range(2)] == [200, 200]
 
 
+def _websocket_world(start_gateway, upstreams, last: int, limits: str = "", args: list[str] | None = None):
+    """(a WebSocket echo origin as ws.test at BLOCK.<last>, a gateway whose rule `ws` allows it,
+    with `limits`, and is in the sandboxes' rules)."""
+    from tests.e2e.helpers import extra_static_hosts
+    from tests.support.watched import WebSocketOrigin
+
+    address = f"{upstreams.block}.{last}"
+    origin = WebSocketOrigin(address, 80)
+    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n" + limits
+    extra = extra_static_hosts({"ws.test": address}) + _sandboxes(upstreams).replace(
+        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
+    try:
+        return origin, start_gateway(rules, extra=extra, args=args)
+    except BaseException:
+        origin.stop()
+        raise
+
+
 def test_websocket_messages_count_against_the_upload_budget(start_gateway, upstreams):
     import pytest
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect as ws_connect
 
-    from tests.e2e.helpers import extra_static_hosts
-    from tests.support.watched import WebSocketOrigin
-
-    origin = WebSocketOrigin(f"{upstreams.block}.232", 80)
-    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n  limits:\n    upload_bytes_per_hour: 100\n"
-    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.232"}) + _sandboxes(upstreams).replace(
-        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
-    gateway = start_gateway(rules, extra=extra)
+    origin, gateway = _websocket_world(start_gateway, upstreams, 232, "  limits:\n    upload_bytes_per_hour: 100\n")
     try:
         with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,
                         close_timeout=1) as ws:
@@ -526,14 +537,7 @@ def test_websocket_messages_to_the_sandbox_count_against_the_download_budget(sta
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect as ws_connect
 
-    from tests.e2e.helpers import extra_static_hosts
-    from tests.support.watched import WebSocketOrigin
-
-    origin = WebSocketOrigin(f"{upstreams.block}.233", 80)
-    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n  limits:\n    download_bytes_per_hour: 100\n"
-    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.233"}) + _sandboxes(upstreams).replace(
-        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
-    gateway = start_gateway(rules, extra=extra)
+    origin, gateway = _websocket_world(start_gateway, upstreams, 233, "  limits:\n    download_bytes_per_hour: 100\n")
     try:
         with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,
                         close_timeout=1) as ws:
@@ -554,14 +558,7 @@ def test_websocket_upgrades_and_their_connects_take_tokens(start_gateway, upstre
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect as ws_connect
 
-    from tests.e2e.helpers import extra_static_hosts
-    from tests.support.watched import WebSocketOrigin
-
-    origin = WebSocketOrigin(f"{upstreams.block}.234", 80)
-    rules = RULES + "- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n"
-    extra = extra_static_hosts({"ws.test": f"{upstreams.block}.234"}) + _sandboxes(upstreams).replace(
-        "rules: [plain, other, tls]", "rules: [plain, other, tls, ws]")
-    gateway = start_gateway(rules, extra=extra, args=[
+    origin, gateway = _websocket_world(start_gateway, upstreams, 234, args=[
         "--set", f"egress_max_requests_per_second_per_sandbox={SLOW}", "--set", "egress_request_burst_per_sandbox=3"])
     try:
         with ws_connect("ws://ws.test/chat", proxy=gateway.proxy_url, open_timeout=3, ping_interval=None,

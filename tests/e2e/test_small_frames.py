@@ -21,6 +21,7 @@ import h2.events
 import pytest
 
 from tests.e2e.helpers import H2Client, ScriptedUpstream, audit_for, connect_proxy, extra_static_hosts, tls_tunnel
+from tests.support.tcp_origin import start_accepting
 
 OCTET = 190
 CHUNKY_OCTET = 191  # an upstream that sends an endless chunk-size line
@@ -46,16 +47,10 @@ class FrameOrigin:
         self.accepted = 0
         self.partial = 0  # body bytes read of requests not finished
         self._sock = socket.create_server((host, 80))
-        threading.Thread(target=self._serve, daemon=True).start()
+        start_accepting(self._sock, self._handle, on_accept=self._accepted)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    def _accepted(self, _client: socket.socket, _addr) -> None:
+        self.accepted += 1
 
     def _handle(self, client: socket.socket) -> None:
         conn = h11.Connection(h11.SERVER)

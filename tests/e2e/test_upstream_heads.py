@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-import threading
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
 import hpack
 import pytest
 from hyperframe.frame import ContinuationFrame, HeadersFrame
@@ -22,6 +17,8 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame
 from tests.e2e.helpers import (  # noqa: F401  (fixtures)
     H2Client, audit_for, connect_proxy, extra_static_hosts, fresh_upstreams, get, shared_gateway, tls_tunnel,
 )
+from tests.support.h2_origin import serve_h2
+from tests.support.tcp_origin import read_head, start_accepting
 
 RULES = """
 - id: heads
@@ -41,32 +38,15 @@ class HeadsH2Origin:
         self._tls.set_alpn_protocols(["h2"])
         self._sock = socket.create_server((host, 443))
         self.paths: list[str] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                raw, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(raw,), daemon=True).start()
+        start_accepting(self._sock, self._handle)
 
     def _handle(self, raw: socket.socket) -> None:
-        try:
-            raw.settimeout(30)
-            sock = self._tls.wrap_socket(raw, server_side=True)
-            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
-            conn.initiate_connection()
-            sock.sendall(conn.data_to_send())
-            while data := sock.recv(65536):
-                for event in conn.receive_data(data):
-                    if isinstance(event, h2.events.RequestReceived):
-                        path = dict(event.headers)[":path"]
-                        self.paths.append(path)
-                        self._answer(sock, conn, event.stream_id, path)
-                sock.sendall(conn.data_to_send())
-        except (OSError, ssl.SSLError, h2.exceptions.ProtocolError):
-            pass
+        serve_h2(raw, self._tls, self._request, 30)
+
+    def _request(self, sock, conn, event) -> None:
+        path = dict(event.headers)[":path"]
+        self.paths.append(path)
+        self._answer(sock, conn, event.stream_id, path)
 
     @staticmethod
     def _answer(sock, conn, stream_id: int, path: str) -> None:
@@ -103,28 +83,17 @@ class HeadsH1Origin:
 
     def __init__(self, host: str):
         self._sock = socket.create_server((host, 80))
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        start_accepting(self._sock, self._handle)
 
     @staticmethod
     def _handle(conn: socket.socket) -> None:
         with conn:
-            data = b""
             conn.settimeout(30)
             try:
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                path = data.split(b" ", 2)[1]
+                got = read_head(conn)
+                if got is None:
+                    return
+                path = got[0].split(b" ", 2)[1]
                 if path.endswith(b"/tiny-fields"):  # 50,000 fields in 250 KB: under the 256 KiB head limit
                     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n" + b"a:0\r\n" * 50_000 + b"\r\nok\n")
                 elif path.endswith(b"/trailers"):

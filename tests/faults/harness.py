@@ -15,8 +15,6 @@ Everything here stays on loopback:
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import shutil
 import socket
@@ -28,13 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 from tests.conftest import policy_text
 from tests.support.gateway import GatewayProcess, free_port
+from tests.support.tcp_origin import start_accepting
+from tests.support.waiting import wait_for, wait_until_sent
 
 HERE = Path(__file__).resolve().parent
 
@@ -185,22 +180,13 @@ class ScriptedServer:
         self.connections = 0
         self.heads: list[bytes] = []
         self.open_sockets: list[socket.socket] = []
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(backlog)
+        self._sock = socket.create_server((host, port), backlog=backlog)
         self._stopped = False
-        threading.Thread(target=self._serve, daemon=True).start()
+        start_accepting(self._sock, self._run, lambda: self._stopped, self._accepted)
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            self.open_sockets.append(client)
-            threading.Thread(target=self._run, args=(client,), daemon=True).start()
+    def _accepted(self, client: socket.socket, _addr) -> None:
+        self.connections += 1
+        self.open_sockets.append(client)
 
     def _run(self, client: socket.socket) -> None:
         try:
@@ -257,7 +243,7 @@ def reset_mid_response(server: ScriptedServer, client: socket.socket) -> None:
         n = min(remaining, len(chunk))
         client.sendall(chunk[:n])
         remaining -= n
-    time.sleep(0.2)
+    wait_until_sent(client)  # the reset must not drop the part of the body that was sent
     rst_close(client)
 
 
@@ -297,7 +283,7 @@ class FullBacklog:
             except (BlockingIOError, OSError):
                 pass
             self._fillers.append(s)
-        time.sleep(0.2)
+        wait_for(self.filled, 5, "the accept queue to fill")
 
     def filled(self) -> bool:
         probe = socket.socket()
@@ -330,21 +316,12 @@ class TLSRecorder:
         self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._ctx.load_cert_chain(str(cert), str(key))
         self._ctx.set_alpn_protocols(["http/1.1"])
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(16)
+        self._sock = socket.create_server((host, port), backlog=16)
         self._stopped = False
-        threading.Thread(target=self._serve, daemon=True).start()
+        start_accepting(self._sock, self._handle, lambda: self._stopped, self._accepted)
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    def _accepted(self, _client: socket.socket, _addr) -> None:
+        self.connections += 1
 
     def _handle(self, client: socket.socket) -> None:
         client.settimeout(5)
@@ -375,49 +352,6 @@ class TLSRecorder:
     def stop(self) -> None:
         self._stopped = True
         self._sock.close()
-
-
-# --------------------------------------------------------------------------------------------
-# certificates
-
-
-def _write(cert: x509.Certificate, key, directory: Path, stem: str) -> tuple[Path, Path]:
-    cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
-def issue_cert(pki, directory: Path, stem: str, names: list[str], ips: list[str] = (), *,
-               expired: bool = False, self_signed: bool = False) -> tuple[Path, Path]:
-    """A server certificate for names/IPs: signed by the session's test CA (which the gateway trusts
-    upstream), expired (valid two days ago for one day), or self-signed."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    start, end = (now - datetime.timedelta(days=2), now - datetime.timedelta(days=1)) if expired else (
-        now - datetime.timedelta(hours=1), now + datetime.timedelta(days=1))
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
-    sans = [x509.DNSName(n) for n in names] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-    if self_signed:
-        issuer_name, signing_key = subject, key
-    else:
-        issuer_name, signing_key = pki._cert.subject, pki._key  # the session CA (bench/lib/pki.py)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-    )
-    if not self_signed:
-        builder = builder.add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(pki._key.public_key()), critical=False)
-    return _write(builder.sign(signing_key, hashes.SHA256()), key, directory, stem)
 
 
 # --------------------------------------------------------------------------------------------

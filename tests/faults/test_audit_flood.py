@@ -16,6 +16,7 @@ import urllib.request
 from gateway.audit import verify_chain
 from tests.e2e.helpers import H2Client, connect_proxy, get, tls_tunnel, tunnel
 from tests.support.gateway import free_port
+from tests.support.waiting import value_when, wait_for
 
 RULES = """
 - id: allowed
@@ -47,15 +48,14 @@ def total(text: str, name: str, **labels: str) -> float:
 
 def wait_accounted(gateway, event: str, reason: str, expected: int, wait: float = 10.0):
     """(verbatim lines, summary lines) of this refusal, once verbatim + sum(count) == expected."""
-    deadline = time.monotonic() + wait
-    while True:
+    def accounted() -> tuple[list[dict], list[dict]]:
         lines = gateway.audit()
         verbatim = [r for r in lines if r["event"] == event and r["reason"] == reason]
         summaries = [r for r in lines if r["event"] == "suppressed" and r["suppressed_event"] == event
                      and r["reason"] == reason]
-        if len(verbatim) + sum(s["count"] for s in summaries) >= expected or time.monotonic() > deadline:
-            return verbatim, summaries
-        time.sleep(0.05)
+        return verbatim, summaries
+
+    return value_when(accounted, lambda found: len(found[0]) + sum(s["count"] for s in found[1]) >= expected, wait)
 
 
 def test_a_flood_of_denied_requests_is_aggregated_allows_keep_their_lines(start_gateway, upstreams):
@@ -92,27 +92,17 @@ def test_a_flood_of_denied_requests_is_aggregated_allows_keep_their_lines(start_
     assert upstreams.untouched("other.test")
     assert verify_chain([str(gateway.audit_path)]).ok
     # The metrics count every refusal, not every line.
-    text = scrape(metrics)
-    assert total(text, "egress_requests_total", decision="deny", reason="no_rule") == FLOOD
-    deadline = time.monotonic() + 5
-    while total(text, "egress_audit_suppressed_refusals_total") < counted and time.monotonic() < deadline:
-        time.sleep(0.2)
-        text = scrape(metrics)
+    assert total(scrape(metrics), "egress_requests_total", decision="deny", reason="no_rule") == FLOOD
+    text = value_when(lambda: scrape(metrics), lambda text: total(text, "egress_audit_suppressed_refusals_total") >= counted,
+                      interval=0.2)
     assert total(text, "egress_audit_suppressed_refusals_total") == counted
 
 
 def test_a_flood_of_connections_over_the_limit_is_aggregated(start_gateway, upstreams):
     gateway = start_gateway(RULES, args=["--set", "egress_max_connections_per_sandbox=1"])
-    deadline = time.monotonic() + 5
-    while True:  # the start-up probe's connection may still count for a moment
-        held = connect_proxy(gateway)
-        try:
-            assert get(held, "http://allowed.test/held", "allowed.test").status == 200
-            break
-        except OSError:
-            held.close()
-            assert time.monotonic() < deadline, "the only connection was refused"
-            time.sleep(0.1)
+    # the start-up probe's connection may still count for a moment: the only slot is free once a
+    # connection of ours is served
+    held = wait_for(lambda: _served_connection(gateway), what="the only connection served", interval=0.1)
     before = len([r for r in gateway.audit() if r["reason"] == "too_many_connections"])
     refused = 400
     for _ in range(refused):
@@ -216,3 +206,15 @@ def test_a_gateway_wide_budget_bounds_cycling_addresses_without_sandboxes(start_
     assert len(verbatim) + sum(s["count"] for s in summaries) == sent
     assert len(verbatim) <= 12 + 3 * 3, len(verbatim)  # the gateway-wide burst; before: all 100
     assert any("gateway-wide" in s["message"] for s in summaries)
+
+
+def _served_connection(gateway):
+    """A connection the gateway served a request on, or None when it was refused."""
+    held = connect_proxy(gateway)
+    try:
+        if get(held, "http://allowed.test/held", "allowed.test").status == 200:
+            return held
+    except OSError:
+        pass
+    held.close()
+    return None

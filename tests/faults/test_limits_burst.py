@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.helpers import Conn, connect_proxy, get
+from tests.e2e.helpers import Conn, connect_proxy, get, open_clients
+from tests.support.waiting import value_when, wait_for
 
 from .conftest import address
 from .harness import drain, make_gateway
@@ -83,22 +84,27 @@ def test_connection_limit_under_a_burst(limited, upstreams):
         barrier.wait()
         return connect_from(limited, source)
 
+    def refused() -> list[dict]:
+        return [a for a in limited.audit() if a["reason"] == "too_many_connections"
+                and a["client"].startswith(source + ":")]
+
     conns = burst(2 * MAX_CONNECTIONS, open_one)
     try:
-        time.sleep(0.5)
-        closed = [c for c in conns if c.closed(wait=0.5)]
+        # every connection over the limit is refused (audited, then closed)
+        value_when(refused, lambda lines: len(lines) >= MAX_CONNECTIONS)
+        refused_clients = {a["client"] for a in refused()}
+        closed = [c for c in conns if c.client in refused_clients and c.closed()]
         assert len(closed) == MAX_CONNECTIONS, len(closed)
         # the ones kept are fully served
         kept = [c for c in conns if c not in closed]
         for i, conn in enumerate(kept):
             assert get(conn, f"http://allowed.test/kept/{i}", "allowed.test").status == 200
-        refused = [a for a in limited.audit() if a["reason"] == "too_many_connections"
-                   and a["client"].startswith(source + ":")]
-        assert len(refused) == MAX_CONNECTIONS and all(a["decision"] == "deny" for a in refused)
+        assert len(refused()) == MAX_CONNECTIONS and all(a["decision"] == "deny" for a in refused())
     finally:
         for conn in conns:
             conn.close()
-    time.sleep(0.5)
+    wait_for(lambda: not open_clients(limited) & {c.client for c in conns},
+             what="the burst's client disconnects", detail=limited.log)
     with connect_from(limited, source) as conn:  # the slots are given back
         assert get(conn, "http://allowed.test/after", "allowed.test").status == 200
 
@@ -148,7 +154,7 @@ def test_slowloris_burst_gets_408(limited, upstreams):
         started = time.monotonic()
         conn.send(f"GET http://allowed.test/slow/{i} HTTP/1.1\r\nHost: allowed.test\r\n".encode())
         while time.monotonic() - started < HEAD_TIMEOUT + 4:
-            time.sleep(0.25)
+            time.sleep(0.25)  # pacing, not synchronisation: the slowloris client drips a header line
             try:
                 conn.send(b"X-Slow: 1\r\n")
             except OSError:

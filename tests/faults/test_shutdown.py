@@ -15,6 +15,7 @@ import threading
 import time
 
 from tests.e2e.helpers import Conn, build_request
+from tests.support.waiting import wait_for
 
 from .conftest import address
 from .harness import ScriptedServer, make_gateway, static_hosts
@@ -39,7 +40,7 @@ def slow_answer(server: ScriptedServer, client: socket.socket) -> None:
         if not head:
             return
         target = head.split(b" ", 2)[1]
-        time.sleep(SLOW_SECONDS)
+        time.sleep(SLOW_SECONDS)  # not synchronisation: the slow origin under test
         body = b"slow " + target + b"\n"
         client.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
@@ -103,7 +104,11 @@ def test_sigterm_under_load(tmp_path, upstreams, pki):
     load = Load(gateway)
     try:
         load.start()
-        time.sleep(1.5)  # every slow client has a request in flight at any moment from here on
+        # every client has sent its first request and every slow one's is at the slow origin: from
+        # here on each slow client has a request in flight at any moment
+        slow_clients = len(range(0, THREADS, 4))
+        wait_for(lambda: len({rid.split("-")[0] for rid in load.sent_at.copy()}) == THREADS
+                 and len(slow.heads) >= slow_clients, 10, "every client's first request")
         signalled = time.monotonic()
         gateway.process.send_signal(signal.SIGTERM)
         returncode = gateway.process.wait(DRAIN_TIMEOUT + 5)

@@ -18,7 +18,9 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import assert_refused, connect_proxy, get, start_tls, tunnel
+from tests.e2e.helpers import assert_refused, connect_proxy, get, open_clients, start_tls, tunnel
+from tests.support.certificates import issue_cert
+from tests.support.waiting import value_when, wait_for, wait_until_sent
 
 from .conftest import address, needs_isolation
 from .harness import (
@@ -27,7 +29,6 @@ from .harness import (
     TLSRecorder,
     drain,
     header,
-    issue_cert,
     log_problems,
     make_gateway,
     reset_mid_response,
@@ -81,12 +82,9 @@ class Rig:
         assert response.status == 200 and response.header("X-Upstream") == "api.test", response
 
     def audit(self, client: str, count: int = 1, wait: float = 3.0) -> list[dict]:
-        deadline = time.monotonic() + wait
-        while True:
-            lines = [a for a in self.gateway.audit_since_mark() if a.get("client") == client]
-            if len(lines) >= count or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.02)
+        """The audit lines of `client` once there are `count` (after `wait` s: as many as there are)."""
+        return value_when(lambda: [a for a in self.gateway.audit_since_mark() if a.get("client") == client],
+                          lambda lines: len(lines) >= count, wait, interval=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +195,9 @@ def test_upstream_stalls(rig, name, server):
         assert rig.servers["blackhole"].filled()
     conn = connect_proxy(rig.gateway, timeout=10)
     conn.send(f"GET http://{name}/wait HTTP/1.1\r\nHost: {name}\r\n\r\n".encode())
-    time.sleep(0.5)
+    wait_for(lambda: rig.audit(conn.client, wait=0), what="the request's allow line")  # now waiting upstream
+    if server == "stall":
+        wait_for(lambda: rig.servers["stall"].heads, what="the request at the stalling upstream")
     started = time.monotonic()
     rig.control()  # others are served while this one waits
     assert time.monotonic() - started < 1.0
@@ -270,7 +270,8 @@ def test_hanging_lookups_do_not_starve_other_lookups(rig):
             conn = connect_proxy(rig.gateway, timeout=10)
             conn.send(f"GET http://hang{i}.invalid/x HTTP/1.1\r\nHost: hang{i}.invalid\r\n\r\n".encode())
             conns.append(conn)
-        time.sleep(0.3)
+        hanging = {f"hang{i}.invalid" for i in range(40)}
+        value_when(lambda: set(rig.dns.queries), hanging.issubset)  # every lookup hangs (else: starved)
         started = time.monotonic()
         with connect_proxy(rig.gateway) as conn:
             response = get(conn, "http://nowhere.invalid/x", "nowhere.invalid")
@@ -282,12 +283,13 @@ def test_hanging_lookups_do_not_starve_other_lookups(rig):
         for conn in conns:
             conn.close()
         # let the hung getaddrinfo threads give up (resolv.conf timeout:3) before the next test
-        deadline = time.monotonic() + 6
-        while time.monotonic() < deadline:
-            with connect_proxy(rig.gateway) as conn:
-                if "cannot resolve" in get(conn, "http://nowhere.invalid/y", "nowhere.invalid").text:
-                    break
-            time.sleep(0.2)
+        value_when(lambda: _resolves_at_once(rig), bool, 6, interval=0.2)
+
+
+def _resolves_at_once(rig) -> bool:
+    """A name the resolver answers at once gets its own answer (no hung lookup in its way)."""
+    with connect_proxy(rig.gateway) as conn:
+        return "cannot resolve" in get(conn, "http://nowhere.invalid/y", "nowhere.invalid").text
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,9 +333,11 @@ def test_client_disconnects_mid_body(rig, upstreams, size, sent):
     while remaining > 0:
         sock.sendall(chunk[: min(remaining, len(chunk))])
         remaining -= len(chunk)
-    time.sleep(0.2)
+    assert wait_until_sent(sock)  # the part sent is at the gateway before the close
     sock.close()
-    time.sleep(0.5)
+    wait_for(lambda: rig.audit(client, wait=0) and client not in open_clients(rig.gateway), 10,
+             "the gateway to finish with the client", detail=rig.gateway.log)
+    upstreams.plain["api.test"].settle()
     received = upstreams.plain["api.test"].requests
     if size <= 1024 * 1024:
         assert not upstreams.plain["api.test"].touched

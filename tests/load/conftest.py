@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import policy_text
 from tests.support.gateway import PROJECT_ROOT, GatewayProcess
+from tests.support.waiting import value_when
 
 LOAD_HOST = "load.test"
 NOFILE = 65536
@@ -78,12 +79,7 @@ class LoadUpstream:
     def wait_stats(self, predicate, timeout: float = 5.0) -> dict:
         """The stats once `predicate(stats)` holds (or the last ones after `timeout` s); the file is
         rewritten every 0.5 s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if predicate(stats) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.1)
+        return value_when(self.stats, predicate, timeout, interval=0.1)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -243,7 +239,7 @@ class Sampler:
         previous = None
         while True:
             start = time.monotonic()
-            time.sleep(seconds)
+            time.sleep(seconds)  # not synchronisation: the sampling window of the measurement
             window = sorted(s[1] for s in self.between(start, time.monotonic()))
             current = window[len(window) // 2] if window else read_proc(self.pid)[0]
             if previous is not None and abs(current - previous) <= 1024 or time.monotonic() > deadline:

@@ -222,7 +222,7 @@ async def keepalive_client(index: int, cfg: LoadConfig, stats: LoadStats, tls: s
             now = time.monotonic()
             if next_at >= end:
                 break
-            await asyncio.sleep(max(0.0, next_at - now))
+            await asyncio.sleep(max(0.0, next_at - now))  # pacing, not synchronisation: the request rate
             n += 1
             if cfg.deny_path_every and (index + n) % cfg.deny_path_every == 0:
                 path = f"{cfg.forbidden_path}{index}/{n}"
@@ -285,7 +285,7 @@ async def run_load(cfg: LoadConfig, stats: LoadStats, on_phase=None) -> None:
                for i in range(cfg.connections)]
     deadline = time.monotonic() + cfg.ramp_timeout
     while (stats.keepalive_established + stats.error_count < cfg.connections) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # polling, not synchronisation: this loop's own counters, re-read each turn
     await phase("ramped")
 
     stats.phases["hold_end_at"] = time.monotonic() + cfg.hold_seconds
@@ -295,13 +295,13 @@ async def run_load(cfg: LoadConfig, stats: LoadStats, on_phase=None) -> None:
     total_new = int(cfg.hold_seconds * cfg.new_rate)
     begin = time.monotonic()
     for i in range(total_new):
-        await asyncio.sleep(max(0.0, begin + i / cfg.new_rate - time.monotonic()))
+        await asyncio.sleep(max(0.0, begin + i / cfg.new_rate - time.monotonic()))  # pacing, not synchronisation
         news.append(asyncio.create_task(new_connection(i, cfg, stats, tls)))
-    await asyncio.sleep(max(0.0, stats.phases["hold_end_at"] - time.monotonic()))
+    await asyncio.sleep(max(0.0, stats.phases["hold_end_at"] - time.monotonic()))  # not synchronisation: the hold phase
     # the last requests of the hold phase and the last new connections finish (each under op_timeout)
     await asyncio.wait(news, timeout=cfg.op_timeout + 5) if news else None
     while stats.in_flight and time.monotonic() < stats.phases["hold_end_at"] + cfg.op_timeout + 5:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # polling, not synchronisation: this loop's own counter, re-read each turn
     await phase("held")
 
     release.set()
@@ -370,7 +370,7 @@ async def keep_busy(tunnel: Tunnel, interval: float, stop: asyncio.Event, label:
     rng = random.Random(label)
     n = 0
     try:
-        await asyncio.sleep(rng.uniform(0, interval))
+        await asyncio.sleep(rng.uniform(0, interval))  # pacing, not synchronisation: spread the clients' starts
         while not stop.is_set():
             n += 1
             await tunnel.request(cfg.allowed_host, f"{cfg.allowed_path}{label}/{n}")

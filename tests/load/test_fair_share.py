@@ -8,13 +8,13 @@ contended, so that A passes its share on any machine; timing is the benchmark's 
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pytest
 
 from bench.lib import noisy
 from tests.support.gateway import free_port
+from tests.support.waiting import value_when
 
 pytestmark = pytest.mark.load
 
@@ -43,12 +43,11 @@ def _waited(world, sandbox: str) -> float:
 
 
 def _until(world, predicate) -> bool:
-    deadline = time.monotonic() + noisy.TIMEOUT
-    while time.monotonic() < deadline:
-        if predicate(_sample(world, "egress_loop_share_active_sandboxes ")):
-            return True
-        time.sleep(0.1)  # polling the gauge (the heartbeat sets it every second) for the event
-    return False
+    """Whether the active-sandboxes gauge (the heartbeat sets it every second) comes to satisfy
+    `predicate` within noisy.TIMEOUT."""
+    active = value_when(lambda: _sample(world, "egress_loop_share_active_sandboxes "), predicate, noisy.TIMEOUT,
+                        interval=0.1)
+    return bool(predicate(active))
 
 
 def _quiet(world) -> bool:

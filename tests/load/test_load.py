@@ -41,6 +41,7 @@ from tests.load.conftest import (LOAD_HOST, Sampler, healthz, load_seconds, metr
 from tests.load.loadgen import (LoadConfig, LoadStats, close_all, deny_connects, keep_busy, open_tunnels,
                                 percentile, refused_at_once, run_load)
 from tests.support.gateway import free_port
+from tests.support.waiting import value_when
 
 HOLD_SECONDS = load_seconds()
 CONNECTIONS = int(os.environ.get("EGRESS_LOAD_CONNECTIONS", "1000"))
@@ -129,23 +130,14 @@ def decisions(audit: list[dict]) -> Counter:
 
 def _wait_active(url: str, at_most: float, timeout: float = 15.0) -> float:
     """egress_active_connections once it is <= at_most (or its value after `timeout` s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = metric(metrics_text(url), "egress_active_connections")
-        if value <= at_most or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
+    return value_when(lambda: metric(metrics_text(url), "egress_active_connections"), lambda value: value <= at_most,
+                      timeout, interval=0.2)
 
 
 def _wait_fds(pid: int, at_most: int, timeout: float = 30.0) -> int:
     """The gateway's open descriptors once they are <= at_most: closing a client connection is
     seen at once by the connection gauge, the upstream side closes a moment later."""
-    deadline = time.monotonic() + timeout
-    while True:
-        fds = read_proc(pid)[3]
-        if fds <= at_most or time.monotonic() > deadline:
-            return fds
-        time.sleep(0.1)
+    return value_when(lambda: read_proc(pid)[3], lambda fds: fds <= at_most, timeout, interval=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +189,9 @@ def load_run(tmp_path_factory, upstreams, pki, load_upstream) -> LoadRun:
         run.fds_peak = max(s[4] for s in during)
         run.active["closed"] = _wait_active(metrics_url, 0)
         run.fds_after = _wait_fds(gateway.process.pid, run.fds_idle)
-        time.sleep(4)  # the gateway collects and trims ~1 s after its last connection closes
+        # not synchronisation: a measurement; the gateway collects and trims ~1 s after its last
+        # connection closes, and RSS may stand still before that
+        time.sleep(4)
         run.rss_after = sampler.settled_rss(seconds=0.75)
 
         run.metrics_end = metrics_text(metrics_url)
@@ -384,7 +378,7 @@ def test_connection_limit_refuses_n_plus_1_under_load(tmp_path, upstreams, pki, 
             result["opened"] = len(tunnels)
             stops = [asyncio.Event() for _ in tunnels]
             busy = [asyncio.create_task(keep_busy(t, 0.5, stop, f"busy{i}")) for i, (t, stop) in enumerate(zip(tunnels, stops))]
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # not synchronisation: the load's shape, the held tunnels busy a while
             result["extra"] = [await refused_at_once(cfg) for _ in range(10)]  # connections 51..60, one by one
             # give back 5 slots, then exactly 5 new tunnels fit, and the one after them does not
             for stop in stops[:5]:
@@ -395,7 +389,7 @@ def test_connection_limit_refuses_n_plus_1_under_load(tmp_path, upstreams, pki, 
             more = await open_tunnels(cfg, stats, 5, "more", concurrency=5)
             result["more"] = len(more)
             result["one_more"] = await refused_at_once(cfg)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # not synchronisation: the load's shape, all tunnels busy a while
             for stop in stops:
                 stop.set()
             await asyncio.gather(*busy)

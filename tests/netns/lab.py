@@ -26,13 +26,12 @@ import shutil
 import socket
 import ssl
 import subprocess
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.fence import AcceptFence
 from tests.support.netns import thread_inside
-
+from tests.support.tcp_origin import start_accepting
 from tests.support.upstream import RecordingUpstream
 
 NETNS_DIR = Path("/var/run/netns")
@@ -76,24 +75,27 @@ class AcceptCounter:
     def __init__(self, name: str, sockaddr: tuple):
         self.name = name
         self.host = sockaddr[0]
+        self.sockaddr = sockaddr
         self.connections = 0
+        self._fence = AcceptFence()
         self._sock = socket.socket(socket.AF_INET6 if ":" in sockaddr[0] else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(sockaddr)
         self._sock.listen(16)
         self.port = self._sock.getsockname()[1]
         self._stopped = False
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        start_accepting(self._sock, None, lambda: self._stopped, self._count)
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
+    def _count(self, conn: socket.socket, addr) -> bool:
+        """Counted and closed at once (a fence's probe is not counted): nothing more to handle."""
+        if not self._fence.claims(conn, addr):
             self.connections += 1
             conn.close()
+        return False
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """A fence (tests.support.fence): every connection queued before the call is counted."""
+        self._fence.settle(self.sockaddr, timeout)
 
     @property
     def touched(self) -> bool:
@@ -125,6 +127,7 @@ class Lab:
         self.up_if = f"vu{self.tag}"[:15]
         self.upstreams: dict[tuple[str, int], RecordingUpstream | AcceptCounter] = {}
         self.forbidden: set[tuple[str, int]] = set()
+        self.namespace_of: dict[tuple[str, int], str] = {}  # (address, port) -> the upstream's namespace
         self._created: list[str] = []
         self._routed: set[str] = set()
 
@@ -227,6 +230,7 @@ class Lab:
                 tls = port == 443
                 server = RecordingUpstream(names[0], address, port, cert if tls else None, key if tls else None)
                 self.upstreams[(address, port)] = server
+                self.namespace_of[(address, port)] = ns
                 if forbidden:
                     self.forbidden.add((address, port))
 
@@ -238,6 +242,7 @@ class Lab:
             scope = socket.if_nametoindex(self.up_if)
             for port in ports:
                 self.upstreams[(address, port)] = AcceptCounter(name, (address, port, 0, scope))
+                self.namespace_of[(address, port)] = self.up
                 self.forbidden.add((address, port))
 
     def upstream(self, address: str, port: int) -> RecordingUpstream:
@@ -247,14 +252,21 @@ class Lab:
         for server in self.upstreams.values():
             server.reset()
 
-    def touched_forbidden(self, settle: float = 0.1) -> list[str]:
-        """Forbidden upstreams that saw anything (after letting late connections arrive)."""
-        time.sleep(settle)
+    def settle(self) -> None:
+        """Fence every upstream in its namespace (tests.support.fence): a connection still in an
+        accept queue is counted before anything is asserted."""
+        for key, server in self.upstreams.items():
+            with self.inside(self.namespace_of[key]):
+                server.settle()
+
+    def touched_forbidden(self) -> list[str]:
+        """Forbidden upstreams that saw anything (a connection still queued included)."""
+        self.settle()
         return sorted(f"{a}:{p} ({s.connections} conn, {len(s.requests)} req)"
                       for (a, p), s in self.upstreams.items() if (a, p) in self.forbidden and s.touched)
 
-    def touched_any(self, settle: float = 0.1) -> list[str]:
-        time.sleep(settle)
+    def touched_any(self) -> list[str]:
+        self.settle()
         return sorted(f"{a}:{p}" for (a, p), s in self.upstreams.items() if s.touched)
 
     def free_port(self, host: str) -> int:

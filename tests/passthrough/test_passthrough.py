@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from tests.e2e.helpers import Conn, assert_untouched, audit_for, curl, tunnel
 from tests.redteam.tlsfrag import FragmentedTLS
+from tests.support.waiting import value_when
 from tests.transparent.clients import client_hello, read_tls_record, tlslite_with_ech
 
 TIMEOUT = 10.0
@@ -57,12 +58,9 @@ def all_servers(upstreams, pass_upstreams) -> list:
 
 
 def deny_lines(gateway, client: str, reason: str) -> list[dict]:
-    deadline = time.monotonic() + 3
-    while True:
-        lines = [e for e in gateway.audit() if e.get("client") == client and e["decision"] == "deny"]
-        if any(e["reason"] == reason for e in lines) or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+    """The client's deny lines, once one has `reason` (after 3 s: as many as there are)."""
+    return value_when(lambda: [e for e in gateway.audit() if e.get("client") == client and e["decision"] == "deny"],
+                      lambda lines: any(e["reason"] == reason for e in lines), 3)
 
 
 # --- allowed: the upstream's own TLS, end to end ------------------------------------------------------

@@ -14,19 +14,15 @@ Two gateways: `lenient` (the default) and `strict` (network.strict_original_dest
 
 from __future__ import annotations
 
-import concurrent.futures
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from tests.support.gateway import GatewayProcess
 from bench.lib.pki import TestPKI
+from tests.support.gateway import GatewayProcess
+from tests.support.namespaced import Site, built_topology, start_gateways, transparent_gateway
+from tests.support.topology import Topology
 from tests.transparent.clients import client_hello, curl, read_tls_record
-from tests.support.topology import Sandbox, Topology, dns_query, unavailable_reason
 
 pytestmark = pytest.mark.netns
 
@@ -52,37 +48,6 @@ rules:
 SITES = {"lenient": (16, 18091, 15361, 18191), "strict": (17, 18092, 15362, 18192)}
 
 
-class NamespacedGateway(GatewayProcess):
-    """Ready when its log says it listens on every mode (a probe per attempt would be slow)."""
-
-    def _wait_prefixed(self) -> None:
-        modes = [arg for arg in self.command() if "@" in arg and not arg.startswith("-")]
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}")
-            if self.log().count(" listening at ") >= len(modes):
-                return
-            time.sleep(0.1)
-        raise TimeoutError("gateway did not listen")
-
-
-@dataclass
-class Site:
-    sandbox: Sandbox
-    gateway: GatewayProcess
-
-    def audit_for(self, mark: int, event: str, wait: float = 3.0, **match) -> list[dict]:
-        """Lines after `mark` of this event whose fields equal `match` (waiting a little for them)."""
-        deadline = time.monotonic() + wait
-        while True:
-            lines = [e for e in self.gateway.audit()[mark:]
-                     if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
-            if lines or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.05)
-
-
 @dataclass
 class Net:
     topology: Topology
@@ -92,47 +57,22 @@ class Net:
 
 @pytest.fixture(scope="module")
 def net():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="egress-passthrough-"))
-    pki = TestPKI(root / "pki")
-    topology = Topology(pki)
-    gateways: dict[str, GatewayProcess] = {}
-    try:
+    with built_topology("egress-passthrough-") as (topology, root):
+        gateways: dict[str, GatewayProcess] = {}
         try:
-            topology.create()
-        except Exception as exc:  # noqa: BLE001
-            pytest.skip(f"cannot build the namespace topology: {exc}")
-        for name, address in (("pass.test", PASS_IP), ("decoy.test", DECOY_IP)):
-            topology.add_address(address)
-            topology.serve_web(name, address)
-        for key, (index, proxy_port, dns_port, regular_port) in SITES.items():
-            topology.add_sandbox(key, index, proxy_port, dns_port, "80 443")
-            workdir = root / key
-            workdir.mkdir()
-            (workdir / "policy.yaml").write_text(policy(strict=key == "strict"))
-            gateways[key] = NamespacedGateway(
-                workdir / "policy.yaml", workdir, host="127.0.0.1", port=regular_port, upstream_ca=pki.ca_cert,
-                command_prefix=["ip", "netns", "exec", topology.gw],
-                extra_args=["--mode", f"transparent@0.0.0.0:{proxy_port}", "--mode", f"dns@0.0.0.0:{dns_port}"])
-        with concurrent.futures.ThreadPoolExecutor(len(gateways)) as pool:
-            list(pool.map(lambda g: g.start(), gateways.values()))
-        sites = {key: Site(topology.sandboxes[key], gateways[key]) for key in SITES}
-        for site in sites.values():
-            deadline = time.monotonic() + 15
-            while not dns_query(topology, site.sandbox.ns, site.sandbox.gateway_address, "probe.invalid", "A",
-                                timeout=0.5):
-                assert time.monotonic() < deadline, "the gateway's DNS does not answer"
-        topology.check_closed()
-        topology.reset()
-        yield Net(topology, pki, sites)
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        topology.destroy()
-        shutil.rmtree(root, ignore_errors=True)
-        assert topology.leftovers() == [], f"not cleaned up: {topology.leftovers()}"
+            for name, address in (("pass.test", PASS_IP), ("decoy.test", DECOY_IP)):
+                topology.add_address(address)
+                topology.serve_web(name, address)
+            for key, (index, proxy_port, dns_port, regular_port) in SITES.items():
+                topology.add_sandbox(key, index, proxy_port, dns_port, "80 443")
+                gateways[key] = transparent_gateway(topology, root / key, policy(strict=key == "strict"), regular_port,
+                                                    proxy_port, dns_port)
+            sites = {key: Site(topology.sandboxes[key], gateways[key]) for key in SITES}
+            start_gateways(topology, gateways.values(), [site.sandbox for site in sites.values()])
+            yield Net(topology, topology.pki, sites)
+        finally:
+            for gateway in gateways.values():
+                gateway.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -159,7 +99,7 @@ def test_by_name_the_sandbox_sees_the_upstreams_certificate(net, lenient):
     assert [(r.path, r.sni) for r in net.topology.server(f"{PASS_IP}:443").requests] == [("/by-name", "pass.test")]
     assert net.topology.touched() == [f"{PASS_IP}:443"]
     # (Transparent mode also writes the SNI's destination decision as a `tls` line of its own.)
-    tls = lenient.audit_for(mark, "tls", passthrough=True)
+    tls = lenient.gateway.audit_lines(mark, event="tls", passthrough=True)
     assert [(e["decision"], e["rule"], e["host"], e["address"], e["original_destination"])
             for e in tls] == [("allow", "pass", "pass.test", PASS_IP, f"{PASS_IP}:443")], tls
     # Only the upstream's CA works: the gateway's CA is not involved.
@@ -175,7 +115,7 @@ def test_dialling_another_ip_with_the_sni_reaches_only_the_pinned_address(net, l
     assert result.headers.get("x-upstream") == "pass.test", "the decoy answered"
     assert [r.path for r in net.topology.server(f"{PASS_IP}:443").requests] == ["/fronted"]
     assert net.topology.touched() == [f"{PASS_IP}:443"], "the dialled IP must never be dialled"
-    tls = lenient.audit_for(mark, "tls", passthrough=True)
+    tls = lenient.gateway.audit_lines(mark, event="tls", passthrough=True)
     assert [(e["decision"], e["address"], e["original_destination"]) for e in tls] == [
         ("allow", PASS_IP, f"{DECOY_IP}:443")], tls
 
@@ -186,7 +126,7 @@ def test_strict_original_destination_refuses_another_ip(net, strict):
                   "--resolve", f"pass.test:443:{DECOY_IP}")
     assert result.status != 200, result
     assert net.topology.touched() == [], "nothing may be dialled"
-    tls = strict.audit_for(mark, "tls")
+    tls = strict.gateway.audit_lines(mark, event="tls")
     assert [(e["decision"], e["reason"], e["original_destination"]) for e in tls] == [
         ("deny", "original_destination_mismatch", f"{DECOY_IP}:443")], tls
 
@@ -203,7 +143,7 @@ def test_ech_with_a_passthrough_outer_sni_is_refused_in_transparent_mode(net, le
         sock.sendall(client_hello("pass.test", ech=True))
         read_tls_record(sock)
     assert net.topology.touched() == []
-    denied = lenient.audit_for(mark, "tls", decision="deny")
+    denied = lenient.gateway.audit_lines(mark, event="tls", decision="deny")
     assert [e["reason"] for e in denied] == ["ech_refused"], denied
     assert lenient.gateway.audit()[-1]["reason"] == "ech_refused", "the connection's last word must be the refusal"
 
@@ -214,5 +154,5 @@ def test_no_sni_to_the_decoy_ip_is_refused(net, lenient):
         sock.sendall(client_hello(None))
         read_tls_record(sock)
     assert net.topology.touched() == []
-    tls = lenient.audit_for(mark, "tls")
+    tls = lenient.gateway.audit_lines(mark, event="tls")
     assert tls and all(e["decision"] == "deny" for e in tls), tls

@@ -5,10 +5,10 @@ and refuses the others, exactly like one process. Which worker took a connection
 from __future__ import annotations
 
 import ssl
-import time
 
 import pytest
 
+from tests.support.waiting import value_when
 from tests.transparent.clients import client_hello, read_tls_record
 from tests.workers.harness import Probe, WorkerGateway, open_conn, probe_until_every_worker
 
@@ -60,13 +60,10 @@ def _refused(gateway, hello: bytes) -> Probe:
 
 
 def _deny_reason(gateway, client: str) -> str | None:
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        for entry in gateway.audit_entries():
-            if entry["client"] == client and entry["decision"] == "deny":
-                return entry["reason"]
-        time.sleep(0.05)
-    return None
+    """The reason of the client's first deny line (None when there is none after 3 s)."""
+    return value_when(lambda: next((entry["reason"] for entry in gateway.audit_entries()
+                                    if entry["client"] == client and entry["decision"] == "deny"), None),
+                      lambda reason: reason is not None, 3)
 
 
 def test_every_worker_relays_an_allowed_client_hello(two, pki, pass_upstreams):
@@ -74,12 +71,8 @@ def test_every_worker_relays_an_allowed_client_hello(two, pki, pass_upstreams):
     assert {p.status for p in probes} == {200}, probes
     assert sorted(r.path for r in pass_upstreams.pass_tls.requests) == sorted(f"/worker/{p.worker}" for p in probes)
     assert {r.sni for r in pass_upstreams.pass_tls.requests} == {"pass.test"}
-    deadline = time.monotonic() + 3
-    while True:
-        lines = {e["client"]: e for e in two.audit_entries() if e["event"] == "tls" and e.get("passthrough")}
-        if all(p.client in lines for p in probes) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    lines = value_when(lambda: {e["client"]: e for e in two.audit_entries() if e["event"] == "tls" and e.get("passthrough")},
+                       lambda lines: all(p.client in lines for p in probes), 3)
     for probe in probes:
         line = lines.get(probe.client)
         assert line is not None, f"no passthrough line for {probe}"

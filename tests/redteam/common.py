@@ -9,8 +9,6 @@ client side is searched for every form of it (tests.credentials.clients.leaks).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 # category -> one line, in the order the summary table prints them
@@ -58,9 +56,11 @@ def marker_name(category: str) -> str:
 # --- oracles ----------------------------------------------------------------------------------
 
 
-def nothing_reached(servers: dict[str, object], settle: float = 0.05, context: object = None) -> None:
-    """None of these recorders (label -> server with .touched/.connections) saw anything."""
-    time.sleep(settle)
+def nothing_reached(servers: dict[str, object], context: object = None) -> None:
+    """None of these recorders (label -> server with .touched/.connections and .settle()) saw
+    anything, a connection still in an accept queue included (each is fenced first)."""
+    for server in servers.values():
+        server.settle()
     touched = {label: getattr(server, "connections", "?") for label, server in servers.items() if touched_(server)}
     assert not touched, f"forbidden upstream(s) reached (label: connections): {touched}" + (
         f"; {context!r}"[:1500] if context is not None else "")

@@ -9,25 +9,12 @@ Both record like tests.support.upstream.RecordingUpstream: TCP connections and r
 from __future__ import annotations
 
 import base64
-import datetime
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from bench.lib.pki import TestPKI
+from tests.support.certificates import issue_cert
 from tests.support.tcp_origin import TcpOrigin, read_head, server_tls
 from tests.support.upstream import RecordingUpstream
-
-
-def _write(cert: x509.Certificate, key, directory: Path, stem: str) -> tuple[Path, Path]:
-    cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
 
 
 def bad_certificate(pki: TestPKI, kind: str, name: str, address: str) -> tuple[Path, Path]:
@@ -36,34 +23,10 @@ def bad_certificate(pki: TestPKI, kind: str, name: str, address: str) -> tuple[P
     for another name and no IP) or `selfsigned` (right name, its own issuer)."""
     if kind == "wrongname":
         return pki.issue(["someone-else.test"], [], stem=f"redteam-{kind}")
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    if kind == "expired":
-        issuer, signer = pki._cert.subject, pki._key  # the CA the gateway trusts
-        before, after = now - datetime.timedelta(days=30), now - datetime.timedelta(days=1)
-    elif kind == "selfsigned":
-        issuer, signer = subject, key
-        before, after = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=2)
-    else:
+    if kind not in ("expired", "selfsigned"):
         raise ValueError(kind)
-    import ipaddress
-
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(before)
-        .not_valid_after(after)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name),
-                                                    x509.IPAddress(ipaddress.ip_address(address))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(signer, hashes.SHA256())
-    )
-    return _write(cert, key, pki.directory, f"redteam-{kind}")
+    return issue_cert(pki, pki.directory, f"redteam-{kind}", [name], [address],
+                      expired=kind == "expired", self_signed=kind == "selfsigned")
 
 
 def bad_tls_upstream(pki: TestPKI, kind: str, name: str, address: str) -> RecordingUpstream:

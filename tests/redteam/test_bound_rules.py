@@ -33,18 +33,7 @@ pytestmark = attack("credentials")
 POS = world.SECRETS["pos_key"]  # starts with hex digits: "e4" after a '%' is a byte
 
 
-@pytest.fixture(scope="module")
-def bw(tmp_path_factory, upstreams, pki):
-    state = world.start(tmp_path_factory, upstreams, pki, 44, "redteam-bound")
-    yield state
-    world.stop(state)
-
-
-@pytest.fixture(autouse=True)
-def _fresh(request):
-    if "bw" in request.fixturenames:
-        request.getfixturevalue("bw").reset()
-    yield
+bw, _fresh_bw = world.fixtures(44, "redteam-bound", name="bw")
 
 
 def _raw(bw, host: str, head: str, alpn=None) -> bytes:

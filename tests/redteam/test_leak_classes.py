@@ -21,7 +21,6 @@ from __future__ import annotations
 import gzip
 import socket
 import ssl
-import threading
 import zlib
 from urllib.parse import quote_plus
 
@@ -31,6 +30,7 @@ from tests.credentials.clients import leaks
 from tests.credentials.servers import EchoUpstream
 from tests.e2e.helpers import H2Client, extra_static_hosts, get, shared_gateway, tls_tunnel
 from tests.support.gateway import wait_for_port
+from tests.support.tcp_origin import read_head, start_accepting
 from tests.support.mitmdump import clean_env, secret_forms_in, start_mitmdump, stop
 
 from .common import attack
@@ -74,27 +74,16 @@ class TeOrigin:
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.context.load_cert_chain(cert, key)
         self.sock = socket.create_server((address, 443))
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+        start_accepting(self.sock, self._handle)
 
     def _handle(self, client: socket.socket) -> None:
         try:
             tls = self.context.wrap_socket(client, server_side=True)
             tls.settimeout(5)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = tls.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head = data.split(b"\r\n\r\n", 1)[0]
+            got = read_head(tls)
+            if got is None:
+                return
+            head = got[0]
             self.heads.append(head)
             lines = head.split(b"\r\n")
             fields = [line.split(b":", 1) for line in lines[1:]]

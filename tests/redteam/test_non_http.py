@@ -108,4 +108,4 @@ def test_transparent_quic_and_udp(world, port):
     DNS listener, which drops a datagram that is not DNS)."""
     for _ in range(3):
         world.topology.udp_send(world.sandbox.ns, ALLOWED, port, QUIC_INITIAL)
-    assert world.touched(settle=0.3) == []
+    assert world.touched() == []

@@ -7,11 +7,10 @@ audit decision (the gateway receiving its own connection); the metrics text must
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.e2e.helpers import Conn, connect_proxy, get, start_tls, tunnel
+from tests.support.waiting import value_when
 
 from .common import attack, nothing_reached
 from .world import DNS, GATEWAY_SIDE, METRICS, REGULAR, TPROXY
@@ -25,13 +24,13 @@ def _audit_count(gateway) -> int:
     return len(gateway.audit())
 
 
-def _one_decision(gateway, mark: int) -> None:
+def _one_decision(gateway, mark: int, conn: Conn) -> None:
     """Exactly one decision by a client connection that is new since `mark`: a proxy loop would
-    add a second one (the gateway's own connection arriving as a client)."""
-    time.sleep(0.1)
+    add a second one (the gateway's own connection arriving as a client), decided before the first
+    could be answered: so once the line of `conn` is there, a second one would be too."""
     # Every line since `mark` (not "clients not seen before": in a long run an ephemeral port
     # comes round again, and a line of this test's own connection would then be skipped).
-    new = gateway.audit()[mark:]
+    new = value_when(lambda: gateway.audit()[mark:], lambda lines: any(e.get("client") == conn.client for e in lines))
     assert len(new) == 1, f"expected exactly one decision (no loop), got {new}"
 
 
@@ -47,7 +46,7 @@ def test_absolute_form_proxy_loop(rt, host, which):
     assert response.status == 403, response.text
     assert response.egress_reason in SELF_REASONS, response.text
     assert b"# HELP" not in response.body and b"# TYPE" not in response.body
-    _one_decision(rt.gateway, mark)
+    _one_decision(rt.gateway, mark, conn)
     nothing_reached(rt.everything())
 
 
@@ -57,7 +56,7 @@ def test_connect_to_unspecified_and_mapped_forms_of_the_proxy_port(rt, host):
     conn, answer = tunnel(rt.gateway, f"{host}:{rt.gateway.port}")
     conn.close()
     assert answer.status == 403 and answer.egress_reason in SELF_REASONS, answer.body
-    _one_decision(rt.gateway, mark)
+    _one_decision(rt.gateway, mark, conn)
     nothing_reached(rt.everything())
 
 
@@ -84,7 +83,7 @@ def test_explicit_connect_to_every_listener(world, authority):
         conn, answer = tunnel(world.gateway, authority)
     conn.close()
     assert answer.status == 403 and answer.egress_reason in SELF_REASONS, answer.body
-    _one_decision(world.gateway, mark)
+    _one_decision(world.gateway, mark, conn)
     assert world.touched() == []
 
 
@@ -104,7 +103,7 @@ def test_transparent_host_naming_the_gateway(world, host):
     with Conn(world.connect(GATEWAY_SIDE, 80)) as conn:
         response = get(conn, "/", host)
     assert response.status == 403 and response.egress_reason in SELF_REASONS, response.text
-    _one_decision(world.gateway, mark)
+    _one_decision(world.gateway, mark, conn)
     assert world.touched() == []
 
 

@@ -47,7 +47,7 @@ class FragmentedTLS:
         if first_flight and self.segment_size:
             for start in range(0, len(data), self.segment_size):
                 self.sock.sendall(data[start:start + self.segment_size])
-                time.sleep(0.001)
+                time.sleep(0.001)  # pacing, not synchronisation: each fragment its own TCP segment
         else:
             self.sock.sendall(data)
 

@@ -17,17 +17,12 @@ resolver in the internet namespace that records and never answers.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support import waiting
 from tests.support.gateway import GatewayProcess
-from bench.lib.pki import TestPKI
-from tests.support.topology import (
-    ALLOWED, ETC_NETNS, HOSTS, OTHER, TCP_HOST, TRAP_RESOLVER, Sandbox, Topology, dns_query, unavailable_reason,
-)
+from tests.support.namespaced import built_topology, start_gateways, transparent_gateway
+from tests.support.topology import ALLOWED, ETC_NETNS, HOSTS, OTHER, TCP_HOST, TRAP_RESOLVER, Sandbox, Topology, dns_query
 
 SANDBOX_INDEX = 7
 TPROXY, DNS, REGULAR, METRICS = 18091, 15391, 18191, 19191
@@ -99,18 +94,6 @@ rules:
 """
 
 
-class _Gateway(GatewayProcess):
-    """Ready when every listener logged " listening at " (cheaper than probing from a new process)."""
-
-    def _wait_prefixed(self) -> None:
-        def listening() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}")
-            return self.log().count(" listening at ") >= 3
-
-        waiting.wait_for(listening, 60, "the namespaced gateway's three listening lines")
-
-
 @dataclass
 class World:
     topology: Topology
@@ -134,8 +117,8 @@ class World:
     def dns(self, name: str, qtype: str = "A", tcp: bool = False):
         return dns_query(self.topology, self.sandbox.ns, self.sandbox.gateway_address, name, qtype, tcp=tcp)
 
-    def touched(self, settle: float = 0.05) -> list[str]:
-        return self.topology.touched(settle)
+    def touched(self) -> list[str]:
+        return self.topology.touched()
 
     def audit_mark(self) -> int:
         return len(self.gateway.audit())
@@ -143,65 +126,39 @@ class World:
     def audit_since(self, mark: int, count: int = 1, **match) -> list[dict]:
         """Audit lines after `mark` whose fields equal `match`, once there are `count` (after 3 s:
         as many as there are; the caller's assertion says what is missing)."""
-        def lines() -> list[dict]:
-            return [e for e in self.gateway.audit()[mark:] if all(e.get(k) == v for k, v in match.items())]
-
-        try:
-            return waiting.wait_for(lambda: (found,) if len(found := lines()) >= count else None, 3,
-                                    f"{count} audit line(s) with {match}")[0]
-        except AssertionError:
-            return lines()
+        return self.gateway.audit_lines(mark, count, 3, **match)
 
 
 def build_world():
     """A generator: yields a World, tears everything down afterwards (and checks nothing is left)."""
-    reason = unavailable_reason()
-    if reason is not None:
-        import pytest
-
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="egress-redteam-"))
-    topology = Topology(TestPKI(root / "pki"))
-    gateway = None
-    try:
-        topology.create()
-        # A name whose /etc/hosts address (in the gateway namespace) is the metadata service.
-        hosts = ETC_NETNS / topology.gw / "hosts"
-        hosts.write_text(hosts.read_text() + f"{METADATA} {HOSTS_FILE_REBIND}\n")
-        for name in ("allowed.test", "other.test"):
-            topology.add_address(HOSTS[name])
-            topology.serve_web(name, HOSTS[name])
-        for address in (TCP_HOST, RESOLVER, *FORBIDDEN_V4, *FORBIDDEN_V6):
-            topology.add_address(address)
-        for address in (*FORBIDDEN_V4, *FORBIDDEN_V6):
-            topology.serve_tcp(address, 443)
-            topology.serve_tcp(address, 80)
-        topology.serve_tcp(TCP_HOST, 443)
-        topology.serve_tcp(TCP_HOST, 22, echo=True)
-        topology.serve_tcp(OTHER, 22)
-        topology.serve_udp(ALLOWED, 443)  # QUIC
-        topology.serve_udp(RESOLVER, 53)
-        topology.serve_tcp(RESOLVER, 53)
-        topology.serve_tcp(RESOLVER, 443)  # DoH
-        topology.serve_tcp(RESOLVER, 853)  # DoT
-        topology.serve_udp(RESOLVER, 853)  # DoQ
-        sandbox = topology.add_sandbox("redteam", SANDBOX_INDEX, TPROXY, DNS, "80 443 22")
-        policy = root / "policy.yaml"
-        policy.write_text(POLICY)
-        gateway = _Gateway(policy, root / "gw", host="127.0.0.1", port=REGULAR, upstream_ca=topology.pki.ca_cert,
-                           command_prefix=["ip", "netns", "exec", topology.gw],
-                           extra_args=["--mode", f"transparent@0.0.0.0:{TPROXY}", "--mode", f"dns@0.0.0.0:{DNS}",
-                                       "--metrics", f"127.0.0.1:{METRICS}"])
-        gateway.start()
-        waiting.wait_for(lambda: dns_query(topology, sandbox.ns, sandbox.gateway_address, "probe.invalid", "A",
-                                           timeout=0.5) is not None, 15, "the gateway's DNS to answer the sandbox")
-        topology.check_closed()
-        topology.reset()
-        yield World(topology, sandbox, gateway)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        topology.destroy()
-        shutil.rmtree(root, ignore_errors=True)
-        leftovers = topology.leftovers()
-        assert leftovers == [], f"not cleaned up: {leftovers}"
+    with built_topology("egress-redteam-") as (topology, root):
+        gateway = None
+        try:
+            # A name whose /etc/hosts address (in the gateway namespace) is the metadata service.
+            hosts = ETC_NETNS / topology.gw / "hosts"
+            hosts.write_text(hosts.read_text() + f"{METADATA} {HOSTS_FILE_REBIND}\n")
+            for name in ("allowed.test", "other.test"):
+                topology.add_address(HOSTS[name])
+                topology.serve_web(name, HOSTS[name])
+            for address in (TCP_HOST, RESOLVER, *FORBIDDEN_V4, *FORBIDDEN_V6):
+                topology.add_address(address)
+            for address in (*FORBIDDEN_V4, *FORBIDDEN_V6):
+                topology.serve_tcp(address, 443)
+                topology.serve_tcp(address, 80)
+            topology.serve_tcp(TCP_HOST, 443)
+            topology.serve_tcp(TCP_HOST, 22, echo=True)
+            topology.serve_tcp(OTHER, 22)
+            topology.serve_udp(ALLOWED, 443)  # QUIC
+            topology.serve_udp(RESOLVER, 53)
+            topology.serve_tcp(RESOLVER, 53)
+            topology.serve_tcp(RESOLVER, 443)  # DoH
+            topology.serve_tcp(RESOLVER, 853)  # DoT
+            topology.serve_udp(RESOLVER, 853)  # DoQ
+            sandbox = topology.add_sandbox("redteam", SANDBOX_INDEX, TPROXY, DNS, "80 443 22")
+            gateway = transparent_gateway(topology, root / "gw", POLICY, REGULAR, TPROXY, DNS,
+                                          ["--metrics", f"127.0.0.1:{METRICS}"])
+            start_gateways(topology, [gateway], [sandbox])
+            yield World(topology, sandbox, gateway)
+        finally:
+            if gateway is not None:
+                gateway.stop()

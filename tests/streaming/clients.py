@@ -25,6 +25,20 @@ from .origins import WAIT
 _SIZE_LINE = re.compile(rb"^[0-9a-fA-F]+$")
 
 
+def recv_by(sock, deadline: float) -> bytes | None:
+    """One read bounded by `deadline` (time.monotonic(); TimeoutError past it): the bytes, b"" at a
+    clean end (FIN, close_notify), None at an abrupt one (TLS EOF without close_notify, a reset)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError
+    sock.settimeout(remaining)
+    try:
+        return sock.recv(65536)
+    except (socket.timeout, TimeoutError):
+        raise TimeoutError from None
+    except (ssl.SSLEOFError, ConnectionResetError):
+        return None
+
 class Buffered:
     """A socket with a read buffer and deadline-bounded reads."""
 
@@ -38,15 +52,8 @@ class Buffered:
         """Read more; False at end of stream; TimeoutError past the deadline."""
         if self.eof:
             return False
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        self.sock.settimeout(remaining)
-        try:
-            data = self.sock.recv(65536)
-        except (socket.timeout, TimeoutError):
-            raise TimeoutError from None
-        except (ssl.SSLEOFError, ConnectionResetError):
+        data = recv_by(self.sock, deadline)
+        if data is None:
             self.eof, self.eof_kind = True, "abrupt"
             return False
         if not data:
@@ -284,16 +291,7 @@ class H2Client:
 
         if self.closed:
             raise StreamBroken("the HTTP/2 connection is closed")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        self.sock.settimeout(remaining)
-        try:
-            data = self.sock.recv(65536)
-        except (socket.timeout, TimeoutError):
-            raise TimeoutError from None
-        except (ssl.SSLEOFError, ConnectionResetError):
-            data = b""
+        data = recv_by(self.sock, deadline)
         if not data:
             self.closed = True
             raise StreamBroken(f"the HTTP/2 connection closed; streams: {self.responses}")

@@ -65,10 +65,7 @@ seconds), and for test_transparent.py a namespace topology built with tests/tran
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -275,47 +272,29 @@ def transparent_policy() -> str:
 def sandboxed(pki, routes) -> Sandboxed:
     """A sandbox namespace whose TCP 80/443 is redirected (docker/sandbox-net.sh) to a transparent
     gateway in the gateway namespace, and the origins in the internet namespace."""
-    from tests.transparent.conftest import NamespacedGateway
-    from tests.support.topology import Topology, unavailable_reason
+    from tests.support.namespaced import built_topology, start_gateways, transparent_gateway
 
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="egress-streaming-"))
-    topology = Topology(pki)
-    gateway = None
-    started: Origins | None = None
-    try:
+    with built_topology("egress-streaming-", pki) as (topology, root):
+        gateway = None
+        started: Origins | None = None
         try:
-            topology.create()
-        except Exception as exc:  # e.g. veth or namespaces not supported by this kernel
-            pytest.skip(f"cannot build the namespace topology: {exc}")
-        for address in T_ADDRESSES.values():
-            topology.add_address(address)
-        started = start_origins(pki, T_ADDRESSES, routes, inside=lambda: topology.inside(topology.inet),
-                                grpc=False, stem="streaming-netns")
-        sandbox = topology.add_sandbox("stream", 1, T_PROXY_PORT, T_DNS_PORT, "80 443")
-        policy = root / "policy.yaml"
-        policy.write_text(transparent_policy())
-        gateway = NamespacedGateway(
-            policy, root / "gw", host="127.0.0.1", port=T_REGULAR_PORT, upstream_ca=pki.ca_cert,
-            command_prefix=["ip", "netns", "exec", topology.gw],
-            extra_args=["--mode", f"transparent@0.0.0.0:{T_PROXY_PORT}", "--mode", f"dns@0.0.0.0:{T_DNS_PORT}"])
-        patch = pytest.MonkeyPatch()
-        try:
-            patch.setenv(KEY_ENV, KEY)
-            gateway.start()
+            for address in T_ADDRESSES.values():
+                topology.add_address(address)
+            started = start_origins(pki, T_ADDRESSES, routes, inside=lambda: topology.inside(topology.inet),
+                                    grpc=False, stem="streaming-netns")
+            sandbox = topology.add_sandbox("stream", 1, T_PROXY_PORT, T_DNS_PORT, "80 443")
+            gateway = transparent_gateway(topology, root / "gw", transparent_policy(), T_REGULAR_PORT, T_PROXY_PORT,
+                                          T_DNS_PORT)
+            patch = pytest.MonkeyPatch()
+            try:
+                patch.setenv(KEY_ENV, KEY)
+                start_gateways(topology, [gateway], [sandbox])
+            finally:
+                patch.undo()
+            yield Sandboxed(topology, sandbox, gateway, started)
         finally:
-            patch.undo()
-        topology.check_closed()
-        yield Sandboxed(topology, sandbox, gateway, started)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        if started is not None:
-            started.stop()
-        topology.destroy()
-        shutil.rmtree(root, ignore_errors=True)
-        leftovers = topology.leftovers()
-        assert leftovers == [], f"not cleaned up: {leftovers}"
+            if gateway is not None:
+                gateway.stop()
+            if started is not None:
+                started.stop()
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from tests.support.tcp_origin import start_accepting
+
 # Every bounded wait of the suite (a client waiting for an event, the test waiting for the origin).
 WAIT = float(os.environ.get("STREAMING_TEST_WAIT", "10"))
 # Origins wait longer than clients, so that the client-side timeout (the one with a clear message)
@@ -572,16 +574,10 @@ class Origin:
         self._sock.listen(64)
         self.port = self._sock.getsockname()[1]
         self._stopped = False
-        threading.Thread(target=self._serve, daemon=True, name=f"origin-{label}").start()
+        start_accepting(self._sock, self._handle, lambda: self._stopped, self._accepted, name=f"origin-{label}")
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    def _accepted(self, _client: socket.socket, _addr) -> None:
+        self.connections += 1
 
     def _handle(self, client: socket.socket) -> None:
         sni = None

@@ -72,6 +72,17 @@ def test_httpx_http2_gets_http2_and_streams(gateway, routes, origins, rule):
     assert route.exchange.protocol == "HTTP/2"
 
 
+def _follow_a_paced_stream(routes, sock, protocol: str, host: str) -> None:
+    """Two events streamed in lockstep over the negotiated `protocol` ("h2" or "h1") arrive each
+    before the next is sent."""
+    events = model_events(2)
+    route, lock = paced_stream(routes, plan_events(events))
+    fetch = Fetch(sock, protocol, host, route.path)
+    fetch.read_head()
+    lock.ack(0)
+    follow(fetch.events(), events, lock)
+
+
 @pytest.mark.parametrize("rule", RULE_KINDS)
 @pytest.mark.parametrize("offer", [["http/1.1", "h2"], ["h2", "http/1.1"], ["h2"]],
                          ids=["http1.1-first", "h2-first", "h2-only"])
@@ -81,12 +92,7 @@ def test_any_offer_of_h2_gets_h2(gateway, routes, origins, offer, rule):
     try:
         assert sock.selected_alpn_protocol() == "h2", (
             f"the client offered {offer}, the gateway chose {sock.selected_alpn_protocol()!r}")
-        events = model_events(2)
-        route, lock = paced_stream(routes, plan_events(events))
-        fetch = Fetch(sock, "h2", host, route.path)
-        fetch.read_head()
-        lock.ack(0)
-        follow(fetch.events(), events, lock)
+        _follow_a_paced_stream(routes, sock, "h2", host)
     finally:
         sock.close()
 
@@ -96,12 +102,7 @@ def test_an_http11_only_client_keeps_http11(gateway, routes, origins):
     sock = connect_tunnel(gateway, host, ["http/1.1"])
     try:
         assert sock.selected_alpn_protocol() == "http/1.1"
-        events = model_events(2)
-        route, lock = paced_stream(routes, plan_events(events))
-        fetch = Fetch(sock, "h1", host, route.path)
-        fetch.read_head()
-        lock.ack(0)
-        follow(fetch.events(), events, lock)
+        _follow_a_paced_stream(routes, sock, "h1", host)
     finally:
         sock.close()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -10,8 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.lib.gateway_process import terminate
-from tests.support.waiting import wait_for
+from bench.lib.gateway_process import GatewayProcess as BenchGatewayProcess
+from tests.support.waiting import value_when, wait_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,38 +36,19 @@ def wait_for_port(host: str, port: int, timeout: float = 20.0, process: subproce
 
 
 @dataclass
-class GatewayProcess:
-    policy: Path | None
-    workdir: Path
-    host: str = "127.0.0.1"
-    port: int = 0
-    extra_args: list[str] = field(default_factory=list)
-    upstream_ca: Path | None = None
+class GatewayProcess(BenchGatewayProcess):
+    """bench's gateway process (the command, the CA, stop, log and audit lines), with what the
+    suites add: a command prefix (a gateway inside a namespace), waits on the one `wait_for`,
+    audit marks."""
+
     command_prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "ns"]
-
-    def __post_init__(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.confdir = self.workdir / "confdir"
-        self.audit_path = self.workdir / "audit.jsonl"
-        self.log_path = self.workdir / "gateway.log"
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def ca_cert(self) -> Path:
-        return self.confdir / "mitmproxy-ca-cert.pem"
 
     @property
     def proxy_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "gateway", "run", "--mode", f"regular@{self.host}:{self.port}",
-               "--confdir", str(self.confdir), "--audit-log", str(self.audit_path)]
-        if self.policy is not None:
-            cmd += ["--policy", str(self.policy)]
-        if self.upstream_ca is not None:
-            cmd += ["--set", f"ssl_verify_upstream_trusted_ca={self.upstream_ca}"]
-        return self.command_prefix + cmd + self.extra_args
+        return self.command_prefix + super().command()
 
     def start(self) -> "GatewayProcess":
         if not self.port:
@@ -96,16 +76,6 @@ class GatewayProcess:
 
         wait_for(listening, 20, "the gateway to listen", interval=0.1)
 
-    def stop(self) -> int | None:
-        if self.process is None:
-            return None
-        terminate(self.process)
-        self._log.close()
-        return self.process.returncode
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
     audit_mark = 0  # the audit lines before the running test (`mark`)
 
     def mark(self) -> None:
@@ -117,11 +87,27 @@ class GatewayProcess:
     def audit_since_mark(self) -> list[dict]:
         return self.audit()[self.audit_mark:]
 
-    def audit(self) -> list[dict]:
-        if not self.audit_path.exists():
-            return []
-        text = self.audit_path.read_text()
-        # A line being written may be read half-way (one write(2) is not atomic for a concurrent
-        # read of a regular file): only lines already ended count, as a log shipper reads them.
-        complete = text[:text.rfind("\n") + 1]
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    def audit_lines(self, since: int = 0, count: int = 1, wait: float = 3.0, **match) -> list[dict]:
+        """The audit lines after the first `since` whose fields equal `match`, once there are
+        `count` of them (after `wait` s: as many as there are, for the caller's assertion to say
+        what is missing)."""
+        return value_when(lambda: [e for e in self.audit()[since:] if all(e.get(k) == v for k, v in match.items())],
+                          lambda lines: len(lines) >= count, wait, interval=0.02)
+
+
+class NamespacedGateway(GatewayProcess):
+    """A GatewayProcess whose readiness is read from its own log ("... listening at ...", one line
+    per mode) instead of probing with a new Python process per attempt, with a longer deadline:
+    three mitmproxy processes starting at once on a small, busy machine can take a while."""
+
+    START_TIMEOUT = 90.0
+
+    def _wait_prefixed(self) -> None:
+        modes = [arg for arg in self.command() if "@" in arg and not arg.startswith("-")]
+
+        def listening() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}")
+            return self.log().count(" listening at ") >= len(modes)
+
+        wait_for(listening, self.START_TIMEOUT, f"a listening line for each of {modes}", interval=0.1)

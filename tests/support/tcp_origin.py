@@ -14,12 +14,15 @@ import ssl
 import threading
 import time
 
+from tests.support.fence import AcceptFence
 from tests.support.recorder import WAIT, Recorder
 
 
-def accept_forever(sock: socket.socket, handle, stopped) -> None:
+def accept_forever(sock: socket.socket, handle, stopped, on_accept=None) -> None:
     """Accept connections on `sock` until it is closed (or `stopped()`), each handed to
-    `handle(conn, addr)` on a thread of its own. An accept that fails for one connection (reset
+    `handle(conn, addr)` on a thread of its own; with `on_accept`, `handle(conn, *on_accept(conn,
+    addr))`, on_accept running in this loop, in the order of the accept queue (counting, the
+    fence), and None from it dropping the connection. An accept that fails for one connection (reset
     while it waited in the backlog: ECONNABORTED; EMFILE for a moment) skips it: a loop that ended
     there (the `websockets` server's own does) left the socket listening, the kernel completing
     handshakes nobody read, and every later test's upstream TLS handshake hung (a CI run: a
@@ -33,9 +36,22 @@ def accept_forever(sock: socket.socket, handle, stopped) -> None:
             if stopped() or sock.fileno() < 0 or exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
                                                                     errno.ENOMEM):
                 return
-            time.sleep(0.01)  # out of descriptors or memory for a moment: the connection waits in the backlog
+            time.sleep(0.01)  # backoff, not synchronisation: out of descriptors or memory for a moment
             continue
-        threading.Thread(target=handle, args=(conn, addr), daemon=True).start()
+        args = (addr,) if on_accept is None else on_accept(conn, addr)
+        if args is not None:
+            threading.Thread(target=handle, args=(conn, *args), daemon=True).start()
+
+
+def start_accepting(sock: socket.socket, handle, stopped=lambda: False, on_accept=None, name: str | None = None) -> None:
+    """The origins' one accept loop (accept_forever) on a daemon thread: `handle(conn)` for every
+    connection, on a thread of its own. `on_accept(conn, addr)`, when given, runs in the loop
+    itself, in the order of the accept queue (where a count must be taken, or a fence's probe
+    claimed); False from it drops the connection."""
+    def accepted(conn, addr):
+        return None if on_accept is not None and on_accept(conn, addr) is False else ()
+
+    threading.Thread(target=accept_forever, args=(sock, handle, stopped, accepted), daemon=True, name=name).start()
 
 
 def server_tls(cert, key, alpn: list[str] | None = None) -> ssl.SSLContext:
@@ -55,6 +71,7 @@ class TcpOrigin:
     def __init__(self, host: str, port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.host, self.tls = host, tls
         self.recorder: Recorder = Recorder()
+        self._fence = AcceptFence()
         self._open: set[socket.socket] = set()
         self._stopped = False
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -62,8 +79,8 @@ class TcpOrigin:
         self._sock.bind((host, port))
         self._sock.listen(self.backlog)
         self.port = self._sock.getsockname()[1]
-        threading.Thread(target=accept_forever, args=(self._sock, self._connection, lambda: self._stopped),
-                         daemon=True).start()
+        threading.Thread(target=accept_forever, args=(self._sock, self._connection, lambda: self._stopped,
+                                                      self._accepted), daemon=True).start()
 
     # what tests read
     @property
@@ -85,6 +102,11 @@ class TcpOrigin:
         """True once `n` connections have ended at this origin (the peer closed, or the handler returned)."""
         return self.recorder.wait_count(n, "closed", timeout)
 
+    def settle(self, timeout: float = 5.0) -> None:
+        """A fence (tests.support.fence): every connection that reached this origin before the call
+        has been counted once this returns. Call it from the origin's namespace."""
+        self._fence.settle((self.host, self.port), timeout)
+
     def reset(self) -> None:
         self.recorder.clear()
 
@@ -100,10 +122,16 @@ class TcpOrigin:
                 conn.close()
 
     # the accept side
-    def _connection(self, conn: socket.socket, addr=None) -> None:
+    def _accepted(self, conn: socket.socket, addr) -> tuple[int] | None:
+        """In the accept loop, in the queue's order: the fence's probe is dropped, the rest counted."""
+        if self._fence.claims(conn, addr):
+            return None
         number = self.recorder.count("opened")
         with self.recorder.cond:
             self._open.add(conn)
+        return (number,)
+
+    def _connection(self, conn: socket.socket, number: int) -> None:
         try:
             conn.settimeout(self.timeout)
             if self.tls is not None:

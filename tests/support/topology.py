@@ -46,8 +46,11 @@ from pathlib import Path
 from bench.lib.closed_net import (  # noqa: F401  (the network; the tests import its names from here too)
     ETC_NETNS, GW_V4, GW_V6, IN_V4, IN_V6, NETNS_DIR, PROXY_VARS, SANDBOX_NET_SH, TRAP_RESOLVER, ClosedNetwork,
     Sandbox, clean_env, ip, run, unavailable_reason)
+from tests.support.fence import AcceptFence, DatagramFence
 from tests.support.netns import thread_inside
+from tests.support.tcp_origin import start_accepting
 from tests.support.upstream import RecordingUpstream
+from tests.support.waiting import wait_for
 
 HOSTS = {
     "allowed.test": "93.184.216.34",
@@ -69,28 +72,25 @@ class TcpRecorder:
 
     def __init__(self, label: str, host: str, port: int, echo: bool = False):
         self.label = label
+        self.host, self.port = host, port
         self.echo = echo
         self.connections = 0
         self.closed = 0  # connections whose gateway side went away (EOF or reset)
         self.received = b""
         self._lock = threading.Lock()
         self._closing = threading.Condition(self._lock)
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(16)
+        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                          backlog=16)
         self._stopped = False
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._fence = AcceptFence()
+        start_accepting(self._sock, self._handle, lambda: self._stopped, self._accepted)
 
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+    def _accepted(self, conn: socket.socket, addr) -> bool:
+        if self._fence.claims(conn, addr):
+            return False
+        with self._lock:
+            self.connections += 1
+        return True
 
     def _handle(self, conn: socket.socket) -> None:
         try:
@@ -123,6 +123,10 @@ class TcpRecorder:
                 else:
                     return
 
+    def settle(self) -> None:
+        """A fence (tests.support.fence): every connection queued before the call is counted."""
+        self._fence.settle((self.host, self.port))
+
     @property
     def touched(self) -> bool:
         return self.connections > 0 or bool(self.received)
@@ -140,35 +144,50 @@ class TcpRecorder:
         self._sock.close()
 
 
-class UdpRecorder:
-    """Records every datagram that arrives on host:port (never answers)."""
+class _DatagramRecorder:
+    """A datagram socket read on a thread of its own, keeping what `_record` picks from each packet
+    in `seen`; a probe of `settle()` (a DatagramFence) is never recorded."""
 
-    def __init__(self, label: str, host: str, port: int):
+    def __init__(self, label: str, sock: socket.socket):
         self.label = label
-        self.datagrams: list[bytes] = []
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind((host, port))
+        self.seen: list = []
+        self._sock = sock
         self._stopped = False
+        self._fence = DatagramFence()
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while not self._stopped:
             try:
-                data, _ = self._sock.recvfrom(65536)
+                packet, source = self._sock.recvfrom(65536)
             except OSError:
                 return
-            self.datagrams.append(data)
+            if source is None:  # shut down (stop()): a UDP socket then reads b"" from nobody
+                return
+            if not self._fence.claims(packet):
+                self._record(packet, source[0])
+
+    def _record(self, packet: bytes, source: str) -> None:
+        raise NotImplementedError
+
+    def _send_probe(self, token: bytes) -> None:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """A fence (tests.support.fence): every packet queued before the call has been read once
+        this returns. Call it from the recorder's namespace."""
+        self._fence.settle(self._send_probe)
 
     @property
     def touched(self) -> bool:
-        return bool(self.datagrams)
+        return bool(self.seen)
 
     @property
     def connections(self) -> int:
-        return len(self.datagrams)
+        return len(self.seen)
 
     def reset(self) -> None:
-        self.datagrams.clear()
+        self.seen.clear()
 
     def stop(self) -> None:
         self._stopped = True
@@ -177,55 +196,64 @@ class UdpRecorder:
         self._sock.close()
 
 
-class IcmpRecorder:
-    """Records ICMP echo requests from the sandboxes (10.203.0.0/16) arriving in a namespace (a raw
-    socket sees a copy of every ICMP packet; the kernel still answers them itself)."""
+class UdpRecorder(_DatagramRecorder):
+    """Records every datagram that arrives on host:port (never answers)."""
+
+    def __init__(self, label: str, host: str, port: int):
+        self.host, self.port = host, port
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((host, port))
+        super().__init__(label, sock)
+
+    @property
+    def datagrams(self) -> list[bytes]:
+        return self.seen
+
+    def _record(self, packet: bytes, source: str) -> None:
+        self.seen.append(packet)
+
+    def _send_probe(self, token: bytes) -> None:
+        with socket.socket(self._sock.family, socket.SOCK_DGRAM) as probe:
+            probe.sendto(token, (self.host, self.port))
+
+
+class IcmpRecorder(_DatagramRecorder):
+    """Records the sources of ICMP echo requests from the sandboxes (10.203.0.0/16) arriving in a
+    namespace (a raw socket sees a copy of every ICMP packet; the kernel still answers them itself).
+    Its fence's probe is an echo request to the namespace's own loopback."""
 
     def __init__(self, label: str):
-        self.label = label
-        self.sources: list[str] = []
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-        self._stopped = False
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                packet, (source, _port) = self._sock.recvfrom(65536)
-            except OSError:
-                return
-            header = (packet[0] & 0x0F) * 4
-            if len(packet) > header and packet[header] == 8 and source.startswith("10.203."):
-                self.sources.append(source)
+        super().__init__(label, socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
 
     @property
-    def touched(self) -> bool:
-        return bool(self.sources)
+    def sources(self) -> list[str]:
+        return self.seen
 
-    @property
-    def connections(self) -> int:
-        return len(self.sources)
+    def _record(self, packet: bytes, source: str) -> None:
+        header = (packet[0] & 0x0F) * 4
+        if len(packet) > header and packet[header] == 8 and source.startswith("10.203."):
+            self.seen.append(source)
 
-    def reset(self) -> None:
-        self.sources.clear()
+    def _send_probe(self, token: bytes) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP) as probe:
+            probe.sendto(echo_request(random.randrange(65536), token), ("127.0.0.1", 0))
 
-    def stop(self) -> None:
-        self._stopped = True
-        self._sock.close()
+
+def echo_request(ident: int, payload: bytes) -> bytes:
+    """An ICMP echo request (type 8) with its checksum."""
+    data = struct.pack("!BBHHH", 8, 0, 0, ident, 1) + payload
+    total = 0
+    for i in range(0, len(data), 2):
+        total += (data[i] << 8) + (data[i + 1] if i + 1 < len(data) else 0)
+    total = (total >> 16) + (total & 0xFFFF)
+    checksum = ~(total + (total >> 16)) & 0xFFFF
+    return struct.pack("!BBHHH", 8, 0, checksum, ident, 1) + payload
 
 
 def icmp_echo(topology: "Topology", ns: str, address: str, timeout: float = 1.0) -> bool:
     """Send one ICMP echo request from namespace `ns`; True when an echo reply came back."""
     ident = random.randrange(65536)
-    payload = b"egress-test-ping"
-    header = struct.pack("!BBHHH", 8, 0, 0, ident, 1)
-    total = 0
-    data = header + payload
-    for i in range(0, len(data), 2):
-        total += (data[i] << 8) + (data[i + 1] if i + 1 < len(data) else 0)
-    total = (total >> 16) + (total & 0xFFFF)
-    checksum = ~(total + (total >> 16)) & 0xFFFF
-    packet = struct.pack("!BBHHH", 8, 0, checksum, ident, 1) + payload
+    packet = echo_request(ident, b"egress-test-ping")
     with topology.inside(ns):
         sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
     with sock:
@@ -261,6 +289,7 @@ class PackageIndex:
         self.wheel_name = f"{self.project.replace('-', '_')}-{self.version}-py3-none-any.whl"
         self.wheel = build_wheel(self.project, self.version)
         self.sha256 = hashlib.sha256(self.wheel).hexdigest()
+        self._fence = AcceptFence()
         index = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -302,6 +331,8 @@ class PackageIndex:
 
             def get_request(self):
                 sock, addr = super().get_request()
+                if index._fence.claims(sock, addr):  # settle()'s own connection: not counted
+                    raise OSError("settle probe")  # socketserver drops the request
                 index.connections += 1
                 holder = {}
                 tls.sni_callback = lambda s, name, c: holder.__setitem__("sni", name)
@@ -313,6 +344,10 @@ class PackageIndex:
 
         self._server = Server((self.host, 443), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def settle(self) -> None:
+        """A fence (tests.support.fence): every connection queued before the call is counted."""
+        self._fence.settle((self.host, 443))
 
     @property
     def touched(self) -> bool:
@@ -413,9 +448,12 @@ class Topology(ClosedNetwork):
         for server in self.servers.values():
             server.reset()
 
-    def touched(self, settle: float = 0.2) -> list[str]:
-        """Labels of every recorder that saw anything at all (after letting late arrivals land)."""
-        time.sleep(settle)
+    def touched(self) -> list[str]:
+        """Labels of every recorder that saw anything at all, a connection or datagram still queued
+        included: each recorder is fenced first (tests.support.fence)."""
+        with self.inside(self.inet):
+            for server in self.servers.values():
+                server.settle()
         return sorted(label for label, server in self.servers.items() if server.touched)
 
     # -- sockets from inside a sandbox ---------------------------------------------------------------
@@ -517,3 +555,10 @@ def dns_query(topology: Topology, ns: str, server: str, name: str, qtype: str, *
         except (TimeoutError, ConnectionError, OSError):
             return None
     return parse_dns_reply(data)
+
+
+def wait_dns_answers(topology: Topology, sandbox: Sandbox, timeout: float = 15.0) -> None:
+    """Wait until the gateway's DNS listener answers this sandbox (each try waits up to 0.5 s): the
+    gateway is up on its redirected side too."""
+    wait_for(lambda: dns_query(topology, sandbox.ns, sandbox.gateway_address, "probe.invalid", "A", timeout=0.5),
+             timeout, f"the gateway's DNS to answer sandbox {sandbox.ns}")

@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.fence import AcceptFence
+
 STALL_SECONDS = 2.0  # a /chunked/ write blocked this long means its reader stopped reading
 
 
@@ -43,7 +45,7 @@ class RecordingUpstream:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        self._probes: dict[tuple, threading.Event] = {}  # settle()'s connections, by client address
+        self._fence = AcceptFence()
         upstream = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -114,11 +116,9 @@ class RecordingUpstream:
 
             def get_request(self):
                 sock, addr = super().get_request()
+                if upstream._fence.claims(sock, addr):  # settle()'s own connection: not counted
+                    raise OSError("settle probe")  # socketserver drops the request
                 with upstream._lock:
-                    if addr[:2] in upstream._probes:  # settle()'s own connection: not counted
-                        upstream._probes[addr[:2]].set()
-                        sock.close()
-                        raise OSError("settle probe")  # socketserver drops the request
                     upstream.connections += 1
                 if upstream._tls is not None:
                     sock.settimeout(5)
@@ -156,24 +156,9 @@ class RecordingUpstream:
             self.stalled.clear()
 
     def settle(self, timeout: float = 5.0) -> None:
-        """A fence: once this returns, every TCP connection that reached this server before the
-        call has been accepted and counted. The kernel's accept queue is first in, first out, so a
-        probe connection of our own, once accepted (and not counted), comes after all of them.
-        The probe binds to the server's own address: a server reachable from the test's network
-        namespace only (the e2e upstreams on loopback)."""
-        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
-            probe.settimeout(timeout)
-            probe.bind((self.host, 0))  # its address is known, and registered, before it connects
-            accepted = threading.Event()
-            address = probe.getsockname()[:2]
-            with self._lock:
-                self._probes[address] = accepted
-            try:
-                probe.connect((self.host, self.port))
-                assert accepted.wait(timeout), f"{self.name}: the settle probe was never accepted"
-            finally:
-                with self._lock:
-                    del self._probes[address]
+        """A fence (tests.support.fence): once this returns, every TCP connection that reached this
+        server before the call has been accepted and counted. Call it from the server's namespace."""
+        self._fence.settle((self.host, self.port), timeout)
 
     @property
     def touched(self) -> bool:

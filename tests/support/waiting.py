@@ -11,6 +11,10 @@ Two ways to learn of the event, one function:
 
 from __future__ import annotations
 
+import fcntl
+import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +45,34 @@ def wait_for(predicate: Callable[[], T], timeout: float = 5.0, what: str = "cond
                 return value
             if time.monotonic() > deadline:
                 break
-            time.sleep(interval)  # the polling interval: the predicate is re-read, nothing is assumed
+            time.sleep(interval)  # the polling interval, not synchronisation: the predicate is re-read
     extra = f"\n{detail()}" if detail is not None else ""
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
+
+
+def value_when(read: Callable[[], T], done: Callable[[T], object], timeout: float = 5.0,
+               interval: float = 0.05) -> T:
+    """read()'s value once done(value) holds, or its last value after `timeout` seconds, for callers
+    whose own assertion on the value says best what is missing (a count, a metric, a status)."""
+    last: list[T] = []
+
+    def reached():
+        last[:] = [read()]
+        return (last[0],) if done(last[0]) else None
+
+    try:
+        return wait_for(reached, timeout, interval=interval)[0]
+    except AssertionError:
+        return last[0]
+
+
+def unacknowledged(sock: socket.socket) -> int:
+    """Bytes of `sock`'s send queue the peer has not acknowledged yet (Linux's TIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def wait_until_sent(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """True once every byte written to `sock` has reached the peer's kernel, what a close or a
+    reset that follows must not overtake (a reset drops what is still queued); False after
+    `timeout` (a peer that stopped reading), for the caller to assert on or to go on regardless."""
+    return value_when(lambda: unacknowledged(sock), lambda queued: queued == 0, timeout, interval=0.01) == 0

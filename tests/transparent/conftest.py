@@ -22,21 +22,14 @@ removed at the end, and the test run fails if anything is left over.
 
 from __future__ import annotations
 
-import concurrent.futures
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from tests.support.gateway import GatewayProcess
-from tests.support.waiting import wait_for
-from bench.lib.pki import TestPKI
+from tests.support.gateway import NamespacedGateway
+from tests.support.namespaced import Site, built_topology, start_gateways, transparent_gateway
 from tests.support.topology import (
-    ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Sandbox, Topology, dns_query,
-    unavailable_reason,
+    ALLOWED, HOSTS, OTHER, PUBLIC_V6, PYPI, TCP_HOST, TCP_NAMED, TRAP_RESOLVER, Topology,
 )
 
 
@@ -158,132 +151,47 @@ GATEWAYS = {"main": (MAIN_POLICY, 18181, []), "strict": (STRICT_POLICY, 18182, [
             "revoke": (REVOKE_POLICY, 18185, []), "limited": (MAIN_POLICY, 18186, LIMITED_ARGS)}
 
 
-class NamespacedGateway(GatewayProcess):
-    """A GatewayProcess whose readiness is read from its own log ("... listening at ...", one line
-    per mode) instead of probing with a new Python process per attempt, with a longer deadline:
-    three mitmproxy processes starting at once on a small, busy machine can take a while."""
-
-    START_TIMEOUT = 90.0
-
-    def _wait_prefixed(self) -> None:
-        modes = [arg for arg in self.command() if "@" in arg and not arg.startswith("-")]
-
-        def listening() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}")
-            return self.log().count(" listening at ") >= len(modes)
-
-        wait_for(listening, self.START_TIMEOUT, f"a listening line for each of {modes}", interval=0.1)
-
-
-@dataclass
-class Site:
-    """A sandbox and the gateway its traffic is redirected to."""
-
-    sandbox: Sandbox
-    gateway: GatewayProcess
-
-    @property
-    def ca(self):
-        return self.gateway.ca_cert
-
-    @property
-    def ns(self) -> str:
-        return self.sandbox.ns
-
-    def audit_mark(self) -> int:
-        return len(self.gateway.audit())
-
-    def audit_since(self, mark: int, settle: float = 0.1, **match) -> list[dict]:
-        """Audit lines after `mark` whose fields equal `match`, once there is one (waiting up to 3 s),
-        and then `settle` seconds more for the last ones."""
-        def lines() -> list[dict]:
-            return [e for e in self.gateway.audit()[mark:] if all(e.get(k) == v for k, v in match.items())]
-
-        try:
-            wait_for(lines, 3.0, f"an audit line with {match}")
-        except AssertionError:
-            pass  # none: the caller's assertion says what is missing
-        # Not an event: a window for lines written after the first (the callers do not say how many
-        # they expect); see the report of the test-waits branch.
-        time.sleep(settle)
-        return lines()
-
-
 @dataclass
 class World:
     topology: Topology
     sites: dict[str, Site]
 
 
-def _dns_answers(topology: Topology, sandbox: Sandbox):
-    """A wait_for predicate: the gateway's DNS answers this sandbox (each try waits up to 0.5 s)."""
-    return lambda: dns_query(topology, sandbox.ns, sandbox.gateway_address, "probe.invalid", "A", timeout=0.5)
-
-
 @pytest.fixture(scope="session")
 def world():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    # Our own directory (not pytest's numbered basetemp, which a concurrent pytest run may prune):
-    # the CA, the upstream certificates, the gateways' confdirs and audit logs live for the session.
-    root = Path(tempfile.mkdtemp(prefix="egress-transparent-"))
-    topology = Topology(TestPKI(root / "pki"))
-    gateways: dict[str, GatewayProcess] = {}
-    try:
+    with built_topology("egress-transparent-") as (topology, root):
+        gateways: dict[str, NamespacedGateway] = {}
         try:
-            topology.create()
-        except Exception as exc:  # e.g. veth or namespaces not supported by this kernel
-            pytest.skip(f"cannot build the namespace topology: {exc}")
-        for name in ("allowed.test", "other.test"):
-            topology.add_address(HOSTS[name])
-            topology.serve_web(name, HOSTS[name])
-        for address in (TCP_HOST, TCP_NAMED, PYPI, TRAP_RESOLVER, PUBLIC_V6):
-            topology.add_address(address)
-        topology.serve_index(PYPI)
-        for address in (OTHER, TCP_HOST, TCP_NAMED):
-            topology.serve_tcp(address, 22, echo=True)
-        topology.serve_tcp(OTHER, 8080)
-        topology.serve_udp(OTHER, 5300)
-        topology.serve_udp(OTHER, 53)
-        topology.serve_udp(ALLOWED, 443)
-        topology.serve_udp(TRAP_RESOLVER, 53)
-        topology.serve_tcp(TRAP_RESOLVER, 53)
-        topology.serve_tcp(PUBLIC_V6, 443)
-        topology.serve_tcp(PUBLIC_V6, 8080)
-        topology.serve_udp(PUBLIC_V6, 5300)
-        topology.record_icmp()
-        for key, (index, proxy_port, dns_port, ports, _gw) in SANDBOXES.items():
-            topology.add_sandbox(key, index, proxy_port, dns_port, ports)
-        for key, (text, regular_port, limits) in GATEWAYS.items():
-            workdir = root / key
-            workdir.mkdir()
-            policy = workdir / "policy.yaml"
-            policy.write_text(text)
-            proxy_port, dns_port = next((p, d) for (_i, p, d, _r, g) in SANDBOXES.values() if g == key)
-            gateways[key] = NamespacedGateway(
-                policy, workdir, host="127.0.0.1", port=regular_port, upstream_ca=topology.pki.ca_cert,
-                command_prefix=["ip", "netns", "exec", topology.gw],
-                extra_args=["--mode", f"transparent@0.0.0.0:{proxy_port}", "--mode", f"dns@0.0.0.0:{dns_port}",
-                            *limits],
-            )
-        with concurrent.futures.ThreadPoolExecutor(len(gateways)) as pool:
-            list(pool.map(lambda g: g.start(), gateways.values()))
-        sites = {key: Site(topology.sandboxes[key], gateways[gw]) for key, (*_x, gw) in SANDBOXES.items()}
-        for site in sites.values():
-            wait_for(_dns_answers(topology, site.sandbox), 15.0,
-                     f"the gateway's DNS to answer sandbox {site.sandbox.key}")
-        topology.check_closed()
-        topology.reset()
-        yield World(topology, sites)
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        topology.destroy()
-        shutil.rmtree(root, ignore_errors=True)
-        leftovers = topology.leftovers()
-        assert leftovers == [], f"not cleaned up: {leftovers}"
+            for name in ("allowed.test", "other.test"):
+                topology.add_address(HOSTS[name])
+                topology.serve_web(name, HOSTS[name])
+            for address in (TCP_HOST, TCP_NAMED, PYPI, TRAP_RESOLVER, PUBLIC_V6):
+                topology.add_address(address)
+            topology.serve_index(PYPI)
+            for address in (OTHER, TCP_HOST, TCP_NAMED):
+                topology.serve_tcp(address, 22, echo=True)
+            topology.serve_tcp(OTHER, 8080)
+            topology.serve_udp(OTHER, 5300)
+            topology.serve_udp(OTHER, 53)
+            topology.serve_udp(ALLOWED, 443)
+            topology.serve_udp(TRAP_RESOLVER, 53)
+            topology.serve_tcp(TRAP_RESOLVER, 53)
+            topology.serve_tcp(PUBLIC_V6, 443)
+            topology.serve_tcp(PUBLIC_V6, 8080)
+            topology.serve_udp(PUBLIC_V6, 5300)
+            topology.record_icmp()
+            for key, (index, proxy_port, dns_port, ports, _gw) in SANDBOXES.items():
+                topology.add_sandbox(key, index, proxy_port, dns_port, ports)
+            for key, (text, regular_port, limits) in GATEWAYS.items():
+                proxy_port, dns_port = next((p, d) for (_i, p, d, _r, g) in SANDBOXES.values() if g == key)
+                gateways[key] = transparent_gateway(topology, root / key, text, regular_port, proxy_port, dns_port,
+                                                    limits)
+            sites = {key: Site(topology.sandboxes[key], gateways[gw]) for key, (*_x, gw) in SANDBOXES.items()}
+            start_gateways(topology, gateways.values(), [site.sandbox for site in sites.values()])
+            yield World(topology, sites)
+        finally:
+            for gateway in gateways.values():
+                gateway.stop()
 
 
 @pytest.fixture(scope="session")

@@ -42,13 +42,13 @@ def hole(topology, binary: str, spec: list[str], chain: str = "FORWARD"):
 def test_udp_443_quic_is_dropped(topology, main):
     for _ in range(3):
         topology.udp_send(main.ns, ALLOWED, 443, QUIC_INITIAL)
-    assert topology.touched(settle=0.5) == []
+    assert topology.touched() == []
 
 
 def test_udp_to_other_ports_is_dropped(topology, main):
     topology.udp_send(main.ns, OTHER, 5300, dns_query_packet("allowed.test", "A"))
     assert dns_query(topology, main.ns, OTHER, "allowed.test", "A", port=5300, timeout=1) is None
-    assert topology.touched(settle=0.3) == []
+    assert topology.touched() == []
 
 
 def test_tcp_to_other_ports_is_dropped(topology, main):
@@ -94,7 +94,7 @@ def test_positive_control_the_recorders_hear_what_is_forwarded(topology, main):
         topology.connect(main.sandbox, OTHER, 8080, timeout=3).close()
         with hole(topology, binary, ["-i", host_if, "-p", "icmp"]):
             assert icmp_echo(topology, main.ns, OTHER, timeout=2), "the ICMP control path does not work"
-        touched = topology.touched(settle=0.5)
+        touched = topology.touched()
     assert touched == [f"{OTHER}:8080", "icmp", f"udp:{ALLOWED}:443", f"udp:{OTHER}:5300"]
 
 
@@ -139,7 +139,7 @@ def test_ipv6_stays_blocked_when_root_in_the_sandbox_enables_it(topology, main, 
         with pytest.raises(OSError):
             topology.connect(main.sandbox, PUBLIC_V6, 443, timeout=1.5).close()
         topology.udp_send(main.ns, PUBLIC_V6, 5300, b"v6 leak")
-        assert topology.touched(settle=0.5) == []
+        assert topology.touched() == []
 
     # As built: the gateway's IPv6 INPUT drop even stops neighbour discovery of the gateway.
     attempt()
@@ -154,5 +154,5 @@ def test_ipv6_stays_blocked_when_root_in_the_sandbox_enables_it(topology, main, 
             except OSError as exc:
                 pytest.fail(f"the IPv6 control path does not work, so this test proves nothing: {exc}")
             topology.udp_send(main.ns, PUBLIC_V6, 5300, b"control")
-            touched = topology.touched(settle=0.5)
+            touched = topology.touched()
     assert touched == [f"{PUBLIC_V6}:443", f"udp:{PUBLIC_V6}:5300"]

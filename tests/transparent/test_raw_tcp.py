@@ -106,7 +106,7 @@ def test_tls_client_hello_in_tiny_segments(topology, main):
     with topology.connect(main.sandbox, ALLOWED, 443) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(hello[:2])
-        time.sleep(0.3)
+        time.sleep(0.3)  # not synchronisation: a window for the bug under test (deciding on 2 bytes) to show
         try:
             sock.sendall(hello[2:])
             record = read_tls_record(sock)

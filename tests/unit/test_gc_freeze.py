@@ -120,7 +120,7 @@ def test_a_cancelled_tasks_frames_are_cleared_so_what_they_held_is_freed_without
         held.append(weakref.ref(big))
         cancelled = None
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # not synchronisation: parked until cancelled
         except asyncio.CancelledError as e:
             cancelled = e
         raise cancelled
@@ -229,7 +229,7 @@ def test_breaking_a_cancelled_tasks_cycles_never_ends_another_task():
                 raise error  # ... handled while this task is cancelled: chained to its CancelledError
             except ValueError:
                 handling.set()
-                await asyncio.sleep(60)
+                await asyncio.sleep(60)  # not synchronisation: parked until cancelled
 
         b = asyncio.create_task(worker())
         a = asyncio.create_task(handler())

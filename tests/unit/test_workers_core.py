@@ -2,6 +2,7 @@
 the audit path from a worker's pipe into the one stream."""
 
 import argparse
+import errno
 import json
 import os
 
@@ -192,29 +193,46 @@ def test_a_restarted_worker_is_not_served_until_its_new_process_listens(tmp_path
 
     from gateway.workers import READY_FD_ENV, Supervisor
 
-    marker = tmp_path / "say-ready"
-    script = ("import os, sys, time, pathlib\n"
-              "marker = pathlib.Path(sys.argv[1])\n"
-              "while not marker.exists(): time.sleep(0.01)\n"
+    ready_pipe = tmp_path / "say-ready"
+    os.mkfifo(ready_pipe)
+    # The child blocks on the FIFO until the test writes to it, and then stays until it is killed.
+    script = ("import os, signal, sys\n"
+              "with open(sys.argv[1], 'rb') as pipe: pipe.read(1)\n"
               f"os.write(int(os.environ['{READY_FD_ENV}']), b'1')\n"
-              "time.sleep(60)\n")
-    supervisor = Supervisor(1, lambda index, fd: [sys.executable, "-c", script, str(marker)])
+              "signal.pause()\n")
+    supervisor = Supervisor(1, lambda index, fd: [sys.executable, "-c", script, str(ready_pipe)])
     worker = supervisor.workers[0]
+
+    def let_it_say_ready() -> None:
+        """Once the child has opened the FIFO (opening its write end succeeds only then), one byte."""
+        fd = wait_for(lambda: _open_writer(ready_pipe), 10.0, "the child waiting on its FIFO")
+        os.write(fd, b"1")
+        os.close(fd)
+
     try:
         supervisor._start(worker)
         assert not supervisor.served(0)  # starting
-        marker.touch()
+        let_it_say_ready()
         wait_for(lambda: (supervisor._check_ready(), supervisor.served(0))[1], 10.0, "the first process listening")
-        marker.unlink()
         worker.process.kill()
         worker.process.wait(10)
         supervisor._start(worker)  # a restart, still starting
         supervisor._check_ready()
         assert not supervisor.served(0)
-        marker.touch()
+        let_it_say_ready()
         wait_for(lambda: (supervisor._check_ready(), supervisor.served(0))[1], 10.0, "the restarted process listening")
     finally:
         if worker.process is not None:
             worker.process.kill()
             worker.process.wait(10)
         supervisor._cleanup()
+
+
+def _open_writer(fifo) -> int | None:
+    """The FIFO's write end, or None while no process has its read end open (ENXIO)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return None
+        raise

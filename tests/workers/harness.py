@@ -71,7 +71,7 @@ class SlowUpstream:
                 if self.path.startswith("/slow/"):
                     upstream.arrived.set()
                     delay = float(self.path.split("/")[2])
-                time.sleep(delay)
+                time.sleep(delay)  # not synchronisation: the slow origin under test
                 body = f"slow.test answered {self.path}\n".encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -181,7 +181,7 @@ class WorkerGateway(GatewayProcess):
             elif (now[0] or now[1]) and time.monotonic() - since >= quiet:
                 self.started_ids |= {procs.identity(p) for p in now[1]} - {None}
                 return now[0], list(now[1])
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling, not synchronisation: the set must stay unchanged for `quiet` s
         raise AssertionError(f"the listening processes did not settle: {last}")
 
     def descendant_ids(self) -> set[tuple[int, int]]:

@@ -84,8 +84,14 @@ def _parse_addr(text: str) -> tuple[str, int]:
 
 def tcp_table() -> list[tuple[tuple[str, int], tuple[str, int], str, int]]:
     """(local, remote, state, inode) of every TCP socket in this network namespace."""
+    return socket_table("/proc/net", "tcp")
+
+
+def socket_table(proc_net: str, proto: str) -> list[tuple[tuple[str, int], tuple[str, int], str, int]]:
+    """(local, remote, state, inode) of every `proto` (tcp or udp) socket, IPv4 and IPv6, listed in
+    `proc_net` (/proc/net: this network namespace; /proc/PID/net: the one process PID lives in)."""
     rows = []
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for name in (f"{proc_net}/{proto}", f"{proc_net}/{proto}6"):
         try:
             lines = Path(name).read_text().splitlines()[1:]
         except OSError:

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
 import signal
 import socket
 import ssl
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,11 +34,9 @@ import pytest
 
 from tests.netns.lab import read_response
 from tests.support import failure_logs
-from bench.lib.pki import TestPKI
 from tests.transparent.clients import curl, http_exchange, http_request
-from tests.support.topology import (
-    ALLOWED, OTHER, TRAP_RESOLVER, Sandbox, Topology, dns_query, unavailable_reason,
-)
+from tests.support.namespaced import built_topology
+from tests.support.topology import ALLOWED, OTHER, TRAP_RESOLVER, Sandbox, Topology, dns_query, wait_dns_answers
 
 from . import procs
 from .harness import Probe, WorkerGateway, log_tail, probe_until_every_worker
@@ -71,16 +67,7 @@ rules:
 
 def _ns_table(pid: int, proto: str) -> list[tuple[tuple[str, int], tuple[str, int], str, int]]:
     """procs.tcp_table, but of the network namespace process `pid` lives in (`proto`: tcp or udp)."""
-    rows = []
-    for name in (f"/proc/{pid}/net/{proto}", f"/proc/{pid}/net/{proto}6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            rows.append((procs._parse_addr(parts[1]), procs._parse_addr(parts[2]), parts[3], int(parts[9])))
-    return rows
+    return procs.socket_table(f"/proc/{pid}/net", proto)
 
 
 def worker_index_of(pid: int) -> str | None:
@@ -149,8 +136,8 @@ class Net:
     gateway: NamespacedWorkerGateway
     source_ports: Iterator[int]  # see _connect
 
-    def touched(self, settle: float = 0.2) -> list[str]:
-        return self.topology.touched(settle)
+    def touched(self) -> list[str]:
+        return self.topology.touched()
 
     def dns(self, name: str, qtype: str = "A", timeout: float = 2.0):
         return dns_query(self.topology, self.sandbox.ns, self.sandbox.gateway_address, name, qtype,
@@ -173,49 +160,37 @@ class Net:
 
 @pytest.fixture(scope="module")
 def net():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="egress-transparent-workers-"))
-    topology = Topology(TestPKI(root / "pki"))
-    gateway = None
-    try:
+    with built_topology("egress-transparent-workers-") as (topology, root):
+        gateway = None
         try:
-            topology.create()
-        except Exception as exc:  # noqa: BLE001  (e.g. veth or namespaces not supported by this kernel)
-            pytest.skip(f"cannot build the namespace topology: {exc}")
-        for name, address in (("allowed.test", ALLOWED), ("other.test", OTHER)):
-            topology.add_address(address)
-            topology.serve_web(name, address)
-        topology.add_address(TRAP_RESOLVER)
-        topology.serve_udp(TRAP_RESOLVER, 53)
-        topology.serve_tcp(TRAP_RESOLVER, 53)
-        sandbox = topology.add_sandbox("workers", SANDBOX_INDEX, PROXY_PORT, DNS_PORT, "80 443")
-        workdir = root / "gateway"
-        workdir.mkdir()
-        (workdir / "policy.yaml").write_text(POLICY)
-        gateway = NamespacedWorkerGateway(
-            workdir / "policy.yaml", workdir, host="127.0.0.1", port=REGULAR_PORT,
-            upstream_ca=topology.pki.ca_cert, command_prefix=["ip", "netns", "exec", topology.gw],
-            extra_args=["--mode", f"transparent@0.0.0.0:{PROXY_PORT}", "--mode", f"dns@0.0.0.0:{DNS_PORT}"],
-            workers=2, expect=2, topology=topology)
-        gateway.start()
-        # Both workers listen on the transparent port too, and worker 0 answers DNS.
-        procs.wait_for(lambda: len(gateway.holders(PROXY_PORT)) == 2, 20, what="2 workers on the transparent port")
-        low = int(sandbox.exec(["cat", "/proc/sys/net/ipv4/ip_local_port_range"]).stdout.split()[0])
-        assert low > FIRST_SOURCE_PORT + 2000, f"the sandbox's ephemeral ports start at {low}"
-        result = Net(topology, sandbox, gateway, iter(range(FIRST_SOURCE_PORT, low)))
-        procs.wait_for(lambda: result.dns("probe.invalid", timeout=0.5), 20, what="the gateway's DNS to answer")
-        topology.check_closed()
-        topology.reset()
-        yield result
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        topology.destroy()
-        shutil.rmtree(root, ignore_errors=True)
-        leftovers = topology.leftovers()
-        assert leftovers == [], f"not cleaned up: {leftovers}"
+            for name, address in (("allowed.test", ALLOWED), ("other.test", OTHER)):
+                topology.add_address(address)
+                topology.serve_web(name, address)
+            topology.add_address(TRAP_RESOLVER)
+            topology.serve_udp(TRAP_RESOLVER, 53)
+            topology.serve_tcp(TRAP_RESOLVER, 53)
+            sandbox = topology.add_sandbox("workers", SANDBOX_INDEX, PROXY_PORT, DNS_PORT, "80 443")
+            workdir = root / "gateway"
+            workdir.mkdir()
+            (workdir / "policy.yaml").write_text(POLICY)
+            gateway = NamespacedWorkerGateway(
+                workdir / "policy.yaml", workdir, host="127.0.0.1", port=REGULAR_PORT,
+                upstream_ca=topology.pki.ca_cert, command_prefix=["ip", "netns", "exec", topology.gw],
+                extra_args=["--mode", f"transparent@0.0.0.0:{PROXY_PORT}", "--mode", f"dns@0.0.0.0:{DNS_PORT}"],
+                workers=2, expect=2, topology=topology)
+            gateway.start()
+            # Both workers listen on the transparent port too, and worker 0 answers DNS.
+            procs.wait_for(lambda: len(gateway.holders(PROXY_PORT)) == 2, 20, what="2 workers on the transparent port")
+            low = int(sandbox.exec(["cat", "/proc/sys/net/ipv4/ip_local_port_range"]).stdout.split()[0])
+            assert low > FIRST_SOURCE_PORT + 2000, f"the sandbox's ephemeral ports start at {low}"
+            result = Net(topology, sandbox, gateway, iter(range(FIRST_SOURCE_PORT, low)))
+            wait_dns_answers(topology, sandbox, 20)
+            topology.check_closed()
+            topology.reset()
+            yield result
+        finally:
+            if gateway is not None:
+                gateway.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -392,7 +367,7 @@ def test_dns_is_answered_by_worker_0_only(net):
     assert getent.returncode == 0 and ALLOWED in getent.stdout, getent
     refused = net.sandbox.exec(["getent", "ahostsv4", SECRET], timeout=20)
     assert refused.returncode != 0, refused
-    assert net.touched(settle=0.5) == [], "a name was looked up outside the gateway"
+    assert net.touched() == [], "a name was looked up outside the gateway"
 
     dns_lines = procs.wait_for(lambda: [e for e in net.gateway.audit_entries()[mark:] if e["event"] == "dns"
                                          and e["host"] in ("other.test", SECRET)] or None, 5,
