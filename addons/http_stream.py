@@ -210,7 +210,7 @@ class GatewayHttpStream(HttpStream):
         room, self._response_room = self._response_room, 0
         if self._head_account is None:
             return self._charge_fields((), 0, cost)
-        self._head_account.release(room)
+        self._head_account.release(room, freed=False)  # (room handed to the head: nothing was freed)
         if cost <= room:
             self._head_account.hold(cost)  # (within what was just given back: never past the budget)
             return True

@@ -147,3 +147,33 @@ def test_held_bytes_count_past_the_limit_and_leave_no_room():
     assert ledger.held(sandbox="s") == 50 and backlog.closed
     backlog.hold(10)  # closed: nothing more is counted
     assert ledger.held(sandbox="s") == 50
+
+
+def test_room_handed_to_what_fills_it_is_not_counted_as_freed_memory():
+    """`Ledger.released` counts memory freed (a thaw of the frozen objects comes every 128 MiB of it,
+    addons/gc_freeze.py): a request's room for its answer's head, handed to the head, frees nothing."""
+    ledger = Ledger(None, None)
+    account = ledger.account("c1", "s1")
+    assert account.reserve(100 + 8192)  # the request head and the room for its answer's head
+    account.release(8192, freed=False)  # the room goes to the answer's head...
+    account.hold(300)  # ...which takes what it costs
+    assert ledger.released == 0
+    account.close()  # the stream is over: its heads are freed
+    assert ledger.released == 400 and ledger.held() == 0
+
+
+def test_an_answer_head_in_its_request_s_room_frees_nothing():
+    """The stream's side of it (addons/http_stream.py): the room handed over is not counted as freed."""
+    from mitmproxy import http
+
+    from addons import http_stream
+
+    ledger = Ledger(None, None)
+    stream = type("Stream", (), {})()
+    stream._head_account = ledger.account("c1", "s1")
+    assert stream._head_account.reserve(http_stream.RESPONSE_HEAD_ROOM)
+    stream._response_room = http_stream.RESPONSE_HEAD_ROOM
+    response = http.Response.make(200, b"", {"content-type": "text/plain"})
+    assert http_stream.GatewayHttpStream._charge_response_head(stream, response)
+    assert ledger.released == 0
+    assert 0 < stream._head_account.held < http_stream.RESPONSE_HEAD_ROOM
