@@ -141,7 +141,7 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "addons.write_backlog", "already wrapped"),
     Attribute("_egress_tls_memory", "TlsConfig.tls_start_client (the wrapper)", "", "addons.tls_memory",
               "addons.tls_memory", "already wrapped"),
-    Attribute("_egress_planned", "AddonManager.trigger_event (the wrapper)", "", "addons.hook_dispatch",
+    Attribute("_egress_planned", "AddonManager.trigger_event and Hook.args (the wrappers)", "", "addons.hook_dispatch",
               "addons.hook_dispatch", "already wrapped"),
     Attribute("_egress_hook_plans", "an AddonManager's __dict__", "addons.hook_dispatch:PLANS_ATTR",
               "addons.hook_dispatch", "addons.hook_dispatch", "its plans: the handlers of each event, in chain order"),

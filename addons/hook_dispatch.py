@@ -26,11 +26,12 @@ are dispatched by mitmproxy's own code. Installed from addons/egress.py; tabled 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import types
 
-from mitmproxy import addonmanager, exceptions
+from mitmproxy import addonmanager, exceptions, hooks
 
 # Dispatched by mitmproxy's own trigger_event, and the plans dropped after them: an addon may
 # (un)bind a hook while it starts or stops.
@@ -79,7 +80,36 @@ def _log_addon_error(exc: Exception) -> None:
     addonmanager.logger.error(f"Addon error: {exc}", exc_info=(type(exc), exc, tb))
 
 
+def _field_names(cls) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(field.name for field in dataclasses.fields(cls))
+    return names
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _install_args() -> None:
+    """Hook.args with each hook class's field names looked up once: mitmproxy 12.3 calls
+    `dataclasses.fields` for every call, and every event is asked for its arguments at least three
+    times (the connection handler, handle_lifecycle, the dispatch). A dataclass's fields are fixed
+    when its class is made."""
+    Hook = hooks.Hook
+    if getattr(Hook.args, "_egress_planned", False):
+        return
+    original = Hook.args
+
+    def args(self) -> list:
+        return [getattr(self, name) for name in _field_names(type(self))]
+
+    args._egress_planned = True
+    args.__wrapped__ = original
+    Hook.args = args
+
+
 def install() -> None:
+    _install_args()
     AddonManager = addonmanager.AddonManager
     original = AddonManager.trigger_event
     if getattr(original, "_egress_planned", False):
@@ -97,13 +127,15 @@ def install() -> None:
         plans = self.__dict__.get(PLANS_ATTR)
         if plans is None:
             plans = self.__dict__[PLANS_ATTR] = _Plans(self)
-        args = event.args()
+        args = None
         for addon, func in plans.get(event.name):
             try:
                 if func is None:
                     with addonmanager.safecall():
                         await self.invoke_addon(addon, event)
                     continue
+                if args is None:
+                    args = event.args()
                 result = func(*args)
                 if result is not None and inspect.isawaitable(result):
                     await result

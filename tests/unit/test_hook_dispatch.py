@@ -20,6 +20,7 @@ hook_dispatch.install()
 
 # sha256 of mitmproxy 12.3's code that the plan replaces for planned events: trigger_event walks the
 # chain, invoke_addon and _iter_hooks call each handler, traverse finds children, safecall logs.
+MITMPROXY_ARGS = "5bab95f7aa358e18cbc06abdb02a4d0a1e71274032d765285706a54e5cb2d965"  # Hook.args
 MITMPROXY_DISPATCH = "57b156773e6636140877b38f207aa842fc7e2be3a85c4302c9e17e58f180f2f8"
 
 
@@ -163,3 +164,13 @@ def test_the_replaced_mitmproxy_code_is_this_mitmproxys():
     original = inspect.getsource(addonmanager.AddonManager.trigger_event.__wrapped__)
     digest = hashlib.sha256((source + original).encode()).hexdigest()
     assert digest == MITMPROXY_DISPATCH, "mitmproxy's hook dispatch changed: check addons/hook_dispatch.py against it"
+
+
+def test_a_hooks_arguments_are_its_fields_in_order():
+    flow = tflow.tflow()
+    assert hooks.all_hooks["request"](flow).args() == [flow]
+    data = object()
+    assert hooks.all_hooks["tls_clienthello"](data).args() == [data]
+    assert hooks.UpdateHook([flow]).args() == [[flow]]
+    source = inspect.getsource(hooks.Hook.args.__wrapped__)
+    assert hashlib.sha256(source.encode()).hexdigest() == MITMPROXY_ARGS, "mitmproxy's Hook.args changed"
