@@ -149,24 +149,28 @@ def _first_free(args) -> CpuRun:
             args.port_base += 10
 
 
+def _paired(results: dict, key: str, other: str, kind: str) -> str:
+    """Median (min-max) of the per-round ratios of `key`'s CPU to `other`'s, then each round's."""
+    ratios = [r[key][kind]["cpu_us"] / r[other][kind]["cpu_us"] for r in results["rounds"]]
+    return (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}): "
+            + ", ".join(f"{x:.2f}" for x in ratios))
+
+
 def report(results: dict, configs: list[str]) -> str:
+    others = [c for c in ("mitmdump", "baseline") if c in configs]
     out = [f"# CPU per request ({len(results['rounds'])} rounds of {results['seconds']:g} s, concurrency "
-           f"{results['concurrency']}, commit {results['commit']}, {results['started']})", "",
-           "| configuration | keep-alive req/s | CPU µs/req | × mitmdump (per round) | new conn/s | CPU µs/conn "
-           "| × mitmdump (per round) |", "|---|---:|---:|---|---:|---:|---|"]
-    for key in configs:
-        row = [key]
-        for kind in ("keepalive", "newconn"):
+           f"{results['concurrency']}, commit {results['commit']}, {results['started']})", ""]
+    for kind, title in (("keepalive", "keep-alive requests"), ("newconn", "new TLS connections (tunnels)")):
+        out += [f"{title}:", "", "| configuration | per s | CPU µs each | "
+                + " | ".join(f"× {o} (per round)" for o in others) + " |",
+                "|---|---:|---:|" + "---|" * len(others)]
+        for key in configs:
             rounds = [r[key][kind] for r in results["rounds"]]
-            row += [f"{statistics.median(r['per_s'] for r in rounds):.0f}",
-                    f"{statistics.median(r['cpu_us'] for r in rounds):.0f}"]
-            if "mitmdump" in configs:
-                ratios = [r[key][kind]["cpu_us"] / r["mitmdump"][kind]["cpu_us"] for r in results["rounds"]]
-                row.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}): "
-                           + ", ".join(f"{x:.2f}" for x in ratios))
-            else:
-                row.append("")
-        out.append("| " + " | ".join(row) + " |")
+            row = [key, f"{statistics.median(r['per_s'] for r in rounds):.0f}",
+                   f"{statistics.median(r['cpu_us'] for r in rounds):.0f}"]
+            row += [_paired(results, key, o, kind) if o != key else "1" for o in others]
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
     return "\n".join(out)
 
 
