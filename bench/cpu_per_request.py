@@ -122,7 +122,8 @@ class CpuRun(Run):
                 def record() -> None:
                     time.sleep(0.5)
                     subprocess.run([self.args.pyspy, "record", "-p", str(pid), "-d", f"{self.args.seconds - 1:g}",
-                                    "-r", "200", "-f", "raw", "--nonblocking", "-o", str(raw)],
+                                    "-r", "200", "-f", "raw", "-o", str(raw),
+                                    "--native" if self.args.native else "--nonblocking"],
                                    capture_output=True, check=True, timeout=self.args.seconds + 60)
 
                 figure = getattr(self, kind)(proc, pid, ca, self.args.seconds, during=record)
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="mitmdump, gateway (this tree's), baseline (the gateway of the tree --baseline names)")
     p.add_argument("--baseline", help="another checkout of the gateway (e.g. `git archive` of an older commit)")
     p.add_argument("--profile", action="store_true", help="py-spy profiles of each configuration instead of the rounds")
+    p.add_argument("--native", action="store_true",
+                   help="py-spy --native: C frames too (OpenSSL, the garbage collector); stops the process per sample")
     p.add_argument("--pyspy", default=shutil.which("py-spy") or "py-spy")
     p.add_argument("--port-base", type=int, default=31600, help="the origin's port; the proxies' follow it")
     p.add_argument("--port-last", type=int, default=31999, help="the highest port the run may take")
