@@ -162,8 +162,8 @@ def report(results: dict, configs: list[str]) -> str:
     out = [f"# CPU per request ({len(results['rounds'])} rounds of {results['seconds']:g} s, concurrency "
            f"{results['concurrency']}, commit {results['commit']}, {results['started']})", ""]
     for kind, title in (("keepalive", "keep-alive requests"), ("newconn", "new TLS connections (tunnels)")):
-        out += [f"{title}:", "", "| configuration | per s | CPU µs each | "
-                + " | ".join(f"× {o} (per round)" for o in others) + " |",
+        out += [f"{title}:", "", "| " + " | ".join(["configuration", "per s", "CPU µs each"]
+                                                   + [f"× {o} (per round)" for o in others]) + " |",
                 "|---|---:|---:|" + "---|" * len(others)]
         for key in configs:
             rounds = [r[key][kind] for r in results["rounds"]]

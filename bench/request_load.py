@@ -26,28 +26,11 @@ import ssl
 import sys
 import time
 
-from idle_tunnels import open_tunnel
-
-
-async def _get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
-    writer.write(request)
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    if lines[0].split()[1:2] != ["200"]:
-        raise ConnectionError(f"GET answered {lines[0][:60]!r}")
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value.strip())
-    if length:
-        await reader.readexactly(length)
+from idle_tunnels import get, get_request, open_tunnel
 
 
 async def keepalive(args, ctx: ssl.SSLContext, errors: collections.Counter) -> int:
-    host, port = args.target.rsplit(":", 1)
-    authority = host if port == "443" else f"{host}:{port}"
-    request = f"GET {args.path} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
+    request = get_request(args)
     tunnels = await asyncio.gather(*(open_tunnel(args, args.sources[i % len(args.sources)], ctx)
                                      for i in range(args.concurrency)))
     print(json.dumps({"ready": True}), flush=True)
@@ -59,7 +42,7 @@ async def keepalive(args, ctx: ssl.SSLContext, errors: collections.Counter) -> i
         nonlocal done
         try:
             while time.monotonic() < deadline:
-                await _get(reader, writer, request)
+                await get(reader, writer, request)
                 done += 1
         except Exception as exc:  # noqa: BLE001 - counted and reported
             errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
