@@ -30,6 +30,7 @@ from addons.layer_guard import LayerGuard  # noqa: E402
 from addons.limits import ConnectionLimiter  # noqa: E402
 from addons.audit_log import AuditLogOwner  # noqa: E402
 from addons.health import HealthEndpoint  # noqa: E402
+from addons import hook_dispatch  # noqa: E402
 from addons.lifecycle import Lifecycle  # noqa: E402
 from addons.metrics import MetricsFeed  # noqa: E402
 from addons.output_guard import OutputGuard  # noqa: E402
@@ -50,6 +51,7 @@ from addons.websocket_limits import WebsocketLimits  # noqa: E402
 
 def make_addons(state: GatewayState | None = None) -> list:
     check_mitmproxy_version()  # before any of them patches mitmproxy
+    hook_dispatch.install()  # each event's handlers looked up once, not walked for every event
     state = state or GatewayState()
     core = EgressCore(state)
     redactor = ResponseRedactor(state)

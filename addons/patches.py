@@ -74,6 +74,11 @@ PATCHES: tuple[Patch, ...] = (
           "copy of its leaf certificate and key (32 KiB and 11 KiB per idle tunnel)"),
     Patch("mitmproxy.addons.tlsconfig:TlsConfig.tls_start_server", "addons.tls_memory",
           "the upstream TLS connection releases idle buffers from its first record"),
+    Patch("mitmproxy.addonmanager:AddonManager.trigger_event", "addons.hook_dispatch",
+          "each event calls the addons that implement its hook from a plan made once, instead of walking "
+          "every addon for every event (~31% of the CPU per keep-alive request)"),
+    Patch("mitmproxy.hooks:Hook.args", "addons.hook_dispatch",
+          "a hook class's field names looked up once, not with dataclasses.fields at every call"),
     Patch("mitmproxy.proxy.layers.http:Http1Client", "addons.http1",
           "the upstream HTTP/1 client keeps the framing the gateway checked (empty pieces, trailers, limits)"),
     Patch("mitmproxy.proxy.layers.http:Http2Client", "addons.h2_limits",

@@ -29,6 +29,30 @@ import sys
 import time
 
 
+def get_request(args) -> bytes:
+    """GET --path on --target, as sent through the tunnel."""
+    host, port = args.target.rsplit(":", 1)
+    authority = host if port == "443" else f"{host}:{port}"  # RFC 9110: a port other than the default is named
+    return f"GET {args.path} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
+
+
+async def get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
+    """Send `request` and read its answer, which must be a 200 (its body by content-length)."""
+    writer.write(request)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    if lines[0].split()[1:2] != ["200"]:
+        raise ConnectionError(f"GET answered {lines[0][:60]!r}")
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value.strip())
+    if length:
+        await reader.readexactly(length)
+
+
 async def open_tunnel(args, source: str | None, ctx: ssl.SSLContext):
     host, port = args.target.rsplit(":", 1)
     if args.proxy:
@@ -46,20 +70,7 @@ async def open_tunnel(args, source: str | None, ctx: ssl.SSLContext):
             if len(status) < 2 or status[1] != b"200":
                 raise ConnectionError(f"CONNECT answered {head.split(b'\r\n', 1)[0][:60]!r}")
         await writer.start_tls(ctx, server_hostname=host)
-        authority = host if port == "443" else f"{host}:{port}"  # RFC 9110: a port other than the default is named
-        writer.write(f"GET {args.path} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        await writer.drain()
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        if lines[0].split()[1:2] != ["200"]:
-            raise ConnectionError(f"GET answered {lines[0][:60]!r}")
-        length = 0
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value.strip())
-        if length:
-            await reader.readexactly(length)
+        await get(reader, writer, get_request(args))
         return reader, writer
     except BaseException:
         writer.close()

@@ -18,6 +18,11 @@ import sys
 from pathlib import Path
 
 GROUPS: list[tuple[str, re.Pattern]] = [
+    # the gateway's stand-ins for mitmproxy's own functions count as what they stand in for (the
+    # hooks and layers they call count as their own)
+    ("mitmproxy hook dispatch", re.compile(r"^addons/hook_dispatch\.py")),
+    # mitmproxy's Layer.handle_event, copied with one line changed (addons/layer_memory.py)
+    ("mitmproxy connection and layer machinery", re.compile(r"^addons/layer_memory\.py")),
     ("audit log and metrics", re.compile(
         r"^(addons/metrics\.py|addons/audit_fields\.py|gateway/audit\.py|gateway/metrics\.py|gateway/redact\.py)")),
     ("the gateway's own checks and addons", re.compile(r"^(addons|gateway)/")),

@@ -54,7 +54,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 def start_mitmdump(workdir: Path, policy: Path, upstream_ca: Path, args: list[str],
                    env: dict[str, str]) -> tuple[subprocess.Popen, Proxy]:
     """mitmdump with the egress addons on a free loopback port; stdout and stderr go to
-    workdir/mitmdump.out, the CA to workdir/conf."""
+    workdir/mitmdump.out, the CA to workdir/conf. The addons are this checkout's: addons/egress.py
+    imports the `addons` package, which would otherwise be whichever checkout is installed."""
     port = free_port()
     confdir = workdir / "conf"
     log_path = workdir / "mitmdump.out"
@@ -63,7 +64,8 @@ def start_mitmdump(workdir: Path, policy: Path, upstream_ca: Path, args: list[st
             [mitmdump_path(), "-s", str(PROJECT_ROOT / "addons" / "egress.py"), "--listen-host", "127.0.0.1",
              "-p", str(port), "--set", f"confdir={confdir}", "--set", f"egress_policy={policy}",
              "--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}", *args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env)
+            stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+            env=env | {"PYTHONPATH": os.pathsep.join(filter(None, (str(PROJECT_ROOT), env.get("PYTHONPATH"))))})
     return proc, Proxy("127.0.0.1", port, confdir, log_path)
 
 

@@ -1,0 +1,176 @@
+"""addons/hook_dispatch.py: an event reaches the addons that implement its hook, in chain order,
+with mitmproxy's semantics (an exception is logged and the next addon runs, AddonHalt stops the
+event, an awaitable is awaited before the next addon), and the plan follows every change: addons
+added or reordered, a hook rebound while options change, children of an addon, a hook set on an
+instance. The mitmproxy code it stands in for is the code this mitmproxy has."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+
+from mitmproxy import addonmanager, exceptions, hooks
+from mitmproxy.test import taddons, tflow
+
+from addons import hook_dispatch
+
+hook_dispatch.install()
+
+# sha256 of mitmproxy 12.3's code that the plan replaces for planned events: trigger_event walks the
+# chain, invoke_addon and _iter_hooks call each handler, traverse finds children, safecall logs.
+MITMPROXY_ARGS = "5bab95f7aa358e18cbc06abdb02a4d0a1e71274032d765285706a54e5cb2d965"  # Hook.args
+MITMPROXY_DISPATCH = "57b156773e6636140877b38f207aa842fc7e2be3a85c4302c9e17e58f180f2f8"
+
+
+class Recorder:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def request(self, flow):
+        self.log.append((self.name, flow))
+
+
+class Slow(Recorder):
+    async def request(self, flow):
+        await asyncio.sleep(0)
+        self.log.append((self.name, flow))
+
+
+class Failing(Recorder):
+    def request(self, flow):
+        self.log.append((self.name, flow))
+        raise ValueError("boom")
+
+
+class Halting(Recorder):
+    def request(self, flow):
+        self.log.append((self.name, flow))
+        raise exceptions.AddonHalt()
+
+
+class Silent:
+    """Implements no hook of interest."""
+
+    def response(self, flow):
+        pass
+
+
+def dispatch(tctx, flow) -> None:
+    asyncio.run(tctx.master.addons.trigger_event(hooks.all_hooks["request"](flow)))
+
+
+def names(log: list) -> list[str]:
+    return [name for name, _ in log]
+
+
+def test_handlers_run_in_chain_order_with_the_event_arguments_and_async_ones_awaited():
+    log: list = []
+    flow = tflow.tflow()
+    with taddons.context(Recorder("a", log), Silent(), Slow("b", log), Recorder("c", log)) as tctx:
+        dispatch(tctx, flow)
+        dispatch(tctx, flow)
+    assert names(log) == ["a", "b", "c"] * 2
+    assert all(f is flow for _, f in log)
+
+
+def test_an_exception_is_logged_and_the_next_addon_still_runs(caplog):
+    log: list = []
+    with taddons.context(Failing("a", log), Recorder("b", log)) as tctx:
+        with caplog.at_level(logging.ERROR):
+            dispatch(tctx, tflow.tflow())
+    assert names(log) == ["a", "b"]
+    assert "Addon error: boom" in caplog.text
+
+
+def test_addon_halt_stops_the_event():
+    log: list = []
+    with taddons.context(Recorder("a", log), Halting("h", log), Recorder("b", log)) as tctx:
+        dispatch(tctx, tflow.tflow())
+    assert names(log) == ["a", "h"]
+
+
+def test_addons_added_or_reordered_after_a_dispatch_are_followed():
+    log: list = []
+    first, second = Recorder("a", log), Recorder("b", log)
+    with taddons.context(first) as tctx:
+        dispatch(tctx, tflow.tflow())
+        tctx.master.addons.add(second)
+        dispatch(tctx, tflow.tflow())
+        chain = tctx.master.addons.chain
+        chain[:] = [second] + [a for a in chain if a is not second]
+        dispatch(tctx, tflow.tflow())
+        tctx.master.addons.remove(first)
+        dispatch(tctx, tflow.tflow())
+    assert names(log) == ["a", "a", "b", "b", "a", "b"]
+
+
+class Rebinding:
+    """Rebinds its hook when an option changes, as addons/output_guard.py rebinds the dumper's."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def request(self, flow):
+        self.log.append(("original", flow))
+
+    def configure(self, updated):
+        if "upstream_cert" in updated:
+            self.request = lambda flow: self.log.append(("rebound", flow))
+
+
+def test_a_hook_rebound_when_an_option_changes_is_the_one_called():
+    log: list = []
+    with taddons.context(Rebinding(log)) as tctx:
+        dispatch(tctx, tflow.tflow())
+        tctx.options.update(upstream_cert=not tctx.options.upstream_cert)
+        dispatch(tctx, tflow.tflow())
+    assert names(log) == ["original", "rebound"]
+
+
+def test_a_hook_on_the_instance_is_looked_up_at_every_event():
+    log: list = []
+    addon = Silent()
+    addon.request = lambda flow: log.append(("first", flow))
+    with taddons.context(addon) as tctx:
+        dispatch(tctx, tflow.tflow())
+        addon.request = lambda flow: log.append(("second", flow))
+        dispatch(tctx, tflow.tflow())
+    assert names(log) == ["first", "second"]
+
+
+class Parent:
+    """An addon with children that change (as mitmproxy's script loader's scripts do)."""
+
+    def __init__(self):
+        self.addons: list = []
+
+
+def test_the_children_of_an_addon_are_looked_up_at_every_event():
+    log: list = []
+    parent = Parent()
+    with taddons.context(parent) as tctx:
+        dispatch(tctx, tflow.tflow())
+        parent.addons.append(Recorder("child", log))
+        dispatch(tctx, tflow.tflow())
+    assert names(log) == ["child"]
+
+
+def test_the_replaced_mitmproxy_code_is_this_mitmproxys():
+    source = "".join(inspect.getsource(f) for f in (
+        addonmanager.traverse, addonmanager.safecall, addonmanager.AddonManager._iter_hooks,
+        addonmanager.AddonManager.invoke_addon))
+    original = inspect.getsource(addonmanager.AddonManager.trigger_event.__wrapped__)
+    digest = hashlib.sha256((source + original).encode()).hexdigest()
+    assert digest == MITMPROXY_DISPATCH, "mitmproxy's hook dispatch changed: check addons/hook_dispatch.py against it"
+
+
+def test_a_hooks_arguments_are_its_fields_in_order():
+    flow = tflow.tflow()
+    assert hooks.all_hooks["request"](flow).args() == [flow]
+    data = object()
+    assert hooks.all_hooks["tls_clienthello"](data).args() == [data]
+    assert hooks.UpdateHook([flow]).args() == [[flow]]
+    source = inspect.getsource(hooks.Hook.args.__wrapped__)
+    assert hashlib.sha256(source.encode()).hexdigest() == MITMPROXY_ARGS, "mitmproxy's Hook.args changed"
