@@ -307,7 +307,7 @@ def stop(proc: subprocess.Popen | None) -> None:
 
 
 class Run:
-    def __init__(self, args) -> None:
+    def __init__(self, args, configs: list[str]) -> None:
         self.args = args
         self.python = sys.executable
         self.mitmdump = args.mitmdump or str(Path(sys.executable).with_name("mitmdump"))
@@ -316,8 +316,8 @@ class Run:
         self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3,
                       "baseline": args.port_base + 4, "gateway_bound": args.port_base + 5,
                       "baseline_bound": args.port_base + 6}
-        for port in (self.origin_port, *self.ports.values()):
-            if not port_free(port):
+        for port in (self.origin_port, self.ports["gateway_tm"], *(self.ports[c] for c in configs)):
+            if not port_free(port):  # (only the ports this run listens on: the others may be clients' now)
                 raise RuntimeError(f"port {port} is taken (use --port-base)")
         from lib.pki import TestPKI
 
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     _raise_nofile(20000)
     configs = [c for c in (args.configs or ("mitmdump,gateway,gateway_bound" if args.sse else "mitmdump,gateway"))
                .split(",") if c]
-    run = Run(args)
+    run = Run(args, configs)
     results: dict = {"count": args.count, "sse": args.sse, "rounds": [], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                               cwd=PROJECT_ROOT).stdout.strip()}
