@@ -74,6 +74,13 @@ PATCHES: tuple[Patch, ...] = (
           "copy of its leaf certificate and key (32 KiB and 11 KiB per idle tunnel)"),
     Patch("mitmproxy.addons.tlsconfig:TlsConfig.tls_start_server", "addons.tls_memory",
           "the upstream TLS connection releases idle buffers from its first record"),
+    Patch("mitmproxy.proxy.layers.tls:TLSLayer.receive_handshake_data", "addons.tls_memory",
+          "a TLS connection whose handshake is done gets new, empty memory BIOs: the old ones kept the "
+          "handshake's flights' capacity for the connection's life (~6 KiB per tunnel)"),
+    Patch("mitmproxy.proxy.layers.tls:TLSLayer.send_data", "addons.tls_memory",
+          "new memory BIOs after a large piece sent: a BIO keeps the capacity of the largest piece (256 KiB)"),
+    Patch("mitmproxy.proxy.layers.tls:TLSLayer.receive_data", "addons.tls_memory",
+          "new memory BIOs after a large piece read: a BIO keeps the capacity of the largest read (64 KiB)"),
     Patch("mitmproxy.proxy.layers.http:Http1Client", "addons.http1",
           "the upstream HTTP/1 client keeps the framing the gateway checked (empty pieces, trailers, limits)"),
     Patch("mitmproxy.proxy.layers.http:Http2Client", "addons.h2_limits",
