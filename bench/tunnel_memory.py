@@ -311,7 +311,6 @@ class Run:
         self.args = args
         self.python = sys.executable
         self.mitmdump = args.mitmdump or str(Path(sys.executable).with_name("mitmdump"))
-        self.work = Path(tempfile.mkdtemp(prefix="egress-tunnel-mem-"))
         self.origin_port = args.port_base
         self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3,
                       "baseline": args.port_base + 4, "gateway_bound": args.port_base + 5,
@@ -319,6 +318,7 @@ class Run:
         for port in (self.origin_port, self.ports["gateway_tm"], *(self.ports[c] for c in configs)):
             if not port_free(port):  # (only the ports this run listens on: the others may be clients' now)
                 raise RuntimeError(f"port {port} is taken (use --port-base)")
+        self.work = Path(tempfile.mkdtemp(prefix="egress-tunnel-mem-"))  # (after the check: none left behind)
         from lib.pki import TestPKI
 
         pki = TestPKI(self.work / "pki")
@@ -371,9 +371,17 @@ rules:
         else:
             shutil.rmtree(self.work, ignore_errors=True)
 
+    def _listen_port(self, preferred: int) -> int:
+        """`preferred`, or the next free port above the configurations' own: the ports of this range may
+        be ephemeral ports of clients at the moment a proxy starts."""
+        for port in (preferred, *range(self.args.port_base + 10, self.args.port_base + 50)):
+            if port_free(port):
+                return port
+        raise RuntimeError(f"no free port near {preferred} (use --port-base)")
+
     def start(self, key: str, tracemalloc_dir: Path | None = None, frames: int = 12) -> tuple[subprocess.Popen, str]:
         """Start configuration `key`; returns the process and the CA its clients must trust."""
-        port = self.ports["gateway_tm" if tracemalloc_dir else key]
+        port = self._listen_port(self.ports["gateway_tm" if tracemalloc_dir else key])
         confdir = self.work / f"confdir-{key}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env[SECRET_ENV] = self.secret
