@@ -31,19 +31,10 @@ import collections
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy import layer as layer_module
 
-
-class _NoEvents(collections.deque):
-    """The one empty paused-event queue of every layer that never queued an event."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args, **kwargs):
-        raise RuntimeError("egress gateway: an event written to the shared empty queue of paused events")
-
-    append = appendleft = extend = extendleft = insert = __iadd__ = _refuse
+from .empty_deque import SharedEmptyDeque
 
 
-NO_EVENTS = _NoEvents()
+NO_EVENTS = SharedEmptyDeque()  # the paused-event queue of every layer that has none queued
 
 
 def install() -> None:
