@@ -69,6 +69,11 @@ PATCHES: tuple[Patch, ...] = (
           "(760 bytes each, ~18 layers per tunnel)"),
     Patch("mitmproxy.proxy.layer:Layer.handle_event", "addons.layer_memory",
           "mitmproxy's, with a layer's queue of paused events made when it first queues one"),
+    Patch("asyncio.streams:FlowControlMixin.__init__", "addons.stream_memory",
+          "a stream protocol starts with one shared empty list of drain waiters, not a deque of its own "
+          "(760 bytes each, two per tunnel)"),
+    Patch("asyncio.streams:FlowControlMixin._drain_helper", "addons.stream_memory",
+          "Python's, with the protocol's deque of drain waiters made when a writer first waits"),
     Patch("mitmproxy.addons.tlsconfig:TlsConfig.tls_start_client", "addons.tls_memory",
           "the sandbox's TLS connection releases idle buffers from its first record and shares one OpenSSL "
           "copy of its leaf certificate and key (32 KiB and 11 KiB per idle tunnel)"),
