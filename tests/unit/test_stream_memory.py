@@ -24,15 +24,23 @@ stream_memory.install()
 PYTHON_DRAIN_HELPER = "3aaf494dc68cc7af023abd7b44a1f11872cd77f028748ac317ce62a89446e2f9"
 
 
-async def _pair():
-    """Two connected asyncio streams (a socket pair): (writer of one end, reader of the other)."""
-    a, b = socket.socketpair()
-    _, writer = await asyncio.open_connection(sock=a)
-    reader, peer = await asyncio.open_connection(sock=b)
-    return writer, reader, peer
+def _with_pair(body) -> None:
+    """Run `body(writer, reader)` on two connected asyncio streams (a socket pair: the writer of one
+    end, the reader of the other), then close both ends."""
+    async def main():
+        a, b = socket.socketpair()
+        _, writer = await asyncio.open_connection(sock=a)
+        reader, peer = await asyncio.open_connection(sock=b)
+        try:
+            await body(writer, reader)
+        finally:
+            writer.close()
+            peer.close()
+
+    asyncio.run(main())
 
 
-async def _held_back(writer: asyncio.StreamWriter) -> asyncio.Task:
+async def _held_back(writer: asyncio.StreamWriter) -> asyncio.Future:
     """A drain() that waits: the transport's buffer over its (lowered) high-water mark."""
     writer.transport.set_write_buffer_limits(high=1)
     while not writer.transport.get_write_buffer_size():  # the kernel's buffer takes what it can first
@@ -44,22 +52,18 @@ async def _held_back(writer: asyncio.StreamWriter) -> asyncio.Task:
 
 
 def test_a_new_protocol_shares_the_empty_deque_which_refuses_writes():
-    async def main():
-        writer, _, peer = await _pair()
+    async def body(writer, _):
         assert writer._protocol._drain_waiters is NO_WAITERS
         await writer.drain()  # not paused: returns at once, nothing made
         assert writer._protocol._drain_waiters is NO_WAITERS
         with pytest.raises(RuntimeError):
             NO_WAITERS.append(1)
-        writer.close()
-        peer.close()
 
-    asyncio.run(main())
+    _with_pair(body)
 
 
 def test_a_waiting_writer_gets_a_deque_which_goes_when_the_peer_reads():
-    async def main():
-        writer, reader, peer = await _pair()
+    async def body(writer, reader):
         drain = await _held_back(writer)
         waiters = writer._protocol._drain_waiters
         assert waiters is not NO_WAITERS and len(waiters) == 1 and not drain.done()
@@ -67,24 +71,20 @@ def test_a_waiting_writer_gets_a_deque_which_goes_when_the_peer_reads():
             await reader.read(1 << 20)
         await drain
         assert writer._protocol._drain_waiters is NO_WAITERS
-        writer.close()
-        peer.close()
 
-    asyncio.run(main())
+    _with_pair(body)
 
 
 def test_a_waiting_writer_is_released_when_the_connection_is_lost():
-    async def main():
-        writer, _, peer = await _pair()
+    async def body(writer, _):
         drain = await _held_back(writer)
         writer.transport.abort()  # connection_lost: the waiter is woken (asyncio's, unchanged)
         await drain
         assert writer._protocol._drain_waiters is NO_WAITERS
         with pytest.raises(ConnectionResetError):  # and a later drain() says why
             await writer.drain()
-        peer.close()
 
-    asyncio.run(main())
+    _with_pair(body)
 
 
 def test_the_copy_is_of_this_python_s_drain_helper():
