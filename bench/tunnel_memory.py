@@ -259,6 +259,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+class ProxyDidNotListen(RuntimeError):
+    pass
+
+
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -380,7 +384,19 @@ rules:
         raise RuntimeError(f"no free port near {preferred} (use --port-base)")
 
     def start(self, key: str, tracemalloc_dir: Path | None = None, frames: int = 12) -> tuple[subprocess.Popen, str]:
-        """Start configuration `key`; returns the process and the CA its clients must trust."""
+        """Start configuration `key`; returns the process and the CA its clients must trust. A proxy that
+        exits before it listens (its port taken, between the check and its bind, by a client's ephemeral
+        port) is started again on another port, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._start_once(key, tracemalloc_dir, frames)
+            except ProxyDidNotListen:
+                if attempt == 2:
+                    raise
+                log(f"  {key} did not listen (its port taken?): starting it again")
+        raise AssertionError("unreachable")
+
+    def _start_once(self, key: str, tracemalloc_dir: Path | None, frames: int) -> tuple[subprocess.Popen, str]:
         port = self._listen_port(self.ports["gateway_tm" if tracemalloc_dir else key])
         confdir = self.work / f"confdir-{key}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -409,7 +425,11 @@ rules:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=root)
         proc.port = port  # type: ignore[attr-defined]
-        wait_port(port, proc, 60)
+        try:
+            wait_port(port, proc, 60)
+        except RuntimeError as exc:
+            stop(proc)
+            raise ProxyDidNotListen(str(exc)) from exc
         ca = confdir / "mitmproxy-ca-cert.pem"
         deadline = time.monotonic() + 15
         while not ca.exists() and time.monotonic() < deadline:
