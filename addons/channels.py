@@ -145,6 +145,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "addons.hook_dispatch", "addons.hook_dispatch", "its plans: the handlers of each event, in chain order"),
     Attribute("_egress_lazy_queue", "Layer.handle_event (the wrapper)", "", "addons.layer_memory",
               "addons.layer_memory", "already wrapped"),
+    Attribute("_egress_lazy_waiters", "FlowControlMixin._drain_helper (the wrapper)", "", "addons.stream_memory",
+              "addons.stream_memory", "already wrapped"),
     Attribute("_egress_backpressure", "ConnectionHandler.drain_writers (the wrapper)", "", "addons.h2_backpressure",
               "addons.h2_backpressure", "already wrapped"),
     Attribute("_egress_read_ahead", "ConnectionHandler.drain_writers (the wrapper)", "", "addons.read_ahead",

@@ -33,7 +33,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
 from gateway.session import PASSTHROUGH, ClientSession
 
-from . import layer_memory, passthrough
+from . import instance_layout, layer_memory, passthrough, stream_memory
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .http1_server import MAX_EMPTY_LINES
@@ -140,6 +140,8 @@ def _refuse_on_error(self, nextlayer: layer.NextLayer, error: Exception) -> None
 class LayerGuard:
     def __init__(self, state: GatewayState):
         layer_memory.install()  # every layer's queue of paused events made only when first used
+        stream_memory.install()  # every connection's list of drain waiters made only when a writer waits
+        instance_layout.install()  # per-connection objects keep their attributes inline, without dicts
         self.state = state
 
     def load(self, loader):

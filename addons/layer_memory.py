@@ -14,9 +14,14 @@ its first event. Every reader of the queue (mitmproxy's `__continue` and HttpStr
 `check_killed`, addons/read_ahead.py, addons/http_stream.py) only tests, iterates or pops it when it
 is not empty, and sees the shared one as the empty deque it used to be.
 
+A queue that has been replayed to the end goes back to NO_EVENTS: a layer that was paused once
+(every stream and HTTP layer waits for its hooks, a TLS layer for its upstream connection) kept its
+empty deque, 760 bytes, for the rest of the connection; an open SSE stream kept ~2.3 of them
+(docs/performance.md, "Memory per open SSE stream"). The next event queued makes a new one.
+
 Two wrappers, tabled in addons/patches.py: `Layer.__init__` (mitmproxy's, then the shared queue in
 place of the new one) and `Layer.handle_event` (mitmproxy 12.3's, with the queue made on its first
-append; nothing else in it changed).
+append and let go once replayed empty; nothing else in it changed).
 """
 
 from __future__ import annotations
@@ -26,19 +31,10 @@ import collections
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy import layer as layer_module
 
-
-class _NoEvents(collections.deque):
-    """The one empty paused-event queue of every layer that never queued an event."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args, **kwargs):
-        raise RuntimeError("egress gateway: an event written to the shared empty queue of paused events")
-
-    append = appendleft = extend = extendleft = insert = __iadd__ = _refuse
+from .empty_deque import SharedEmptyDeque
 
 
-NO_EVENTS = _NoEvents()
+NO_EVENTS = SharedEmptyDeque()  # the paused-event queue of every layer that has none queued
 
 
 def install() -> None:
@@ -64,6 +60,8 @@ def install() -> None:
             if pause_finished:
                 assert isinstance(event, events.CommandCompleted)
                 yield from self._Layer__continue(event)
+                if not self._paused_event_queue:
+                    self._paused_event_queue = NO_EVENTS  # drained: its block goes (the module's docstring)
             else:
                 queue = self._paused_event_queue
                 if queue is NO_EVENTS:

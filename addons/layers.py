@@ -181,6 +181,10 @@ class GatewayHttpLayer(HttpLayer):
         stream = self.streams[stream_id] = self.stream_class(self.context.fork(), stream_id)
         stream.on_refusal = self.on_refusal
         stream.body_limits = self.body_limits
+        # What HttpStream's cached_property `mode` finds (its parent's mode), set as a plain attribute:
+        # a cached_property writes into the instance's __dict__, which gave every stream a dict of
+        # its own (addons/instance_layout.py).
+        stream.mode = self.mode
         yield from self.event_to_child(self.streams[stream_id], events.Start())
 
     stream_class: type[HttpStream] = GatewayHttpStream

@@ -69,6 +69,11 @@ PATCHES: tuple[Patch, ...] = (
           "(760 bytes each, ~18 layers per tunnel)"),
     Patch("mitmproxy.proxy.layer:Layer.handle_event", "addons.layer_memory",
           "mitmproxy's, with a layer's queue of paused events made when it first queues one"),
+    Patch("asyncio.streams:FlowControlMixin.__init__", "addons.stream_memory",
+          "a stream protocol starts with one shared empty list of drain waiters, not a deque of its own "
+          "(760 bytes each, two per tunnel)"),
+    Patch("asyncio.streams:FlowControlMixin._drain_helper", "addons.stream_memory",
+          "Python's, with the protocol's deque of drain waiters made when a writer first waits"),
     Patch("mitmproxy.addons.tlsconfig:TlsConfig.tls_start_client", "addons.tls_memory",
           "the sandbox's TLS connection releases idle buffers from its first record and shares one OpenSSL "
           "copy of its leaf certificate and key (32 KiB and 11 KiB per idle tunnel)"),
@@ -79,6 +84,13 @@ PATCHES: tuple[Patch, ...] = (
           "every addon for every event (~31% of the CPU per keep-alive request)"),
     Patch("mitmproxy.hooks:Hook.args", "addons.hook_dispatch",
           "a hook class's field names looked up once, not with dataclasses.fields at every call"),
+    Patch("mitmproxy.proxy.layers.tls:TLSLayer.receive_handshake_data", "addons.tls_memory",
+          "a TLS connection whose handshake is done gets new, empty memory BIOs: the old ones kept the "
+          "handshake's flights' capacity for the connection's life (~6 KiB per tunnel)"),
+    Patch("mitmproxy.proxy.layers.tls:TLSLayer.send_data", "addons.tls_memory",
+          "new memory BIOs after a large piece sent: a BIO keeps the capacity of the largest piece (256 KiB)"),
+    Patch("mitmproxy.proxy.layers.tls:TLSLayer.receive_data", "addons.tls_memory",
+          "new memory BIOs after a large piece read: a BIO keeps the capacity of the largest read (64 KiB)"),
     Patch("mitmproxy.proxy.layers.http:Http1Client", "addons.http1",
           "the upstream HTTP/1 client keeps the framing the gateway checked (empty pieces, trailers, limits)"),
     Patch("mitmproxy.proxy.layers.http:Http2Client", "addons.h2_limits",

@@ -10,6 +10,8 @@ holds every connection), `CONNECT target`, a 200, a TLS handshake with the name 
 against --cafile (the proxy's CA when it intercepts, the origin's when it passes TLS through), one
 `GET --path` answered 200 — so an intercepting proxy has its upstream connection open too — and then
 nothing: the connection stays open and idle. With no --proxy, the same straight to --connect (HOST:PORT).
+With --sse the request is answered by a server-sent-events stream that stays open: the tunnel counts as
+open once the first whole event (up to its blank line) has arrived, and then holds the stream.
 
 Prints one JSON line when every tunnel is open (or failed): {"open": N, "failed": M, "seconds": S,
 "errors": {...}}, then holds the tunnels until its standard input closes (or SIGTERM/SIGINT), closes them
@@ -36,14 +38,18 @@ def get_request(args) -> bytes:
     return f"GET {args.path} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
 
 
-async def get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> None:
-    """Send `request` and read its answer, which must be a 200 (its body by content-length)."""
+async def get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, sse: bool = False) -> None:
+    """Send `request` and read its answer, which must be a 200 (its body by content-length; with
+    `sse`, an event stream's first event, the stream then held open)."""
     writer.write(request)
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     if lines[0].split()[1:2] != ["200"]:
         raise ConnectionError(f"GET answered {lines[0][:60]!r}")
+    if sse:
+        await first_event(reader, lines[1:])
+        return
     length = 0
     for line in lines[1:]:
         name, _, value = line.partition(":")
@@ -51,6 +57,17 @@ async def get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reques
             length = int(value.strip())
     if length:
         await reader.readexactly(length)
+
+
+async def first_event(reader: asyncio.StreamReader, header_lines: list[str]) -> None:
+    """Read an SSE response's first whole event (chunked or read-until-close framing alike: the event's
+    blank line is in the bytes either way), so the stream is known to run end to end, unbuffered."""
+    fields = {name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)}
+    if not fields.get("content-type", "").startswith("text/event-stream"):
+        raise ConnectionError(f"not an event stream: {fields.get('content-type')!r}")
+    event = await reader.readuntil(b"\n\n")
+    if b"data:" not in event:
+        raise ConnectionError(f"not an event: {event[:60]!r}")
 
 
 async def open_tunnel(args, source: str | None, ctx: ssl.SSLContext):
@@ -70,7 +87,7 @@ async def open_tunnel(args, source: str | None, ctx: ssl.SSLContext):
             if len(status) < 2 or status[1] != b"200":
                 raise ConnectionError(f"CONNECT answered {head.split(b'\r\n', 1)[0][:60]!r}")
         await writer.start_tls(ctx, server_hostname=host)
-        await get(reader, writer, get_request(args))
+        await get(reader, writer, get_request(args), args.sse)
         return reader, writer
     except BaseException:
         writer.close()
@@ -122,6 +139,8 @@ def main() -> int:
     p.add_argument("--target", required=True, help="HOST:PORT named in CONNECT and used as TLS server name")
     p.add_argument("--cafile", required=True, help="CA that the TLS certificate seen through the tunnel must chain to")
     p.add_argument("--path", default="/small.txt", help="the one request sent on each tunnel")
+    p.add_argument("--sse", action="store_true", help="the request opens an event stream: wait for its first "
+                   "event, then hold it open")
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=32, help="tunnels being opened at once")
     p.add_argument("--sources", default="", help="comma-separated local addresses to connect from, round robin")

@@ -4,6 +4,7 @@
     python bench/tunnel_memory.py                       # N=1000, 2 rounds, both configurations
     python bench/tunnel_memory.py --count 500 --rounds 3
     python bench/tunnel_memory.py --tracemalloc         # also: what the gateway's Python objects are, per tunnel
+    python bench/tunnel_memory.py --sse --count 500     # open SSE streams instead of idle tunnels
 
 Everything runs on loopback, on TCP ports --port-base .. --port-base+3 (default 31500..31503):
 
@@ -19,6 +20,14 @@ opened and closed (certificate generation, caches, lazy imports: one-time costs,
 read, then --count tunnels opened through it by bench/idle_tunnels.py (CONNECT, TLS through the
 tunnel, one GET answered, then idle), RSS read again after a settling pause. KiB per tunnel =
 (RSS with the tunnels - RSS before) / tunnels open. The ratio gateway / mitmdump is taken per round.
+
+--sse: each tunnel's GET opens a server-sent-events stream instead (`text/event-stream`, chunked; the
+origin sends one event and then holds the stream open, idle, until the client closes it); a tunnel
+counts once the client has that first event. mitmdump streams it as its users must configure it for
+SSE (`--set stream_large_bodies=1`: a chunked body streams as soon as its buffer holds more than a
+byte; mitmproxy's server_side_events addon otherwise warns that the events are swallowed). The gateway
+needs no option. Configurations `gateway_bound` and `baseline_bound` ask for /bound/sse, whose rule
+injects a credential, so the response streams through the redactor; the others ask for /unbound/sse.
 
 --tracemalloc adds one more run of each configuration with tracemalloc on (a sitecustomize.py in the work directory,
 enabled by an environment variable: it starts tracemalloc and writes a snapshot on SIGRTMIN+5), and
@@ -41,6 +50,7 @@ import shutil
 import signal
 import socket
 import ssl
+import secrets
 import statistics
 import subprocess
 import sys
@@ -56,6 +66,9 @@ ORIGIN_NAME = "origin.bench"
 ORIGIN_IP = "127.0.0.1"
 SOURCES = "127.0.0.201,127.0.0.202,127.0.0.203,127.0.0.204"  # the client spreads over these
 BODY = b"hello from origin.bench: a small static body for keep-alive and new-connection rounds.\n" * 2
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+SSE_EVENT = b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Sure, here is"}}\n\n'
+SECRET_ENV = "EGRESS_BENCH_SSE_KEY"
 
 SITECUSTOMIZE = '''\
 import os
@@ -187,6 +200,12 @@ async def _serve_origin(port: int, cert: str, key: str) -> None:
                 head = await reader.readuntil(b"\r\n\r\n")
                 if not head:
                     break
+                if b"/sse" in head.split(b"\r\n", 1)[0]:  # an event stream: one event, then held open, idle
+                    writer.write(SSE_HEAD + b"%x\r\n%s\r\n" % (len(SSE_EVENT), SSE_EVENT))
+                    await writer.drain()
+                    while await reader.read(65536):
+                        pass
+                    break
                 writer.write(answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, asyncio.LimitOverrunError):
@@ -240,6 +259,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+class ProxyDidNotListen(RuntimeError):
+    pass
+
+
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -288,17 +311,18 @@ def stop(proc: subprocess.Popen | None) -> None:
 
 
 class Run:
-    def __init__(self, args) -> None:
+    def __init__(self, args, configs: list[str]) -> None:
         self.args = args
         self.python = sys.executable
         self.mitmdump = args.mitmdump or str(Path(sys.executable).with_name("mitmdump"))
-        self.work = Path(tempfile.mkdtemp(prefix="egress-tunnel-mem-"))
         self.origin_port = args.port_base
         self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3,
-                      "baseline": args.port_base + 4}
-        for port in (self.origin_port, *self.ports.values()):
-            if not port_free(port):
+                      "baseline": args.port_base + 4, "gateway_bound": args.port_base + 5,
+                      "baseline_bound": args.port_base + 6}
+        for port in (self.origin_port, self.ports["gateway_tm"], *(self.ports[c] for c in configs)):
+            if not port_free(port):  # (only the ports this run listens on: the others may be clients' now)
                 raise RuntimeError(f"port {port} is taken (use --port-base)")
+        self.work = Path(tempfile.mkdtemp(prefix="egress-tunnel-mem-"))  # (after the check: none left behind)
         from lib.pki import TestPKI
 
         pki = TestPKI(self.work / "pki")
@@ -319,12 +343,24 @@ network:
 resolver:
   static_hosts:
     {ORIGIN_NAME}: [{ORIGIN_IP}]
+secrets:
+  key: {{env: {SECRET_ENV}}}
 rules:
+  - id: bench-bound
+    hosts: [{ORIGIN_NAME}]
+    ports: [{self.origin_port}]
+    methods: [GET]
+    paths: ["/bound/**"]
+    inject:
+      - header: Authorization
+        value: "Bearer ${{secrets.key}}"
   - id: bench-origin
     hosts: [{ORIGIN_NAME}]
     ports: [{self.origin_port}]
     methods: [GET, HEAD]
+    paths: ["/small.txt", "/unbound/**"]
 """)
+        self.secret = "sk-bench-" + secrets.token_urlsafe(80)  # a credential of an API key's length
         (self.work / "site").mkdir()
         (self.work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         self.origin = subprocess.Popen([self.python, __file__, "origin", "--port", str(self.origin_port),
@@ -339,14 +375,35 @@ rules:
         else:
             shutil.rmtree(self.work, ignore_errors=True)
 
+    def _listen_port(self, preferred: int) -> int:
+        """`preferred`, or the next free port above the configurations' own: the ports of this range may
+        be ephemeral ports of clients at the moment a proxy starts."""
+        for port in (preferred, *range(self.args.port_base + 10, self.args.port_base + 50)):
+            if port_free(port):
+                return port
+        raise RuntimeError(f"no free port near {preferred} (use --port-base)")
+
     def start(self, key: str, tracemalloc_dir: Path | None = None, frames: int = 12) -> tuple[subprocess.Popen, str]:
-        """Start configuration `key`; returns the process and the CA its clients must trust."""
-        port = self.ports["gateway_tm" if tracemalloc_dir else key]
+        """Start configuration `key`; returns the process and the CA its clients must trust. A proxy that
+        exits before it listens (its port taken, between the check and its bind, by a client's ephemeral
+        port) is started again on another port, twice at most."""
+        for attempt in range(3):
+            try:
+                return self._start_once(key, tracemalloc_dir, frames)
+            except ProxyDidNotListen:
+                if attempt == 2:
+                    raise
+                log(f"  {key} did not listen (its port taken?): starting it again")
+        raise AssertionError("unreachable")
+
+    def _start_once(self, key: str, tracemalloc_dir: Path | None, frames: int) -> tuple[subprocess.Popen, str]:
+        port = self._listen_port(self.ports["gateway_tm" if tracemalloc_dir else key])
         confdir = self.work / f"confdir-{key}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env[SECRET_ENV] = self.secret
         env.pop("EGRESS_BENCH_TRACEMALLOC", None)
-        root = Path(self.args.baseline) if key == "baseline" else PROJECT_ROOT
-        if key in ("gateway", "baseline"):
+        root = Path(self.args.baseline) if key.startswith("baseline") else PROJECT_ROOT
+        if key.startswith(("gateway", "baseline")):
             cmd = [self.python, "-m", "gateway", "run", "-q", "--workers", "1", "--policy", str(self.policy),
                    "--mode", f"regular@127.0.0.1:{port}", "--confdir", str(confdir),
                    "--set", f"ssl_verify_upstream_trusted_ca={self.ca}"]
@@ -356,6 +413,8 @@ rules:
                 self.mitmdump, "-q", "--mode", f"regular@127.0.0.1:{port}", "--set", f"confdir={confdir}",
                 "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", "termlog_verbosity=warn",
                 "--set", f"ssl_verify_upstream_trusted_ca={self.ca}"]
+            if self.args.sse:
+                cmd[-2:-2] = ["--set", "stream_large_bodies=1"]  # mitmproxy's SSE workaround (issue 4469)
         if tracemalloc_dir is not None:
             env["PYTHONPATH"] = f"{self.work / 'site'}{os.pathsep}{env.get('PYTHONPATH', '')}"
             env["EGRESS_BENCH_TRACEMALLOC"] = str(tracemalloc_dir)
@@ -366,19 +425,26 @@ rules:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=root)
         proc.port = port  # type: ignore[attr-defined]
-        wait_port(port, proc, 60)
+        try:
+            wait_port(port, proc, 60)
+        except RuntimeError as exc:
+            stop(proc)
+            raise ProxyDidNotListen(str(exc)) from exc
         ca = confdir / "mitmproxy-ca-cert.pem"
         deadline = time.monotonic() + 15
         while not ca.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return proc, str(ca)
 
-    def tunnels(self, proc: subprocess.Popen, ca: str, count: int) -> subprocess.Popen:
-        """Open `count` idle tunnels through the proxy; returns the client once they are open (its first
-        line, the report, is in client.report). Close its stdin to close them."""
+    def tunnels(self, proc: subprocess.Popen, ca: str, count: int, key: str = "") -> subprocess.Popen:
+        """Open `count` idle tunnels (--sse: held event streams of configuration `key`'s kind) through the
+        proxy; returns the client once they are open (its first line, the report, is in client.report).
+        Close its stdin to close them."""
+        path = ("/bound/sse" if key.endswith("_bound") else "/unbound/sse") if self.args.sse else "/small.txt"
         cmd = [self.python, str(BENCH_DIR / "idle_tunnels.py"), "--proxy", f"127.0.0.1:{proc.port}",  # type: ignore[attr-defined]
-               "--target", f"{ORIGIN_NAME}:{self.origin_port}", "--cafile", ca, "--path", "/small.txt",
+               "--target", f"{ORIGIN_NAME}:{self.origin_port}", "--cafile", ca, "--path", path,
                "--count", str(count), "--concurrency", "32", "--sources", SOURCES, "--timeout", "120"]
+        cmd += ["--sse"] if self.args.sse else []
         client = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = client.stdout.readline()
         if not line:
@@ -407,14 +473,14 @@ rules:
         try:
             pid = own_pid(proc)
             if self.args.warmup:
-                warm = self.tunnels(proc, ca, self.args.warmup)
+                warm = self.tunnels(proc, ca, self.args.warmup, key)
                 self.close_tunnels(warm)
                 if warm.report["failed"]:  # type: ignore[attr-defined]
                     raise RuntimeError(f"{key}: warm-up tunnels failed: {warm.report}")  # type: ignore[attr-defined]
                 time.sleep(2.0)
             before = rss_kib(pid)
             cpu = cpu_seconds(pid)
-            client = self.tunnels(proc, ca, self.args.count)
+            client = self.tunnels(proc, ca, self.args.count, key)
             cpu = cpu_seconds(pid) - cpu
             time.sleep(self.args.settle)
             with_tunnels = max(rss_kib(pid), 0)
@@ -439,10 +505,10 @@ rules:
         try:
             pid = own_pid(proc)
             if self.args.warmup:
-                self.close_tunnels(self.tunnels(proc, ca, self.args.warmup))
+                self.close_tunnels(self.tunnels(proc, ca, self.args.warmup, key))
                 time.sleep(2.0)
             before = self._snapshot(pid, out, "before")
-            client = self.tunnels(proc, ca, self.args.tm_count)
+            client = self.tunnels(proc, ca, self.args.tm_count, key)
             time.sleep(self.args.settle)
             idle = self._snapshot(pid, out, "tunnels")
             collected = self._snapshot(pid, out, "tunnels-collect")
@@ -546,8 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=1000, help="idle tunnels per configuration and round")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--configs", default="mitmdump,gateway",
-                   help="mitmdump, gateway (this tree's), baseline (the gateway of the tree --baseline names)")
+    p.add_argument("--configs", help="mitmdump, gateway (this tree's), baseline (the gateway of the tree --baseline "
+                   "names); with --sse also gateway_bound, baseline_bound (default: mitmdump,gateway; with --sse "
+                   "mitmdump,gateway,gateway_bound)")
+    p.add_argument("--sse", action="store_true", help="each tunnel holds an open SSE stream (one event received)")
     p.add_argument("--baseline", help="another checkout of the gateway (e.g. `git archive` of an older commit), "
                                       "measured as configuration `baseline` in the same rounds")
     p.add_argument("--warmup", type=int, default=20, help="tunnels opened and closed before RSS is first read")
@@ -566,9 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-workdir", action="store_true")
     args = p.parse_args(argv)
     _raise_nofile(20000)
-    configs = [c for c in args.configs.split(",") if c]
-    run = Run(args)
-    results: dict = {"count": args.count, "rounds": [], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    configs = [c for c in (args.configs or ("mitmdump,gateway,gateway_bound" if args.sse else "mitmdump,gateway"))
+               .split(",") if c]
+    run = Run(args, configs)
+    results: dict = {"count": args.count, "sse": args.sse, "rounds": [], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                               cwd=PROJECT_ROOT).stdout.strip()}
     try:
@@ -596,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: dict, configs: list[str]) -> str:
-    out = [f"# Memory per idle tunnel ({results['count']} tunnels, commit {results['commit']}, {results['started']})", ""]
+    what = "open SSE stream" if results.get("sse") else "idle tunnel"
+    out = [f"# Memory per {what} ({results['count']} tunnels, commit {results['commit']}, {results['started']})", ""]
     if results["rounds"]:
         gateways = [c for c in configs if c != "mitmdump"] if "mitmdump" in configs else []
         out += ["| round | " + " | ".join(f"{c} RSS before, MiB | {c} KiB/tunnel" for c in configs)
@@ -635,7 +705,7 @@ def report(results: dict, configs: list[str]) -> str:
                         + ", ".join(f"{k} {v}" for k, v in tm["by_owner"]), "",
                         "| innermost line | KiB per tunnel |", "|---|---:|"]
                 out += [f"| {k} | {v} |" for k, v in tm["by_line"]]
-                if key == "gateway":
+                if key.startswith(("gateway", "baseline")):
                     out += ["", "| innermost gateway frame on the stack | KiB per tunnel |", "|---|---:|"]
                     out += [f"| {k} | {v} |" for k, v in tm["by_gateway_frame"]]
             else:

@@ -78,7 +78,36 @@ def test_events_while_paused_are_queued_per_layer_and_replayed_after_the_reply()
         list(waiting.handle_event(events.OpenConnectionCompleted(open_conn, None)))
         assert waiting.reply is None  # the reply reached the paused generator
         assert waiting.seen == [data[waiting]]  # then the queued event, in this layer only
-        assert not waiting._paused_event_queue
+        assert waiting._paused_event_queue is NO_EVENTS  # replayed to the end: its deque is let go
+
+
+class PausingTwice(Waiting):
+    """Opens a connection at Start and another for the first event it handles after that."""
+
+    def _handle_event(self, event):
+        if isinstance(event, events.Start) or (isinstance(event, events.DataReceived) and not self.seen):
+            if isinstance(event, events.DataReceived):
+                self.seen.append(event)
+            self.reply = yield commands.OpenConnection(self.server)
+        else:
+            self.seen.append(event)
+
+
+def test_a_queue_left_unfinished_by_a_new_pause_is_kept_and_let_go_once_replayed():
+    ctx = _context()
+    waiting = PausingTwice(ctx, connection.Server(address=("a.test", 443)))
+    (first_open,) = list(waiting.handle_event(events.Start()))
+    one, two = events.DataReceived(ctx.client, b"1"), events.DataReceived(ctx.client, b"2")
+    list(waiting.handle_event(one))
+    list(waiting.handle_event(two))
+    (second_open,) = list(waiting.handle_event(events.OpenConnectionCompleted(first_open, None)))
+    assert waiting.seen == [one] and waiting._paused is not None  # `one` paused it again
+    assert list(waiting._paused_event_queue) == [two]  # so `two` still waits, in the same queue
+    list(waiting.handle_event(events.OpenConnectionCompleted(second_open, None)))
+    assert waiting.seen == [one, two] and waiting._paused_event_queue is NO_EVENTS
+    three = events.DataReceived(ctx.client, b"3")
+    list(waiting.handle_event(three))  # not paused: handled at once, no queue made
+    assert waiting.seen == [one, two, three] and waiting._paused_event_queue is NO_EVENTS
 
 
 def test_a_layer_that_is_not_paused_handles_at_once():
