@@ -537,3 +537,37 @@ def test_a_connection_being_set_up_is_its_peer_s_sandbox_s_work(order, monkeypat
 
     asyncio.run(main())
     assert seen == ["sandbox:127.0.0.1"]
+
+
+class _AlwaysYielding(ReadyOrder):
+    """Sandbox S always gives way, and (with `_lighter_ready` patched) a lighter callback is always in
+    sight: each of S's callbacks runs only once its sandbox has waited MAX_SET_ASIDE in a row."""
+
+    __slots__ = ()
+
+    def yielding(self, key, load, now) -> bool:
+        return key == "S"
+
+
+def test_with_more_set_aside_than_a_poll_puts_back_the_loop_polls_at_once_and_never_sleeps_on_them(
+        order, monkeypatch):
+    """Review 28: with more of a sandbox's callbacks set aside than one poll puts back, the marker that
+    keeps the next poll from waiting for I/O ran in the same step of the loop as the callbacks put
+    back; once they all waited again, the loop slept in select() until some unrelated event (the
+    gateway's 1 s heartbeat; here nothing: 6 of 200 callbacks ran in 10 s)."""
+    from gateway import fairshare
+
+    monkeypatch.setattr(fairshare, "MAX_SET_ASIDE", 0.002)
+    monkeypatch.setattr(fair_share, "_order", _AlwaysYielding())
+    monkeypatch.setattr(fair_share, "_lighter_ready", lambda *args: True)
+    count = 3 * fair_share.PUT_BACK_PER_SANDBOX
+    context = _context(_Handler("S", 0.9))
+
+    async def main():
+        run = _Run(count)
+        for i in range(count):
+            run.soon(f"s{i}", context)
+        await asyncio.wait_for(run.done, 20)  # (the only timer: with the bug, nothing wakes the loop)
+        return run.names()
+
+    assert asyncio.run(main()) == [f"s{i}" for i in range(count)]
