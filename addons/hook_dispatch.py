@@ -16,12 +16,19 @@ logged as `safecall()` logs it and the next addon still runs (the gateway's deci
 their own and deny: addons/failclosed.py), `AddonHalt` stops the event, `OptionsError` propagates,
 an awaitable result is awaited before the next addon.
 
-A plan holds only what cannot change under it: an addon with children (`addons`: mitmproxy's script
-loader, whose scripts are reloaded) or whose hook is an attribute of the instance rather than a
-method of its class (addons/output_guard.py rebinds the dumper's) is looked up at every event, as
-mitmproxy does. The plans are dropped when the chain's members or order change, after any option
-changes (a `configure` may rebind a hook) and after the lifecycle events (`running`, `done`), which
-are dispatched by mitmproxy's own code. Installed from addons/egress.py; tabled in addons/patches.py.
+A plan holds what does not change while the chain and the options stay as they are: an addon with
+children (`addons`: mitmproxy's script loader, whose scripts are reloaded) or whose hook is an
+attribute of the instance rather than a method of its class (addons/output_guard.py rebinds the
+dumper's) is looked up at every event, as mitmproxy does. The plans are dropped when the chain's
+members (by identity) or order change, after any option changes (a `configure` may rebind a hook)
+and after the lifecycle events (`running`, `done`), which are dispatched by mitmproxy's own code.
+What a plan cannot see (review 29): a hook first set on an instance, children first given to an
+addon, or a class's method patched, after the plan was made and outside those moments. No addon of
+the gateway's does any of these (tests/unit/test_hook_dispatch.py checks that none binds a hook at
+run time), and the patches of addons/patches.py are all installed before the first event. An addon
+whose hook cannot even be looked up (a raising `__getattr__`) is looked up at every event, as
+mitmproxy does, and only it fails: the others still run. Installed from addons/egress.py; tabled
+in addons/patches.py.
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ class _Plans:
 
     def get(self, name: str) -> tuple:
         chain = tuple(self.manager.chain)
-        if chain != self.chain:
+        if len(chain) != len(self.chain) or any(a is not b for a, b in zip(chain, self.chain)):
+            # (by identity: an addon replaced by an equal one is another addon; and an `__eq__`
+            # that raised made every event raise)
             self.chain, self.by_event = chain, {}
         plan = self.by_event.get(name)
         if plan is None:
@@ -62,7 +71,16 @@ class _Plans:
 
 
 def _plan_entry(addon, name: str):
-    """(addon, callable) for a fixed handler, (addon, None) for one looked up at each event, or None."""
+    """(addon, callable) for a fixed handler, (addon, None) for one looked up at each event, or None.
+    An addon whose lookup raises is looked up at each event: mitmproxy's own lookup then logs the
+    error for that addon alone, and the rest of the event goes on (raised here, every event failed)."""
+    try:
+        return _fixed_entry(addon, name)
+    except Exception:
+        return addon, None
+
+
+def _fixed_entry(addon, name: str):
     if hasattr(addon, "addons") or name in getattr(addon, "__dict__", ()):
         return addon, None
     func = getattr(addon, name, None)

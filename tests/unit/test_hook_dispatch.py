@@ -174,3 +174,84 @@ def test_a_hooks_arguments_are_its_fields_in_order():
     assert hooks.UpdateHook([flow]).args() == [[flow]]
     source = inspect.getsource(hooks.Hook.args.__wrapped__)
     assert hashlib.sha256(source.encode()).hexdigest() == MITMPROXY_ARGS, "mitmproxy's Hook.args changed"
+
+
+class BadLookup:
+    """An addon whose hooks cannot even be looked up (review 29)."""
+
+    def __getattr__(self, name):
+        if name == "request":
+            raise RuntimeError("no lookup")
+        raise AttributeError(name)
+
+
+def test_an_addon_whose_hook_lookup_raises_fails_alone_and_the_others_still_run(caplog):
+    log: list = []
+    with taddons.context(Recorder("a", log), BadLookup(), Recorder("c", log)) as tctx:
+        with caplog.at_level(logging.ERROR):
+            dispatch(tctx, tflow.tflow())
+            dispatch(tctx, tflow.tflow())
+    assert names(log) == ["a", "c", "a", "c"]
+
+
+class EqualToAll(Recorder):
+    def __eq__(self, other):
+        return isinstance(other, EqualToAll)
+
+    __hash__ = object.__hash__
+
+
+def test_an_addon_replaced_by_an_equal_one_is_followed():
+    """The chain is compared by identity (review 29: an equal replacement kept the old one called)."""
+    log: list = []
+    old, new = EqualToAll("old", log), EqualToAll("new", log)
+    with taddons.context(old) as tctx:
+        dispatch(tctx, tflow.tflow())
+        chain = tctx.master.addons.chain
+        chain[chain.index(old)] = new
+        dispatch(tctx, tflow.tflow())
+    assert names(log) == ["old", "new"]
+
+
+def _hook_names() -> set[str]:
+    import addons.egress  # noqa: F401  (every hook class the gateway dispatches is defined by now)
+
+    return set(hooks.all_hooks)
+
+
+def test_no_addon_of_the_gateway_binds_a_hook_at_run_time():
+    """A plan does not see a hook first bound on an instance after it was made (review 29), so no
+    addon of the gateway's chain (its own and the mitmproxy ones it loads) may assign a hook's name
+    to itself or another addon outside the moments that drop the plans: __init__ (before any
+    event), load, configure (option changes), running and done."""
+    import dis
+    import types
+
+    from addons import egress, runner
+
+    allowed = {"__init__", "load", "configure", "running", "done"}
+    hook_names = _hook_names()
+    found = []
+
+    def on_an_addon(target) -> bool:  # self.X = ..., or another addon's (addons/output_guard.py: the dumper's)
+        return target.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK") and (
+            target.argval == "self" or "addon" in target.argval or "dumper" in target.argval)
+
+    def walk(code: types.CodeType, where: str) -> None:
+        ops = list(dis.get_instructions(code))
+        for i, op in enumerate(ops):
+            if (op.opname == "STORE_ATTR" and op.argval in hook_names and code.co_name not in allowed
+                    and i and on_an_addon(ops[i - 1])):
+                found.append(f"{where}.{code.co_name} sets .{op.argval}")
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                walk(const, where)
+
+    classes = {type(addon) for addon in runner.builtin_addons() + egress.make_addons()}
+    for cls in classes:
+        for klass in cls.__mro__[:-1]:
+            for value in vars(klass).values():
+                code = getattr(getattr(value, "__func__", value), "__code__", None)
+                if code is not None:
+                    walk(code, klass.__qualname__)
+    assert len(classes) > 20 and len(hook_names) > 40 and not found, found
