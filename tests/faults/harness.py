@@ -409,6 +409,18 @@ def header(data: bytes, name: str) -> str | None:
 
 
 def log_problems(log: str) -> list[str]:
-    """Lines of a gateway log that show an internal failure (a crashed layer, a hook that failed)."""
+    """Lines of a gateway log that show an internal failure (a crashed layer, a hook that failed),
+    each traceback whole (its lines up to the next log line), so that a failure seen once on a busy
+    CI machine says where it came from."""
     markers = ("mitmproxy has crashed", "failed closed", "Traceback", "fallback for", "addon error")
-    return [line for line in log.splitlines() if any(m in line for m in markers)]
+    problems: list[str] = []
+    in_traceback = False
+    for line in log.splitlines():
+        if any(m in line for m in markers):
+            problems.append(line)
+            in_traceback = "Traceback" in line
+        elif in_traceback and not line.startswith("["):
+            problems.append(line)
+        else:
+            in_traceback = False
+    return problems
