@@ -545,7 +545,8 @@ def install(state) -> None:
         """How many bytes the handler's next read of a connection takes (FULL_READ, or
         YIELDING_READ while its sandbox gives way to a lighter one)."""
         key = getattr(self, ATTR, None)
-        if key is not None and _order.yielding(key, _share.noted_load(key), perf_counter()):
+        if key is not None and _order.yielding(key, _share.noted_load(key), perf_counter()) and (
+                _share.read_cost(key) * (FULL_READ / YIELDING_READ) > _order.slice):
             return YIELDING_READ
         return FULL_READ
 

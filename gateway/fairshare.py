@@ -33,6 +33,11 @@ DEFAULT_MAX_SHARE = 0.5  # of a second per second, when contended
 DEFAULT_BURST = 0.05  # seconds of loop time saved up: how long a sandbox may hold a loop another one waits for
 DEFAULT_WINDOW = 10.0  # seconds: a sandbox charged within it is active (an agent pauses for seconds between calls)
 LOAD_WINDOW = 1.0  # seconds: the time constant of the loop's load
+# A sandbox in debt refills at its fair share (1/N, at most max_share) or at what the others left
+# of the loop over about the last second less this much, whichever is more: a fixed 1/N cut a
+# legitimate upload to a fifth next to a neighbour whose 300 connections each trickled a byte every
+# 0.3 s (~10% of the loop; review 28), the rest of the loop idle.
+SPARE_HEADROOM = 0.2
 OTHERS_MIN = 0.05  # of the loop: the others' work over about the last second that makes a busy loop contended
 FAST_WINDOW = 0.1  # seconds: the time constant of the load that decides whether a `pressed` loop is busy,
 # and of a sandbox's recent load (`load_of`)
@@ -189,8 +194,10 @@ class _Share:
 class LoopShare:
     def __init__(self, max_share: float = DEFAULT_MAX_SHARE, burst: float = DEFAULT_BURST,
                  window: float = DEFAULT_WINDOW, max_keys: int = DEFAULT_MAX_KEYS, busy: float = DEFAULT_BUSY,
-                 clock: Callable[[], float] = time.monotonic, max_debt: float = DEFAULT_MAX_DEBT):
+                 clock: Callable[[], float] = time.monotonic, max_debt: float = DEFAULT_MAX_DEBT,
+                 spare_headroom: float = SPARE_HEADROOM):
         self.clock = clock
+        self.spare_headroom = float(spare_headroom)  # (1.0: a sandbox in debt refills at its share only)
         self.max_debt = float(max_debt)
         self.window = float(window)
         self.busy = float(busy)
@@ -222,6 +229,13 @@ class LoopShare:
         """The share of the loop each active sandbox may have now."""
         return min(self.max_share, 1.0 / max(1, self.active(now)))
 
+    def _share_of(self, entry: _Share, now: float, share: float) -> float:
+        """The share `entry`'s sandbox refills at: `share`, or what the others' work left of the loop
+        over about the last second less SPARE_HEADROOM, whichever is more (the loop stays
+        work-conserving: a sandbox waits for the others' work, not for an idle loop)."""
+        others = (self._load.at(now) - entry.load.at(now)) / LOAD_WINDOW
+        return max(share, 1.0 - others - self.spare_headroom)
+
     def charge(self, key: Hashable, seconds: float) -> None:
         if not self.enabled or seconds <= 0:
             return
@@ -231,7 +245,7 @@ class LoopShare:
         if entry is None:
             entry = self._shares[key] = _Share(self.burst, now)
         else:
-            self._refill(entry, now, share)
+            self._refill(entry, now, self._share_of(entry, now, share))
             self._shares.move_to_end(key)
         entry.tokens = max(entry.tokens - seconds, -self.max_debt)
         entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
@@ -280,7 +294,7 @@ class LoopShare:
         entry = self._shares.get(key)
         if entry is None:
             return False
-        self._refill(entry, now, self.share(now))
+        self._refill(entry, now, self._share_of(entry, now, self.share(now)))
         return entry.tokens < 0
 
     def _debt(self, key: Hashable, now: float, pressed: bool = False) -> tuple[_Share, float] | None:
@@ -292,6 +306,7 @@ class LoopShare:
         entry = self._shares.get(key)
         if entry is None:
             return None
+        share = self._share_of(entry, now, share)
         self._refill(entry, now, share)
         if entry.tokens >= 0 or not self._others_active(key, now):
             return None
@@ -312,7 +327,7 @@ class LoopShare:
         entry = self._shares.get(key)
         if entry is None:
             return None
-        self._refill(entry, now, share)
+        self._refill(entry, now, self._share_of(entry, now, share))
         return entry.tokens
 
     def load_of(self, key: Hashable) -> float:
@@ -326,6 +341,12 @@ class LoopShare:
             return 0.0
         now = self.clock()
         return max(entry.load.at(now) / LOAD_WINDOW, entry.fast.at(now) / FAST_WINDOW)
+
+    def read_cost(self, key: Hashable) -> float:
+        """What one charge (about one read's work) of the sandbox costs, on average lately (0.0:
+        not known)."""
+        entry = self._shares.get(key)
+        return entry.per_read if entry is not None else 0.0
 
     def note_load(self, key: Hashable) -> float:
         """Note the sandbox's load now (at a turn of one of its connections): what `noted_load`

@@ -104,13 +104,28 @@ def test_a_sandbox_that_waits_as_told_uses_no_more_than_its_share_plus_burst(ste
 def test_reads_in_debt_get_slots_spaced_by_a_reads_cost():
     """A sandbox in debt holding many connections: each read gets its own slot, the first when the
     debt is paid, the next ones a read's cost (at its share) apart."""
-    s, clock = share(max_share=0.5, burst=0.005, busy=0.0)
+    s, clock = share(max_share=0.5, burst=0.005, busy=0.0, spare_headroom=1.0)  # (at its share only)
     s.charge("b", 0.001)
     s.charge("a", 0.01)  # one read cost 10 ms: 5 ms of debt
     waits = [s.reserve("a") for _ in range(5)]
     assert abs(waits[0] - 0.005 / 0.5) < 1e-9
     assert all(abs((b - a) - 0.01 / 0.5) < 1e-9 for a, b in zip(waits, waits[1:])), waits
     assert s.reserve("b") == 0.0  # not in debt: no slot to wait for
+
+
+def test_a_sandbox_in_debt_refills_at_what_the_others_leave_of_the_loop_when_that_is_more():
+    """Review 28: a legitimate upload next to 300 connections trickling a byte each (~10% of the
+    loop) was held to its 1/N share, the rest of the loop idle: cut to a fifth. In debt, a sandbox
+    refills at its share or at what the others' work left over the last second less the headroom,
+    whichever is more; next to a neighbour that takes half, at its share."""
+    s, clock = share(max_share=0.5, burst=0.0, busy=0.0, max_debt=100)
+    s.charge("b", 0.1)  # the neighbour: a tenth of the loop
+    s.charge("a", 0.5)
+    assert abs(s.reserve("a") - 0.5 / (1.0 - 0.1 - 0.2)) < 1e-9  # at 0.7, not at 0.5
+    busy, clock2 = share(max_share=0.5, burst=0.0, busy=0.0, max_debt=100)
+    busy.charge("b", 0.6)  # a neighbour that takes more than half
+    busy.charge("a", 0.5)
+    assert abs(busy.reserve("a") - 0.5 / 0.5) < 1e-9
 
 
 def test_in_debt_is_the_bucket_below_zero_whether_or_not_the_loop_is_contended():

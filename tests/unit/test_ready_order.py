@@ -105,6 +105,9 @@ class _Loads(dict):
     def note_load(self, key) -> float:  # (the test's loads do not decay)
         return self.get(key, -1.0)
 
+    def read_cost(self, key) -> float:  # what one read of the sandbox costs (set by the test; 0: cheap)
+        return self.get(("read_cost", key), 0.0)
+
 
 class _Handler:
     """What the callback runner reads of mitmproxy's ConnectionHandler; its sandbox's load."""
@@ -503,11 +506,26 @@ def test_a_yielding_sandbox_reads_a_tls_record_at_a_time_and_others_all_they_can
     from mitmproxy.proxy import server
 
     heavy, light = _Handler("sandbox:a", 0.6), _Handler("sandbox:b", 0.05)
+    fair_share._share[("read_cost", "sandbox:a")] = 0.002  # a read of its costs 2 ms (e.g. h2 HEADERS)
     read_size = server.ConnectionHandler.egress_read_size
     assert read_size(heavy) == fair_share.FULL_READ  # nobody lighter is being served
     order.ran("sandbox:b", 0.05, time.perf_counter(), 0.0001, False)
     assert read_size(heavy) == fair_share.YIELDING_READ
     assert read_size(light) == fair_share.FULL_READ
+
+
+def test_a_yielding_sandbox_whose_reads_are_cheap_reads_all_it_can(order):
+    """Review 28: a bulk upload's reads (~0.1 ms for 64 KiB) were cut to 16 KiB next to a trickling
+    neighbour, four times the per-read work for the same bytes (the upload at a fifth of its speed).
+    Only a sandbox whose full read would take more than a slice reads a TLS record at a time."""
+    import time
+
+    from mitmproxy.proxy import server
+
+    heavy = _Handler("sandbox:a", 0.6)
+    fair_share._share[("read_cost", "sandbox:a")] = 0.0001
+    order.ran("sandbox:b", 0.05, time.perf_counter(), 0.0001, False)
+    assert server.ConnectionHandler.egress_read_size(heavy) == fair_share.FULL_READ
 
 
 def test_a_connection_being_set_up_is_its_peer_s_sandbox_s_work(order, monkeypatch):
