@@ -292,7 +292,7 @@ def test_override_at_the_end_of_a_streamed_body(rt):
     assert all(len(r.body) < len(body) for r in seen), [(r.method, len(r.body)) for r in seen]
 
 
-def _audit_lines(gateway, client: str, event: str, wait: float = 2.0) -> list[dict]:
+def _audit_lines(gateway, client: str, event: str, wait: float = 10.0) -> list[dict]:
     """The audit lines of one client connection with this event, polling the audit file up to
     `wait` s for the first of them."""
     try:

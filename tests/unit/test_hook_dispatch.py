@@ -213,45 +213,54 @@ def test_an_addon_replaced_by_an_equal_one_is_followed():
     assert names(log) == ["old", "new"]
 
 
-def _hook_names() -> set[str]:
-    import addons.egress  # noqa: F401  (every hook class the gateway dispatches is defined by now)
+_BINDS_AT_RUN_TIME = r"""
+import dis, json, types
+from mitmproxy import hooks
+from addons import egress, runner  # (every hook class the gateway dispatches is defined by now)
 
-    return set(hooks.all_hooks)
+allowed = {"__init__", "load", "configure", "running", "done"}
+hook_names = set(hooks.all_hooks)
+found = []
+
+def on_an_addon(target):  # self.X = ..., or another addon's (addons/output_guard.py: the dumper's)
+    return target.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK") and (
+        target.argval == "self" or "addon" in target.argval or "dumper" in target.argval)
+
+def walk(code, where):
+    ops = list(dis.get_instructions(code))
+    for i, op in enumerate(ops):
+        if (op.opname == "STORE_ATTR" and op.argval in hook_names and code.co_name not in allowed
+                and i and on_an_addon(ops[i - 1])):
+            found.append(f"{where}.{code.co_name} sets .{op.argval}")
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            walk(const, where)
+
+classes = {type(addon) for addon in runner.builtin_addons() + egress.make_addons()}
+for cls in classes:
+    for klass in cls.__mro__[:-1]:
+        for value in vars(klass).values():
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if code is not None:
+                walk(code, klass.__qualname__)
+print(json.dumps([len(classes), len(hook_names), found]))
+"""
 
 
 def test_no_addon_of_the_gateway_binds_a_hook_at_run_time():
     """A plan does not see a hook first bound on an instance after it was made (review 29), so no
     addon of the gateway's chain (its own and the mitmproxy ones it loads) may assign a hook's name
     to itself or another addon outside the moments that drop the plans: __init__ (before any
-    event), load, configure (option changes), running and done."""
-    import dis
-    import types
+    event), load, configure (option changes), running and done. (In a child process: making the
+    gateway's addons installs its patches of asyncio, which must not leak into the other tests.)"""
+    import json
+    import pathlib
+    import subprocess
+    import sys
 
-    from addons import egress, runner
-
-    allowed = {"__init__", "load", "configure", "running", "done"}
-    hook_names = _hook_names()
-    found = []
-
-    def on_an_addon(target) -> bool:  # self.X = ..., or another addon's (addons/output_guard.py: the dumper's)
-        return target.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK") and (
-            target.argval == "self" or "addon" in target.argval or "dumper" in target.argval)
-
-    def walk(code: types.CodeType, where: str) -> None:
-        ops = list(dis.get_instructions(code))
-        for i, op in enumerate(ops):
-            if (op.opname == "STORE_ATTR" and op.argval in hook_names and code.co_name not in allowed
-                    and i and on_an_addon(ops[i - 1])):
-                found.append(f"{where}.{code.co_name} sets .{op.argval}")
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                walk(const, where)
-
-    classes = {type(addon) for addon in runner.builtin_addons() + egress.make_addons()}
-    for cls in classes:
-        for klass in cls.__mro__[:-1]:
-            for value in vars(klass).values():
-                code = getattr(getattr(value, "__func__", value), "__code__", None)
-                if code is not None:
-                    walk(code, klass.__qualname__)
-    assert len(classes) > 20 and len(hook_names) > 40 and not found, found
+    root = pathlib.Path(hook_dispatch.__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _BINDS_AT_RUN_TIME], cwd=root, capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    classes, hook_names, found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert classes > 20 and hook_names > 40 and not found, found
