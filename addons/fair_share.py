@@ -545,12 +545,8 @@ def install(state) -> None:
         """How many bytes the handler's next read of a connection takes (FULL_READ, or
         YIELDING_READ while its sandbox gives way to a lighter one)."""
         key = getattr(self, ATTR, None)
-        # Only a sandbox whose reads cost more than a slice each (64 KiB of HTTP/2 HEADERS: ~6 ms);
-        # a bulk transfer's full reads (0.2-0.55 ms on a loaded machine) stay whole. (Scaling the
-        # average by 64/16 as if each read had been 16 KiB made an upload flip between the two
-        # sizes and mostly read 16 KiB: review 30.)
         if key is not None and _order.yielding(key, _share.noted_load(key), perf_counter()) and (
-                _share.read_cost(key) > _order.slice):
+                _share.read_cost(key) * (FULL_READ / YIELDING_READ) > _order.slice):
             return YIELDING_READ
         return FULL_READ
 

@@ -523,7 +523,7 @@ def test_a_yielding_sandbox_whose_reads_are_cheap_reads_all_it_can(order):
     from mitmproxy.proxy import server
 
     heavy = _Handler("sandbox:a", 0.6)
-    fair_share._share[("read_cost", "sandbox:a")] = 0.0005  # a 64 KiB upload read on a loaded machine (review 30)
+    fair_share._share[("read_cost", "sandbox:a")] = 0.0001
     order.ran("sandbox:b", 0.05, time.perf_counter(), 0.0001, False)
     assert server.ConnectionHandler.egress_read_size(heavy) == fair_share.FULL_READ
 
