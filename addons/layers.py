@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from mitmproxy.connection import ConnectionState
+from mitmproxy.connection import ConnectionState, Server
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers.http import (
     GetHttpConnection,
@@ -44,6 +44,31 @@ TARGET_FORM_ATTR = "_egress_target_form"  # "origin" | "absolute" | "authority" 
 RAW_AUTHORITY_ATTR = "_egress_raw_authority"
 
 
+class _NotHeld:
+    """Where an event for an upstream connection the layer does not hold goes: nowhere. A stream
+    whose client gives up while it believes it talks upstream (its request done, no answer yet)
+    tells its upstream connection, even when the gateway answered the request itself and none was
+    opened; mitmproxy's layer then found no such connection (KeyError, "mitmproxy has crashed!",
+    the client connection dropped; seen under tests/fuzz/test_front_door_fuzz.py)."""
+
+    @staticmethod
+    def handle_event(event: events.Event) -> layer.CommandGenerator[None]:
+        return iter(())
+
+
+class _Connections(dict):
+    """The HTTP layer's connections. Every upstream connection the layer opens is in it from the
+    moment it is opened until it is over and no stream names it (`_forget_ended`): one that is not
+    was never opened (the placeholder a request starts with, the original destination in
+    transparent mode), and has nothing to be told. (mitmproxy also looks up an injected message's
+    server connection here and falls back to the client's on a miss; the gateway injects none.)"""
+
+    def __missing__(self, conn):
+        if isinstance(conn, Server):
+            return _NotHeld
+        raise KeyError(conn)
+
+
 class GatewayHttpLayer(HttpLayer):
     """HttpLayer whose HTTP/1 client side is a `GatewayHttp1Server`."""
 
@@ -51,6 +76,7 @@ class GatewayHttpLayer(HttpLayer):
                  head_timeout: float = DEFAULT_HEAD_TIMEOUT, body_limits: BodyLimits | None = None,
                  page_for: PageFor | None = None):
         super().__init__(context, mode)
+        self.connections = _Connections()
         self.on_refusal = on_refusal
         self.page_for = page_for  # how the policy words the servers' refusals (addons/respond.py)
         self.max_head_bytes = max_head_bytes
