@@ -62,6 +62,16 @@ def _drop_proxy_credentials(request: http.Request) -> None:
         request.headers.fields = tuple(fields)
 
 
+def _origin_form(request: http.Request) -> None:
+    """An HTTP/1 request goes upstream in origin-form (`GET /path`), whatever form the sandbox
+    sent it in: the destination is the gateway's, and an absolute-form authority (inside a tunnel,
+    in transparent mode) would restate it to the upstream, which may route by it (RFC 9112 3.2.2
+    lets it prevail over Host). mitmproxy does this only for the explicit proxy port. HTTP/2's
+    :authority stays (it is the Host of HTTP/2, checked like Host); a CONNECT keeps its target."""
+    if request.method != "CONNECT" and not (request.is_http2 or request.is_http3) and request.data.authority:
+        request.authority = ""
+
+
 class RequestGuard:
     def __init__(self, state: GatewayState):
         self.state = state
@@ -113,6 +123,7 @@ class RequestGuard:
             refuse(flow, decision, flow_page(self.state, flow, decision, pin.host.value if pin else step.host))
             return
         _drop_proxy_credentials(flow.request)  # after the credential verdict: never upstream
+        _origin_form(flow.request)
         conn.admit(pin.address.compressed, pin.port, pin.sni if flow.request.scheme == "https" else None)
         flow.metadata["egress_decision"] = decision
         flow.metadata["egress_pin"] = pin

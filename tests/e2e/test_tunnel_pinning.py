@@ -161,8 +161,20 @@ def test_absolute_form_inside_tunnel_must_name_the_pinned_destination(gateway, u
         assert_refused(get(tls, "https://other.test/abs", "allowed.test"), 421, "authority_mismatch")
         assert_refused(get(tls, "https://allowed.test:8443/abs", "allowed.test"), 421, "authority_mismatch")
         assert get(tls, "https://allowed.test/abs-ok", "allowed.test").status == 200
-    assert len(upstreams.tls["allowed.test"].requests) == 1
+    # The one allowed goes upstream in origin-form: the absolute form restated the destination.
+    assert [r.path for r in upstreams.tls["allowed.test"].requests] == ["/abs-ok"]
     assert_untouched(upstreams, "other.test")
+
+
+def test_absolute_form_inside_a_plain_http_tunnel_goes_upstream_in_origin_form(gateway, upstreams):
+    """Found by tests/fuzz/test_front_door_fuzz.py at a larger scale: inside a CONNECT tunnel to
+    port 80, `GET http://allowed.test/...` reached the origin as written (mitmproxy rewrites the
+    target to origin-form only on the proxy port itself)."""
+    conn, answer = tunnel(gateway, "allowed.test:80")
+    with conn:
+        assert answer.status == 200
+        assert get(conn, "http://allowed.test/abs-plain?x=1", "allowed.test").status == 200
+    assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/abs-plain?x=1"]
 
 
 # --- spec 4: HTTP/2 -------------------------------------------------------------------------
