@@ -449,6 +449,11 @@ def curl(gateway: GatewayProcess, url: str, *args: str, proxy: bool = True) -> C
 # HTTP/2
 
 
+def new_entry() -> dict:
+    """What an `H2Client` records of one stream's answer."""
+    return {"status": None, "interim": [], "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+
+
 class H2Client:
     """An HTTP/2 client connection (h2 library) over a TLS tunnel that negotiated ALPN h2."""
 
@@ -479,17 +484,26 @@ class H2Client:
         if body is not None:
             self.h2.send_data(stream_id, body, end_stream=True)
         self._flush()
-        self.responses[stream_id] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False,
-                                     "reset": False}
+        self.responses[stream_id] = new_entry()
         return stream_id
 
     def wait(self, *stream_ids: int, timeout: float = TIMEOUT) -> None:
+        """Read until every one of `stream_ids` has ended (or was reset)."""
+        self._read_until(lambda: all(self.responses[s]["done"] for s in stream_ids), stream_ids, timeout)
+
+    def wait_interim(self, *stream_ids: int, timeout: float = TIMEOUT) -> None:
+        """Read until every one of `stream_ids` has had an interim (1xx) answer or has ended: a
+        `100 Continue` is sent once the request's head is decided and its stream goes on."""
+        self._read_until(lambda: all(self.responses[s].get("interim") or self.responses[s]["done"] for s in stream_ids),
+                         stream_ids, timeout)
+
+    def _read_until(self, done, stream_ids, timeout: float) -> None:
         import h2.events
 
         deadline = time.monotonic() + timeout
-        while not all(self.responses[s]["done"] for s in stream_ids):
+        while not done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"h2 streams {stream_ids} not finished: {self.responses}")
+                raise TimeoutError(f"h2 streams {stream_ids} not there: {self.responses}")
             data = self.conn.sock.recv(65536)
             if not data:
                 raise ConnectionError(f"connection closed; streams so far: {self.responses}")
@@ -499,6 +513,8 @@ class H2Client:
                 if isinstance(event, h2.events.ResponseReceived) and entry is not None:
                     entry["headers"] = [(k, v) for k, v in event.headers]
                     entry["status"] = int(dict(event.headers)[":status"])
+                elif isinstance(event, h2.events.InformationalResponseReceived) and entry is not None:
+                    entry.setdefault("interim", []).append(int(dict(event.headers)[":status"]))
                 elif isinstance(event, h2.events.TrailersReceived) and entry is not None:
                     entry["trailers"] = [(k, v) for k, v in event.headers]
                 elif isinstance(event, h2.events.DataReceived) and entry is not None:

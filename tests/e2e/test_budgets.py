@@ -20,7 +20,7 @@ import time
 import h2.exceptions
 import pytest
 
-from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, get, start_tls, tunnel
+from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, get, new_entry, start_tls, tunnel
 from tests.support.tcp_origin import start_accepting
 from tests.support.waiting import wait_for
 
@@ -226,7 +226,7 @@ def test_a_stalled_request_body_on_an_http2_stream_is_408(gateway_with, upstream
                                  (":path", "/upload"), ("content-length", "1000")])
     client.h2.send_data(sid, b"x" * 100)
     client._flush()
-    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    client.responses[sid] = new_entry()
     client.wait(sid, timeout=10)
     assert client.responses[sid]["status"] == 408, client.responses[sid]
     assert client.header(sid, "x-egress-reason") == "request_body_timeout"
@@ -533,16 +533,18 @@ HEAVY_FIELDS = [(f"x-heavy-{i:02d}", "v" * 200) for i in range(60)]
 HEAD_BUDGET = 300_000  # ~6 such heads
 
 
-def _heavy_post(client: H2Client, path: str, body: bytes | None = None) -> int:
+def _heavy_post(client: H2Client, path: str, body: bytes | None = None, expect_continue: bool = False) -> int:
     """A POST whose head is heavy and whose body (declared) is never sent, unless `body`: the
-    stream holds."""
+    stream holds. `expect_continue`: the gateway answers `100 Continue` once it has decided the head
+    and the stream goes on to wait for its body (`H2Client.wait_interim`)."""
     sid = client.h2.get_next_available_stream_id()
+    expect = [("expect", "100-continue")] if expect_continue else []
     client.h2.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "allowed.test"),
-                                 (":path", path), ("content-length", "100")] + HEAVY_FIELDS)
+                                 (":path", path), ("content-length", "100")] + expect + HEAVY_FIELDS)
     if body is not None:
         client.h2.send_data(sid, body, end_stream=True)
     client._flush()
-    client.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [], "done": False, "reset": False}
+    client.responses[sid] = new_entry()
     return sid
 
 
@@ -757,15 +759,18 @@ def _tls_origin(origin, pki, stall_address, **kw):
 def test_a_stream_the_client_resets_gives_its_head_charge_back(gateway_with, upstreams):
     """Review 17: a stream reset by the client kept its head charged until the connection closed (a
     browser-like client cancelling 18 requests a second was refused after 4,892 under the default
-    budgets). Round after round of heads that fill most of the budget, each reset: none refused."""
+    budgets). Round after round of heads that fill most of the budget, each reset: none refused.
+    Each round is reset once its streams wait for their bodies (their `100 Continue` came): a reset
+    that comes while a stream still waits for its decision is handled, and its charge given back,
+    when the decision is in (the head is held until then)."""
     import h2.errors
 
     gateway = gateway_with(f"egress_max_buffered_bytes_per_sandbox={HEAD_BUDGET}", "egress_body_idle_timeout=60")
     client = _h2_to(gateway)
     for round_ in range(4):
-        sids = [_heavy_post(client, f"/r{round_}-{i}") for i in range(5)]
-        wait_for(lambda: sum(1 for line in gateway.audit() if line.get("event") == "request") >= 5 * (round_ + 1),
-                 10.0, "the round's decisions")
+        sids = [_heavy_post(client, f"/r{round_}-{i}", expect_continue=True) for i in range(5)]
+        client.wait_interim(*sids, timeout=10)
+        assert [client.responses[s]["interim"] for s in sids] == [[100]] * 5, client.responses
         for sid in sids:
             client.h2.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
         client._flush()
