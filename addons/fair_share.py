@@ -611,13 +611,16 @@ class FairShare:
             "egress_max_loop_share_per_sandbox",
             "egress_loop_share_burst",
             "egress_loop_share_busy",
+            "egress_loop_share_headroom",
         )
 
     def configure(self, updated: set[str]) -> None:
-        names = {"egress_max_loop_share_per_sandbox", "egress_loop_share_burst", "egress_loop_share_busy"}
+        names = {"egress_max_loop_share_per_sandbox", "egress_loop_share_burst", "egress_loop_share_busy",
+                 "egress_loop_share_headroom"}
         if updated & names:
             try:
                 _share.configure(float(ctx.options.egress_max_loop_share_per_sandbox),
-                                 float(ctx.options.egress_loop_share_burst), float(ctx.options.egress_loop_share_busy))
+                                 float(ctx.options.egress_loop_share_burst), float(ctx.options.egress_loop_share_busy),
+                                 float(ctx.options.egress_loop_share_headroom))
             except ValueError as exc:
                 raise exceptions.OptionsError(f"{', '.join(sorted(names))}: {exc}") from None

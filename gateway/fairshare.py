@@ -207,13 +207,17 @@ class LoopShare:
         self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
         self.configure(max_share, burst)
 
-    def configure(self, max_share: float, burst: float, busy: float | None = None) -> None:
-        if not 0 <= max_share <= 1 or burst < 0 or (busy is not None and not 0 <= busy <= 1):
-            raise ValueError("max_share and busy must be within [0, 1] and burst >= 0")
+    def configure(self, max_share: float, burst: float, busy: float | None = None,
+                  spare_headroom: float | None = None) -> None:
+        if not 0 <= max_share <= 1 or burst < 0 or (busy is not None and not 0 <= busy <= 1) or (
+                spare_headroom is not None and not 0 <= spare_headroom <= 1):
+            raise ValueError("max_share, busy and the headroom must be within [0, 1] and burst >= 0")
         self.max_share = float(max_share)
         self.burst = float(burst)
         if busy is not None:
             self.busy = float(busy)
+        if spare_headroom is not None:
+            self.spare_headroom = float(spare_headroom)
 
     @property
     def enabled(self) -> bool:
@@ -231,7 +235,7 @@ class LoopShare:
 
     def _share_of(self, entry: _Share, now: float, share: float) -> float:
         """The share `entry`'s sandbox refills at: `share`, or what the others' work left of the loop
-        over about the last second less SPARE_HEADROOM, whichever is more (the loop stays
+        over about the last second less the spare headroom, whichever is more (the loop stays
         work-conserving: a sandbox waits for the others' work, not for an idle loop)."""
         others = (self._load.at(now) - entry.load.at(now)) / LOAD_WINDOW
         return max(share, 1.0 - others - self.spare_headroom)

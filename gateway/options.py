@@ -17,7 +17,7 @@ from .auditrate import DEFAULT_PER_KEY, DEFAULT_PER_SOURCE, DEFAULT_TOTAL
 from .budget import DEFAULT_PER_CONNECTION, DEFAULT_PER_SANDBOX
 from .clienthello import DEFAULT_MAX_CLIENT_HELLO_BYTES
 from .decompress import REQUEST_LIMIT
-from .fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE
+from .fairshare import DEFAULT_BURST, DEFAULT_BUSY, DEFAULT_MAX_SHARE, SPARE_HEADROOM
 
 # Defaults that only the option itself uses (the addons import them from here).
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
@@ -115,12 +115,17 @@ OPTIONS: dict[str, Option] = _table(
     Option('egress_max_loop_share_per_sandbox', str, f'{DEFAULT_MAX_SHARE:g}', 'addons.fair_share',
            "Share of a worker's event loop one sandbox may take while another sandbox is active: at most "
            "this, and 1/N with N active, unless the others' work left more of the loop idle (then that, "
-           "less 0.2); over it, its connections' next reads wait (back-pressure, nothing refused). 0: off."),
+           "less egress_loop_share_headroom); over it, its connections' next reads wait (back-pressure, "
+           "nothing refused). 0: off."),
     Option('egress_loop_share_burst', str, f'{DEFAULT_BURST:g}', 'addons.fair_share',
            'Seconds of loop time a sandbox may use at once above its share.'),
     Option('egress_loop_share_busy', str, f'{DEFAULT_BUSY:g}', 'addons.fair_share',
            'The loop counts as contended (shares apply) once the work of about the last second fills '
            'this fraction of it; below it nobody is slowed. 0: always contended.'),
+    Option('egress_loop_share_headroom', str, f'{SPARE_HEADROOM:g}', 'addons.fair_share',
+           "Part of the loop a sandbox over its share may not borrow while the others' work leaves the "
+           "loop idle: it refills at its share, or at what the others left less this, whichever is more. "
+           "1: its share is a hard cap."),
     # --- addons.frame_limits
     Option('egress_max_small_frames_per_second_per_sandbox', str, f'{DEFAULT_SMALL_FRAMES_PER_SECOND:g}', 'addons.frame_limits',
            'Frames under egress_small_frame_bytes (HTTP/2 DATA frames, HTTP/1 chunks, WebSocket frames '

@@ -3,7 +3,8 @@ sandbox A floods kept-alive requests at its allowed rates. Alone it is never slo
 matters when someone else waits); once sandbox B is active too, A's reads wait while it is over
 its share (counted in `egress_loop_share_wait_seconds_total{sandbox="attacker"}`, more than B waits), B
 is served throughout, and nothing is refused for it. The share is set low (5%) and the loop always counts as
-contended, so that A passes its share on any machine; timing is the benchmark's business
+contended and the share a hard cap (no lending of what the loop leaves idle), so that A passes its
+share on any machine; timing is the benchmark's business
 (bench/noisy.py), not this test's."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def world(tmp_path_factory, upstreams):
     world = noisy.make_world(tmp_path_factory.mktemp("share"), upstreams.block, [
         "--set", "egress_max_loop_share_per_sandbox=0.05", "--set", "egress_loop_share_burst=0.02",
         "--set", "egress_loop_share_busy=0",  # always contended: on a starved machine the loop may look idle
+        "--set", "egress_loop_share_headroom=1",  # the share is a hard cap: the flood need not fill the loop
         "--metrics", f"127.0.0.1:{port}"], octets=OCTETS)
     world.metrics = f"http://127.0.0.1:{port}/metrics"
     yield world

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hypothesis import given, settings, strategies as st
 
 from gateway.fairshare import MAX_DELAY, LoopShare
@@ -126,6 +128,21 @@ def test_a_sandbox_in_debt_refills_at_what_the_others_leave_of_the_loop_when_tha
     busy.charge("b", 0.6)  # a neighbour that takes more than half
     busy.charge("a", 0.5)
     assert abs(busy.reserve("a") - 0.5 / 0.5) < 1e-9
+
+
+def test_the_headroom_is_configured_with_the_share_and_1_makes_the_share_a_hard_cap():
+    """`egress_loop_share_headroom`: configured (and checked) with the other options; at 1 a
+    sandbox in debt refills at its share however idle the others leave the loop."""
+    s, clock = share(max_share=0.5, burst=0.0, busy=0.0, max_debt=100)
+    s.configure(0.5, 0.0, 0.0, 1.0)
+    s.charge("b", 0.1)
+    s.charge("a", 0.5)
+    assert abs(s.reserve("a") - 0.5 / 0.5) < 1e-9  # at its share, not at 0.7
+    s.configure(0.5, 0.0)  # left as it was when not given
+    assert s.spare_headroom == 1.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError):
+            s.configure(0.5, 0.0, None, bad)
 
 
 def test_in_debt_is_the_bucket_below_zero_whether_or_not_the_loop_is_contended():
