@@ -542,13 +542,21 @@ def install(state) -> None:
             await asyncio.sleep(0)  # (charged: the next step is timed like any other)
 
     def read_size(self) -> int:
-        """How many bytes the handler's next read of a connection takes (FULL_READ, or
-        YIELDING_READ while its sandbox gives way to a lighter one)."""
+        """How many bytes the handler's next read of a connection takes: FULL_READ, or
+        YIELDING_READ while its sandbox gives way to a lighter one and a full read of it would
+        cost more than a slice. The sandbox's cost per read was measured at the size the
+        connection reads now: at full reads it goes to YIELDING_READ once that cost passes the
+        slice, and back once a quarter of the slice (64/16) no longer holds it. (Scaling the cost
+        by 64/16 at either size made an upload whose full reads take 0.2-0.55 ms flip between the
+        two and mostly read 16 KiB: review 30.)"""
         key = getattr(self, ATTR, None)
-        if key is not None and _order.yielding(key, _share.noted_load(key), perf_counter()) and (
-                _share.read_cost(key) * (FULL_READ / YIELDING_READ) > _order.slice):
-            return YIELDING_READ
-        return FULL_READ
+        if key is None or not _order.yielding(key, _share.noted_load(key), perf_counter()):
+            self._egress_small_reads = False
+            return FULL_READ
+        cost = _share.read_cost(key)
+        small = cost * (FULL_READ / YIELDING_READ) > _order.slice if self._egress_small_reads else cost > _order.slice
+        self._egress_small_reads = small
+        return YIELDING_READ if small else FULL_READ
 
     async def shared_hook_task(self, hook) -> None:
         """mitmproxy's hook_task (12.3), with the sandbox's turn before the hook runs: the hook and
@@ -579,6 +587,7 @@ def install(state) -> None:
     handler_class.handle_client = marked_handle_client
     handler_class.egress_turn = turn  # awaited between each read and its event (addons/conn_close.py)
     handler_class.egress_read_size = read_size  # (addons/conn_close.py)
+    handler_class._egress_small_reads = False  # its reads were cut to YIELDING_READ at its last read
     handler_class.hook_task = shared_hook_task
     handler_class.wakeup = shared_wakeup
     asyncio.Handle._run = timed_run

@@ -94,7 +94,7 @@ def install() -> None:
     from .layers import GatewayHttpLayer, GatewayHttpStream, _TargetFormStream
 
     stream_extras = ("on_refusal", "body_limits", "mode")  # set by GatewayHttpLayer.make_stream
-    handler_extras = (fair_share.ATTR, "_egress_spent", "_egress_light",  # (addons/channels.py)
+    handler_extras = (fair_share.ATTR, "_egress_spent", "_egress_light", "_egress_small_reads",  # (addons/channels.py)
                       write_backlog.ATTR, write_backlog.ATTR + "_task")
     for cls, also in ((NextLayer, ()), (ServerTLSLayer, ()), (ClientTLSLayer, ()), (GatewayHttpLayer, ()),
                       (GatewayHttp1Server, ()), (GatewayHttpStream, stream_extras),

@@ -114,6 +114,7 @@ class _Handler:
 
     _egress_spent = 0.0
     _egress_light = False
+    _egress_small_reads = False
 
     def __init__(self, key: str, load: float):
         setattr(self, fair_share.ATTR, key)
@@ -512,6 +513,10 @@ def test_a_yielding_sandbox_reads_a_tls_record_at_a_time_and_others_all_they_can
     order.ran("sandbox:b", 0.05, time.perf_counter(), 0.0001, False)
     assert read_size(heavy) == fair_share.YIELDING_READ
     assert read_size(light) == fair_share.FULL_READ
+    fair_share._share[("read_cost", "sandbox:a")] = 0.0005  # its 16 KiB reads: 64 KiB would still pass a slice
+    assert read_size(heavy) == fair_share.YIELDING_READ
+    fair_share._share[("read_cost", "sandbox:a")] = 0.0002  # 64 KiB would now fit in one
+    assert read_size(heavy) == fair_share.FULL_READ
 
 
 def test_a_yielding_sandbox_whose_reads_are_cheap_reads_all_it_can(order):
@@ -525,7 +530,13 @@ def test_a_yielding_sandbox_whose_reads_are_cheap_reads_all_it_can(order):
     heavy = _Handler("sandbox:a", 0.6)
     fair_share._share[("read_cost", "sandbox:a")] = 0.0001
     order.ran("sandbox:b", 0.05, time.perf_counter(), 0.0001, False)
-    assert server.ConnectionHandler.egress_read_size(heavy) == fair_share.FULL_READ
+    read_size = server.ConnectionHandler.egress_read_size
+    assert read_size(heavy) == fair_share.FULL_READ
+    # Review 30: a 64 KiB upload read on a loaded machine (0.2-0.55 ms) was scaled as if it had
+    # been a 16 KiB one, and the upload flipped to 16 KiB reads. Measured at full reads, it stays.
+    for cost in (0.0002, 0.0005, 0.0009, 0.0003):
+        fair_share._share[("read_cost", "sandbox:a")] = cost
+        assert read_size(heavy) == fair_share.FULL_READ, cost
 
 
 def test_a_connection_being_set_up_is_its_peer_s_sandbox_s_work(order, monkeypatch):
