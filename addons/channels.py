@@ -79,10 +79,10 @@ METADATA: tuple[MetadataKey, ...] = (
                 "addons.http_stream, addons.streaming",
                 "the body is buffered whole, never streamed, so that it is checked before a byte goes upstream"),
     MetadataKey("egress_bound", "addons.credentials:BOUND", "addons.credentials",
-                "addons.credentials, addons.http_stream, addons.streaming",
+                "addons.http_stream, addons.response_redaction, addons.streaming, addons.websocket_redaction",
                 "the secrets this request carried: its response is redacted, so it is not streamed raw"),
-    MetadataKey("egress_buffer_account", "addons.credentials:BUFFER_ACCOUNT", "addons.http_stream",
-                "addons.credentials",
+    MetadataKey("egress_buffer_account", "addons.body_redaction:BUFFER_ACCOUNT", "addons.http_stream",
+                "addons.body_redaction",
                 "the stream's share of the buffer ledger, charged for what redaction holds back"),
     MetadataKey("egress_credential_audit", "addons.credentials:CredentialInjector.AUDIT", "addons.credentials",
                 "addons.credentials",
@@ -123,6 +123,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "addons.fair_share", "loop time of the handler not charged yet (also a row of patches.py)"),
     Attribute("_egress_light", "ConnectionHandler (class default), fair_share's marks", "", "addons.fair_share",
               "addons.fair_share", "the sandbox was within its share at its last turn (also a row of patches.py)"),
+    Attribute("_egress_small_reads", "ConnectionHandler (class default)", "", "addons.fair_share",
+              "addons.fair_share", "its reads were cut to 16 KiB at its last read: the read size's hysteresis"),
     Attribute("_egress_deferred", "the event loop's __dict__", "addons.fair_share:DEFERRED", "addons.fair_share",
               "addons.fair_share", "callbacks set aside, per sandbox in order, put back a few at each poll "
               "(fair_share._SetAside): one connection's order is kept"),
@@ -157,8 +159,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "its hooks before the guard wrapped them: a reloaded script wraps the originals, not the wrappers"),
     Attribute("_egress_bounded", "WebsocketLayer (the bounding subclass)", "", "addons.websocket_limits",
               "addons.websocket_limits", "already replaced: a second install only updates the callbacks below"),
-    Attribute("_egress_redacting", "WebsocketLayer (the redacting subclass)", "", "addons.credentials",
-              "addons.credentials", "already replaced: a second install only updates the redactor"),
+    Attribute("_egress_redacting", "WebsocketLayer (the redacting subclass)", "", "addons.websocket_redaction",
+              "addons.websocket_redaction", "already replaced: a second install only updates the redactor"),
     # the WebSocket layer subclasses' own members: callbacks into the addons, and per-layer state
     Attribute("_egress_on_refused", "WebsocketLayer (the bounding subclass)", "", "addons.websocket_limits",
               "addons.websocket_limits", "audits and counts a WebSocket refused for size, budget or small frames"),
@@ -174,8 +176,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "small client frames seen, for the audit line of a flood"),
     Attribute("_egress_release", "WebsocketLayer (the bounding subclass)", "", "addons.websocket_limits",
               "addons.websocket_limits", "method: gives what the reassemblies held back to the ledger"),
-    Attribute("_egress_get_redactor", "WebsocketLayer (the redacting subclass)", "", "addons.credentials",
-              "addons.credentials", "the redactor of the current policy, for control frames sent to the client"),
+    Attribute("_egress_get_redactor", "WebsocketLayer (the redacting subclass)", "", "addons.websocket_redaction",
+              "addons.websocket_redaction", "the redactor of the current policy, for control frames sent to the client"),
 )
 
 _HTTP1 = "the HTTP/1 server and client layers the gateway replaces (framing, limits, empty pieces, trailers)"
@@ -236,7 +238,7 @@ ADDON_ORDER: tuple[AddonStep, ...] = (
               "decides each request (egress_decision, egress_pin): everything after reads its decision"),
     AddonStep("UpgradeGuard", "addons.upgrade_guard", "an upstream's 101 to anything but the WebSocket asked for"),
     AddonStep("DecodePool", "addons.decode_pool", "a compressed request body's check: its decoder calls on the decode pool"),
-    AddonStep("ResponseRedactor", "addons.credentials",
+    AddonStep("ResponseRedactor", "addons.response_redaction",
               "after the guard, whose CredentialInjector marks bound requests (egress_bound): redacts responses, "
               "and plans a bound response's body before BodyStreaming"),
     AddonStep("RequestLimits", "addons.rate_limits",

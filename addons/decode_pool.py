@@ -12,9 +12,9 @@ time (its other decodes wait their turn here, so a sandbox with many bombs does 
 a neighbour's one decode); each step's CPU time is charged to the sandbox's loop share
 (addons/fair_share.py), and its next step waits for its turn, like a read would.
 
-Two users: a bound response decoded whole (addons/credentials.py, `pieces`), and a compressed
+Two users: a bound response decoded whole (addons/body_redaction.py, `pieces`), and a compressed
 request body's method-override scan (addons/method_body.py) and a bound response's streamed
-redaction (addons/credentials.py): their stream (addons/http_stream.py) starts the `egress_decode_steps`
+redaction (addons/body_redaction.py): their stream (addons/http_stream.py) starts the `egress_decode_steps`
 hook, mitmproxy holds the stream's later events until the hook completes, and `DecodePool` drives
 the steps (`drive`): decoder calls on the pool, the scanning or redaction of what they return on
 the loop, a turn between two. Only the C decoders go to threads: they release the
@@ -165,7 +165,7 @@ async def drive(steps: Generator):
 
 class DecodeSteps:
     """A sans-I/O steps generator for the hook to drive (a body check's scan, addons/method_body.py;
-    a streamed bound response's decode, addons/credentials.py), and its result once driven (None:
+    a streamed bound response's decode, addons/body_redaction.py), and its result once driven (None:
     no addon drove it; the stream then fails closed)."""
 
     __slots__ = ("steps", "result")

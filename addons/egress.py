@@ -20,7 +20,7 @@ from addons.budget import BufferBudget  # noqa: E402
 from addons.connect_guard import ConnectGuard  # noqa: E402
 from addons.control import ControlApi  # noqa: E402
 from addons.core import EgressCore  # noqa: E402
-from addons.credentials import ResponseRedactor  # noqa: E402
+from addons.response_redaction import ResponseRedactor  # noqa: E402
 from addons.dns_guard import DnsGuard  # noqa: E402
 from addons.fair_share import FairShare  # noqa: E402
 from addons.frame_limits import FrameLimits  # noqa: E402

@@ -33,7 +33,8 @@ from gateway.budget import Account, head_cost
 from gateway.decision import Decision
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
 
-from .credentials import BOUND, BUFFER_ACCOUNT
+from .body_redaction import BUFFER_ACCOUNT
+from .credentials import BOUND
 from .decode_pool import DecodeSteps, EgressDecodeStepsHook
 from .fair_share import EgressPaceHook
 from .method_body import BODY_CHECK
@@ -631,7 +632,7 @@ class GatewayHttpStream(HttpStream):
                 return
         stream = self.flow.response.stream if self.flow is not None and self.flow.response is not None else None
         if getattr(stream, "decodes", False) and isinstance(event, (ResponseData, ResponseEndOfMessage)):
-            # A bound response decoded on the fly (addons/credentials.py): its decoder calls run
+            # A bound response decoded on the fly (addons/body_redaction.py): its decoder calls run
             # off the loop, like a request body's check (see _checked), and the stream callable
             # then hands on what they made.
             self._charge(0)  # the stream's buffer account, which the decoder's window is charged to

@@ -5,7 +5,7 @@ no bound: an endless fragmented message (FIN=0 frames) grew a worker by 500 MiB 
 keeps every message it relayed in `flow.websocket.messages` for the life of the connection: a
 stream of ordinary 1 MiB messages grew it without end. Neither was refused or audited.
 
-Here the layer (wrapped once, like addons/credentials.py's redaction) relays with its own
+Here the layer (wrapped once, like addons/websocket_redaction.py's) relays with its own
 `relay_messages` (mitmproxy 12.3's, bounded):
 - a message being reassembled past `egress_max_websocket_message_bytes` closes both sides with
   1009 (message too big) and one audit line, `websocket_message_too_large`; the size is a running

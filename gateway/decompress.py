@@ -383,7 +383,7 @@ STREAM_GRACE = 1024 * 1024
 
 
 def stream_decoder(content_encoding: str, limit: int | None = None) -> BoundedDecoder | None:
-    """The bounded decoder of a response body decoded on the fly (addons/credentials.py)."""
+    """The bounded decoder of a response body decoded on the fly (addons/body_redaction.py)."""
     return streaming_decoder(content_encoding, limit, MAX_RATIO, STREAM_GRACE)
 
 

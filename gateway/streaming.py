@@ -1,5 +1,5 @@
 """What the gateway does with a message body: stream it, or buffer it whole. Pure: the adapters
-(addons/streaming.py, addons/credentials.py) read headers and apply the plan.
+(addons/streaming.py, addons/response_redaction.py) read headers and apply the plan.
 
 A proxy that buffers a body of unknown length (a server-sent-event stream, a gRPC stream, a
 long-poll answer) holds every event until the origin finishes, which for an agent reading a model's

@@ -111,19 +111,19 @@ def test_a_decode_error_on_the_pool_is_raised_to_the_caller():
 
 
 def test_a_buffered_body_redacted_in_slices_equals_its_redaction_whole():
-    """addons/credentials.py redacts a large buffered body a slice at a time, with a turn between:
+    """addons/body_redaction.py redacts a large buffered body a slice at a time, with a turn between:
     a secret across a slice boundary (and one at either end) is still redacted, as whole."""
-    from addons import credentials
+    from addons import body_redaction
     from gateway.redact import Redactor
 
     secret = "sk-live-0123456789abcdef"
     redactor = Redactor({"key": secret})
-    edge = credentials.REDACT_SLICE
+    edge = body_redaction.REDACT_SLICE
     body = bytearray(b"line\n" * (3 * edge // 5))
     for at in (0, edge - 7, 2 * edge - 1, len(body) - len(secret)):
         body[at:at + len(secret)] = secret.encode()
     body = bytes(body)
-    sliced = asyncio.run(credentials._redact_buffered(body, redactor))
+    sliced = asyncio.run(body_redaction.redact_buffered(body, redactor))
     assert sliced == redactor.redact(body)
     assert secret.encode() not in sliced[0] and len(sliced[1]) == 4
 

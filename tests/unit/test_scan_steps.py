@@ -137,12 +137,12 @@ def test_a_step_no_addon_ran_refuses_the_body():
 def _body_redactor(coding: str, secret: str, failures: list):
     from mitmproxy.test import tflow
 
-    from addons.credentials import _BodyRedactor
+    from addons.body_redaction import BodyRedactor
     from gateway.decompress import stream_decoder
     from gateway.redact import Redactor, StreamRedactor
 
     flow = tflow.tflow(resp=True)
-    stream = _BodyRedactor(flow, StreamRedactor(Redactor({"key": secret})), stream_decoder(coding),
+    stream = BodyRedactor(flow, StreamRedactor(Redactor({"key": secret})), stream_decoder(coding),
                            on_failure=lambda f, reason: failures.append(reason))
     return flow, stream
 
