@@ -73,3 +73,13 @@ def test_plain_http_refusals(topology, main, host):
                 "allowed.test:8080": (421, "host_mismatch")}[host]
     assert (reply.status, reply.egress_reason) == expected, reply.text()
     assert topology.touched() == []
+
+
+def test_an_absolute_form_request_goes_upstream_in_origin_form(topology, main):
+    """The absolute-form authority restated the destination (it names allowed.test, as Host does):
+    the origin gets origin-form, as through the proxy port (an origin may route by the absolute
+    form: RFC 9112 3.2.2)."""
+    with topology.connect(main.sandbox, ALLOWED, 80) as sock:
+        (reply,) = http_exchange(sock, [http_request("allowed.test", "http://allowed.test/abs?x=1", close=True)])
+    assert reply.status == 200, reply.text()
+    assert [r.path for r in topology.server(f"{ALLOWED}:80").requests] == ["/abs?x=1"]
