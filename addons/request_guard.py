@@ -67,8 +67,12 @@ def _origin_form(request: http.Request) -> None:
     sent it in: the destination is the gateway's, and an absolute-form authority (inside a tunnel,
     in transparent mode) would restate it to the upstream, which may route by it (RFC 9112 3.2.2
     lets it prevail over Host). mitmproxy does this only for the explicit proxy port. HTTP/2's
-    :authority stays (it is the Host of HTTP/2, checked like Host); a CONNECT keeps its target."""
+    :authority stays (it is the Host of HTTP/2, checked like Host); a CONNECT keeps its target.
+    A request with no Host (HTTP/1.0) gets the authority, checked against the pin, as its Host:
+    without it the upstream was told no host at all (review 31)."""
     if request.method != "CONNECT" and not (request.is_http2 or request.is_http3) and request.data.authority:
+        if "host" not in request.headers:
+            request.headers.insert(0, "Host", request.data.authority.decode("utf-8", "surrogateescape"))
         request.authority = ""
 
 

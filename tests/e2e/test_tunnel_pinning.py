@@ -174,7 +174,12 @@ def test_absolute_form_inside_a_plain_http_tunnel_goes_upstream_in_origin_form(g
     with conn:
         assert answer.status == 200
         assert get(conn, "http://allowed.test/abs-plain?x=1", "allowed.test").status == 200
-    assert [r.path for r in upstreams.plain["allowed.test"].requests] == ["/abs-plain?x=1"]
+        # HTTP/1.0 needs no Host: the authority, checked against the pin, becomes it (review 31).
+        conn.send(b"GET http://allowed.test/abs-10 HTTP/1.0\r\n\r\n")
+        assert conn.read_response().status == 200
+    received = upstreams.plain["allowed.test"].requests
+    assert [r.path for r in received] == ["/abs-plain?x=1", "/abs-10"]
+    assert [[v for k, v in r.headers if k.lower() == "host"] for r in received] == [["allowed.test"]] * 2
 
 
 # --- spec 4: HTTP/2 -------------------------------------------------------------------------
