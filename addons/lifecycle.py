@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
@@ -48,8 +49,9 @@ class Lifecycle:
         declare(loader, "egress_drain_timeout")
 
     def configure(self, updated: set[str]):
-        if "egress_drain_timeout" in updated and ctx.options.egress_drain_timeout < 0:
-            raise exceptions.OptionsError("egress_drain_timeout must be >= 0")
+        if "egress_drain_timeout" in updated and not 0 <= ctx.options.egress_drain_timeout < math.inf:
+            # (NaN passes `< 0`, as it did for egress_loop_share_burst and froze a worker: review 31)
+            raise exceptions.OptionsError("egress_drain_timeout must be a finite number of seconds >= 0")
 
     # --- starting ----------------------------------------------------------------------------------
 

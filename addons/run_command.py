@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import socket
 import subprocess
@@ -130,8 +131,8 @@ def _positive_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 0")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= 0")
     return value
 
 

@@ -209,9 +209,11 @@ class LoopShare:
 
     def configure(self, max_share: float, burst: float, busy: float | None = None,
                   spare_headroom: float | None = None) -> None:
-        if not 0 <= max_share <= 1 or burst < 0 or (busy is not None and not 0 <= busy <= 1) or (
+        # (NaN passes no comparison: `burst < 0` let it through, every wait became asyncio.sleep(nan)
+        # and the worker stopped serving anyone, review 31; inf switched the share off unsaid.)
+        if not 0 <= max_share <= 1 or not 0 <= burst < math.inf or (busy is not None and not 0 <= busy <= 1) or (
                 spare_headroom is not None and not 0 <= spare_headroom <= 1):
-            raise ValueError("max_share, busy and the headroom must be within [0, 1] and burst >= 0")
+            raise ValueError("max_share, busy and the headroom must be within [0, 1], burst a finite number >= 0")
         self.max_share = float(max_share)
         self.burst = float(burst)
         if busy is not None:

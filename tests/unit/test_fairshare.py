@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hypothesis import given, settings, strategies as st
@@ -140,9 +142,19 @@ def test_the_headroom_is_configured_with_the_share_and_1_makes_the_share_a_hard_
     assert abs(s.reserve("a") - 0.5 / 0.5) < 1e-9  # at its share, not at 0.7
     s.configure(0.5, 0.0)  # left as it was when not given
     assert s.spare_headroom == 1.0
-    for bad in (-0.1, 1.5):
+    for bad in (-0.1, 1.5, math.nan, math.inf):
         with pytest.raises(ValueError):
             s.configure(0.5, 0.0, None, bad)
+
+
+@pytest.mark.parametrize("max_share, burst, busy", [(math.nan, 0.05, 0.7), (0.5, math.nan, 0.7), (0.5, math.inf, 0.7),
+                                                    (0.5, -0.01, 0.7), (0.5, 0.05, math.nan), (math.inf, 0.05, 0.7)])
+def test_values_that_are_not_finite_numbers_in_range_are_refused(max_share, burst, busy):
+    """Review 31: `egress_loop_share_burst=nan` passed `burst < 0`; every wait was then NaN seconds
+    (truthy) and the worker stopped serving anyone once two sandboxes were active."""
+    s, clock = share()
+    with pytest.raises(ValueError):
+        s.configure(max_share, burst, busy)
 
 
 def test_in_debt_is_the_bucket_below_zero_whether_or_not_the_loop_is_contended():

@@ -116,3 +116,27 @@ def test_each_flag_sets_its_row():
     defaults = parser.parse_args(["run"])
     assert defaults.audit_backups == OPTIONS["egress_audit_backups"].default
     assert defaults.drain_timeout == OPTIONS["egress_drain_timeout"].default
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_drain_timeout_must_be_a_finite_number_of_seconds(value):
+    """Review 31: NaN passed `< 0` checks (egress_loop_share_burst=nan froze a worker); the drain
+    timeout is refused the same way on the command line and as an option."""
+    import argparse
+
+    from mitmproxy import exceptions
+
+    from addons.lifecycle import Lifecycle
+    from addons.run_command import register
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--drain-timeout", value])
+    from mitmproxy.test import taddons
+
+    from addons.state import GatewayState
+    lifecycle = Lifecycle(GatewayState())
+    with taddons.context(lifecycle) as tctx:
+        with pytest.raises(exceptions.OptionsError):
+            tctx.configure(lifecycle, egress_drain_timeout=float(value))
+        tctx.configure(lifecycle, egress_drain_timeout=2.5)  # a finite one is taken
