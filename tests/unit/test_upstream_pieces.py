@@ -1,0 +1,127 @@
+"""Many small pieces, from an upstream or towards a client that does not read (review 32): each
+read of an HTTP/1 upstream's chunked body comes out as one event (addons/http1.py ChunkMerger with
+`take` None), each read of an upstream HTTP/2 connection's DATA frames of one stream as one event
+(addons/h2_limits.py UpstreamH2Connection), and data queued for a peer's flow-control window is
+joined into frame-sized pieces (CoalescedSends): what walks those queues pays per piece. Bytes and
+their order are kept; properties over random piece sizes."""
+
+from __future__ import annotations
+
+import math
+
+import h11
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+from h11._readers import ChunkedReader
+from h11._receivebuffer import ReceiveBuffer
+from hypothesis import given, settings, strategies as st
+
+from addons.h2_limits import CoalescedSends, UpstreamH2Connection
+from addons.http1 import ChunkMerger, TrailerCatcher
+
+pieces = st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=400)
+
+
+def _pair(server_class, window: int):
+    """A client (h2) and a server (`server_class`) past their preface, the client's window `window`,
+    one stream open (id 1)."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    server = server_class(h2.config.H2Configuration(client_side=False))
+    client.local_settings = h2.settings.Settings(client=True, initial_values={
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+    client.initiate_connection()
+    server.initiate_connection()
+    client.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", "a.test"), (":path", "/")],
+                        end_stream=True)
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(":status", "200")])
+    client.receive_data(server.data_to_send())
+    return client, server
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces)
+def test_data_waiting_for_a_window_is_kept_in_frame_sized_pieces_in_order(sent):
+    client, server = _pair(CoalescedSends, window=0)
+    for piece in sent:
+        server.send_data(1, piece)
+    server.end_stream(1)
+    waiting = server.stream_buffers[1]
+    total = sum(map(len, sent))
+    assert len(waiting) <= math.ceil(total / server.max_outbound_frame_size) + 2  # (+ the end of stream)
+    assert b"".join(bytes(p.data) for p in waiting) == b"".join(sent)
+    got, ended = b"", False
+    client.increment_flow_control_window(total + 1, stream_id=1)
+    for _ in range(100):
+        server.receive_data(client.data_to_send())
+        for event in client.receive_data(server.data_to_send()):
+            if isinstance(event, h2.events.DataReceived):
+                got += event.data
+                client.acknowledge_received_data(event.flow_controlled_length, 1)
+            ended = ended or isinstance(event, h2.events.StreamEnded)
+        if ended:
+            break
+    assert got == b"".join(sent) and ended
+
+
+def test_a_million_one_byte_pieces_are_a_few_dozen_frames_waiting():
+    """The review's case: an upstream's 1-byte pieces for a client whose window stays shut."""
+    client, server = _pair(CoalescedSends, window=0)
+    for _ in range(1_000_000):
+        server.send_data(1, b"x")
+    assert len(server.stream_buffers[1]) == math.ceil(1_000_000 / server.max_outbound_frame_size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces)
+def test_an_upstreams_data_frames_of_one_read_are_one_event(sent):
+    upstream = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    ours = UpstreamH2Connection(h2.config.H2Configuration(client_side=True))
+    ours.initiate_connection()
+    upstream.initiate_connection()
+    ours.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", "a.test"), (":path", "/")],
+                      end_stream=True)
+    upstream.receive_data(ours.data_to_send())
+    ours.receive_data(upstream.data_to_send())
+    upstream.send_headers(1, [(":status", "200")])
+    for piece in sent:
+        upstream.send_data(1, piece)
+    upstream.end_stream(1)
+    events = ours.receive_data(upstream.data_to_send())
+    data = [e for e in events if isinstance(e, h2.events.DataReceived)]
+    assert len(data) == 1 and data[0].data == b"".join(sent) and data[0].stream_ended is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces, st.integers(min_value=1, max_value=4))
+def test_an_upstreams_chunks_of_one_read_are_one_event(sent, reads):
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in sent) + b"0\r\n\r\n"
+    reader = TrailerCatcher(ChunkMerger(ChunkedReader(), None, 100, malformed=False))
+    buf, out, step = ReceiveBuffer(), [], math.ceil(len(wire) / reads)
+    ended = False
+    for start in range(0, len(wire), step):
+        buf += wire[start:start + step]
+        events = 0
+        while (event := reader(buf)) is not None:
+            if isinstance(event, h11.EndOfMessage):
+                ended = True
+                break
+            out.append(bytes(event.data))
+            events += 1
+        assert events <= 1
+    assert ended and b"".join(out) == b"".join(sent)
+
+
+def test_an_upstreams_broken_chunk_framing_is_left_to_mitmproxy():
+    """mitmproxy turns h11's ProtocolError on an upstream body into a closed connection and a 502;
+    the merger must not turn it into the client-side MalformedBody."""
+    reader = TrailerCatcher(ChunkMerger(ChunkedReader(), None, 0, malformed=False))
+    buf = ReceiveBuffer()
+    buf += b"zz\r\nhello\r\n"
+    with pytest.raises(h11.ProtocolError):
+        reader(buf)
