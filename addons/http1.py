@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from time import perf_counter
 
 import h11
 import h11._readers
@@ -48,7 +49,7 @@ from gateway.bodies import MAX_INTERIM_RESPONSES, UpstreamExchange, request_fram
 from gateway.options import DEFAULT_MAX_HEADER_FIELDS
 from gateway.streaming import FORBIDDEN_TRAILERS
 
-from . import frame_limits
+from . import frame_limits, read_ahead
 
 
 def _is_chunked(message) -> bool:
@@ -158,6 +159,10 @@ class MalformedBody(Exception):
     raised instead of h11's ProtocolError, which mitmproxy turns into a silent close."""
 
 
+SLICE_CHECK = 64  # chunks parsed between two looks at the clock
+UPSTREAM_PARSE_SLICE = 0.001  # seconds of an upstream's chunked body parsed per step of the loop
+
+
 class ChunkMerger:
     """Wraps an h11 body reader: what one read brought comes out as one Data event however many
     chunks it was sent in (chunk boundaries mean nothing to HTTP, and each event costs the layers
@@ -165,21 +170,32 @@ class ChunkMerger:
     client: each chunk under egress_small_frame_bytes takes a token through `take`; when none is
     left, `SmallChunkFlood` is raised. A response from an upstream (`take` None, `malformed`
     False): merged only, its framing errors left to mitmproxy (review 32: an upstream's 1-byte
-    chunks held the loop for every sandbox, another's p50 17 ms -> 3.5 s)."""
+    chunks held the loop for every sandbox, another's p50 17 ms -> 3.5 s). With `slice_seconds`, a
+    read's parse stops after about that long (checked every SLICE_CHECK chunks) and sets `cut`: the
+    caller continues it at a wakeup, a later step (merged, a read of 64 KiB of 1-byte chunks was
+    still one ~0.1 s step)."""
 
-    def __init__(self, reader, take: Callable[[int], bool] | None, max_fields: int = 0, malformed: bool = True):
+    def __init__(self, reader, take: Callable[[int], bool] | None, max_fields: int = 0, malformed: bool = True,
+                 slice_seconds: float | None = None):
         self.reader = count_trailer_fields(reader, max_fields)
         self.take = take
         self.malformed = malformed  # raise MalformedBody for h11's ProtocolError (False: let it through)
+        self.slice_seconds = slice_seconds  # parse at most about this long per step (None: all of a read)
+        self.cut = False  # a run was cut at the slice: what is left in the buffer waits for the next step
         self.small_chunks = 0
         self._chunk = 0  # bytes of the chunk being read
         self._next = None  # the event that ended a merged run, returned on the next call
+        self._paused = False  # the next call says "no more for now" (None), once
 
     def __call__(self, buf):
         if self._next is not None:
             event, self._next = self._next, None
             return event
+        if self._paused:
+            self._paused = False
+            return None
         pieces = []
+        began = perf_counter() if self.slice_seconds is not None else 0.0
         while True:
             try:
                 event = self.reader(buf)
@@ -191,6 +207,10 @@ class ChunkMerger:
                 break
             self._meter(event)
             pieces.append(bytes(event.data))
+            if (self.slice_seconds is not None and len(pieces) % SLICE_CHECK == 0
+                    and perf_counter() - began > self.slice_seconds):
+                self.cut = self._paused = True  # the rest of the read on a later step (the caller's wakeup)
+                return h11.Data(data=b"".join(pieces))
         if not pieces:
             return event
         self._next = event
@@ -342,6 +362,16 @@ class GatewayHttp1Client(Http1Client):
         upstream sends while no response is being read ("FIXME: protect against header size DoS"
         in mitmproxy). Past MAX_RESPONSE_HEAD_BYTES the upstream connection is closed and the
         stream fails, 502 response_too_large."""
+        if isinstance(event, events.Wakeup):
+            if event.command is self._parse_wakeup:
+                self._parse_wakeup = None
+                if self.state == self.read_body:  # the body's parse goes on where its slice cut it
+                    yield from self.read_body(events.DataReceived(self.conn, b""))
+                else:
+                    read_ahead.settle_bytes(self.context.client, self, 0)
+            return
+        if isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
+            read_ahead.settle_bytes(self.context.client, self, 0)  # nothing more is read from it
         if (isinstance(event, events.DataReceived) and self.state in (self.read_headers, self.wait)
                 and len(self.buf) + len(event.data) > MAX_RESPONSE_HEAD_BYTES):
             self.buf = ReceiveBuffer()
@@ -414,24 +444,58 @@ class GatewayHttp1Client(Http1Client):
             self.buf.maybe_extract_at_most(len(self.buf))
         yield from ()
 
+    _parse_wakeup: commands.RequestWakeup | None = None  # a body's parse cut at its slice goes on then
+
     def read_body(self, event) -> layer.CommandGenerator[None]:
         if not isinstance(self.body_reader, TrailerCatcher):
-            merged = ChunkMerger(self.body_reader, None, max_header_fields(self.context), malformed=False)
+            merged = ChunkMerger(self.body_reader, None, max_header_fields(self.context), malformed=False,
+                                 slice_seconds=UPSTREAM_PARSE_SLICE)
             self.body_reader = TrailerCatcher(merged)
         catcher = self.body_reader
+        merger = catcher.reader
+        if isinstance(event, events.ConnectionClosed) and self.buf:
+            # What the upstream sent before it closed is read first, whole (mitmproxy goes to the
+            # end of the body at the close, and would not read what a cut parse left behind).
+            merger.slice_seconds, merger._paused = None, False
+            yield from self.read_body(events.DataReceived(self.conn, b""))
+            if self.state != self.read_body:
+                return
         try:
-            for command in super().read_body(event):
-                if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseEndOfMessage)
-                        and catcher.trailers is not None):
-                    trailers, catcher.trailers = catcher.trailers, None
-                    yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
+            for command in self._relayed(super().read_body(event), catcher):
                 yield command
         except TooManyFields as too_many:
             yield from self._too_many_fields(f"the upstream's {too_many} (egress_max_header_fields)")
             return
-        if self.state == self.read_body and len(self.buf) > MAX_RESPONSE_HEAD_BYTES:
-            # What h11 left unread is an unfinished chunk-size line (its extensions) or trailer
-            # section: h11 bounds neither, and an upstream could grow it without end.
+        if merger.cut and self.state == self.read_body:
+            merger.cut = False
+            if self._parse_wakeup is None:
+                self._parse_wakeup = commands.RequestWakeup(0)
+                yield self._parse_wakeup
+        yield from self._bound_unparsed()
+
+    def _relayed(self, commands_, catcher):
+        """The body's commands, with the trailers a chunked body ended with before its end."""
+        for command in commands_:
+            if (isinstance(command, ReceiveHttp) and isinstance(command.event, ResponseEndOfMessage)
+                    and catcher.trailers is not None):
+                trailers, catcher.trailers = catcher.trailers, None
+                yield ReceiveHttp(ResponseTrailers(command.event.stream_id, trailers))
+            yield command
+
+    def _bound_unparsed(self) -> layer.CommandGenerator[None]:
+        """What is left unparsed is bounded. A parse cut at its slice leaves whole chunks behind:
+        past READ_AHEAD_BYTES the connection's readers wait until the wakeups have worked it down
+        to half (addons/read_ahead.py: TCP back-pressure on the upstream). Otherwise what h11 left
+        unread is an unfinished chunk-size line (its extensions) or trailer section: h11 bounds
+        neither, and an upstream could grow it without end."""
+        if self.state != self.read_body:
+            read_ahead.settle_bytes(self.context.client, self, 0)
+            return
+        if self._parse_wakeup is not None:
+            read_ahead.settle_bytes(self.context.client, self, len(self.buf))
+            return
+        read_ahead.settle_bytes(self.context.client, self, 0)
+        if len(self.buf) > MAX_RESPONSE_HEAD_BYTES:
             self.buf = ReceiveBuffer()
             yield commands.CloseConnection(self.conn)
             self.state = self.done

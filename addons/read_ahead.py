@@ -25,6 +25,7 @@ from mitmproxy.proxy import events
 READ_AHEAD_BYTES = 256 * 1024  # per connection; a hook takes microseconds, so real clients queue far less
 
 _gates: dict[object, asyncio.Event] = {}  # client connection -> gate, only while closed
+_held: dict[object, dict[int, int]] = {}  # client connection -> id of what holds its gate closed -> bytes
 
 
 def queued_bytes(layer) -> int:
@@ -36,17 +37,32 @@ def queued_bytes(layer) -> int:
 
 def settle(layer) -> None:
     """After the layer handled an event: close or open its connection's gate."""
-    client = layer.context.client
-    queued = queued_bytes(layer)
-    gate = _gates.get(client)
+    settle_bytes(layer.context.client, layer, queued_bytes(layer))
+
+
+def settle_bytes(client, source, queued: int) -> None:
+    """`source` (a layer of the client's connection) holds `queued` bytes it has not worked off yet
+    (its paused queue; an upstream body whose parse was cut at its slice, addons/http1.py): the
+    gate closes while any source holds more than READ_AHEAD_BYTES, and opens once every one that
+    did is down to half."""
+    held = _held.get(client)
     if queued > READ_AHEAD_BYTES:
-        if gate is None:
+        if held is None:
+            held = _held[client] = {}
+        held[id(source)] = queued
+        if client not in _gates:
             _gates[client] = asyncio.Event()
-    elif gate is not None and queued <= READ_AHEAD_BYTES // 2:
-        release(client)
+    elif held is not None and id(source) in held:
+        if queued > READ_AHEAD_BYTES // 2:
+            held[id(source)] = queued
+            return
+        del held[id(source)]
+        if not held:
+            release(client)
 
 
 def release(client) -> None:
+    _held.pop(client, None)
     gate = _gates.pop(client, None)
     if gate is not None:
         gate.set()

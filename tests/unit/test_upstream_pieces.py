@@ -17,7 +17,7 @@ import h2.settings
 import pytest
 from h11._readers import ChunkedReader
 from h11._receivebuffer import ReceiveBuffer
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from addons.h2_limits import CoalescedSends, UpstreamH2Connection
 from addons.http1 import ChunkMerger, TrailerCatcher
@@ -125,3 +125,49 @@ def test_an_upstreams_broken_chunk_framing_is_left_to_mitmproxy():
     buf += b"zz\r\nhello\r\n"
     with pytest.raises(h11.ProtocolError):
         reader(buf)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pieces)
+@example([b"x"] * 64)
+@example([b"x"] * 65)
+def test_a_parse_cut_at_its_slice_goes_on_where_it_stopped(sent):
+    """With a slice of 0 s a parse stops after every SLICE_CHECK chunks: `cut` is set, the next
+    call says "no more for now" (None) once, and the calls after go on with what is left."""
+    from addons.http1 import SLICE_CHECK
+
+    wire = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in sent) + b"0\r\n\r\n"
+    merger = ChunkMerger(ChunkedReader(), None, 0, malformed=False, slice_seconds=0.0)
+    buf = ReceiveBuffer()
+    buf += wire
+    out, cuts, ended = [], 0, False
+    for _ in range(10_000):
+        event = merger(buf)
+        if event is None:
+            assert merger.cut  # (only a cut parse stops with the whole body in the buffer)
+            merger.cut = False
+            cuts += 1
+            continue
+        if isinstance(event, h11.EndOfMessage):
+            ended = True
+            break
+        out.append(bytes(event.data))
+    assert ended and b"".join(out) == b"".join(sent)
+    assert cuts == len(sent) // SLICE_CHECK
+
+
+def test_the_read_ahead_gate_opens_only_once_every_source_that_closed_it_is_down_to_half():
+    from addons import read_ahead
+
+    client, first, second = object(), object(), object()
+    over, half = read_ahead.READ_AHEAD_BYTES + 1, read_ahead.READ_AHEAD_BYTES // 2
+    read_ahead.settle_bytes(client, first, over)
+    read_ahead.settle_bytes(client, second, over)
+    read_ahead.settle_bytes(client, first, 0)
+    assert read_ahead.closed(client)  # the second still holds it
+    read_ahead.settle_bytes(client, second, half + 1)
+    assert read_ahead.closed(client)
+    read_ahead.settle_bytes(client, second, half)
+    assert not read_ahead.closed(client)
+    read_ahead.settle_bytes(client, first, half)  # a source that never closed it changes nothing
+    assert not read_ahead.closed(client)
