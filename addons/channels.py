@@ -199,8 +199,9 @@ PRIVATE_IMPORTS: tuple[PrivateImport, ...] = (
     PrivateImport("mitmproxy.proxy.layers.http._http2", "CATCH_HYPER_H2_ERRORS, Http2Client, Http2Server, StreamState",
                   "addons.h2_limits, addons.http2_server",
                   "the HTTP/2 server and client layers the gateway replaces (budgets, floods, back-pressure)"),
-    PrivateImport("mitmproxy.proxy.layers.http._http_h2", "BufferedH2Connection", "addons.h2_limits",
-                  "the h2 connection mitmproxy buffers sends in; the limited one subclasses it"),
+    PrivateImport("mitmproxy.proxy.layers.http._http_h2", "BufferedH2Connection, SendH2Data", "addons.h2_limits",
+                  "the h2 connection mitmproxy buffers sends in (the limited and upstream ones subclass it), "
+                  "and its entry of data waiting for a window (CoalescedSends joins into the last)"),
     PrivateImport("mitmproxy.proxy.layers.http._http3", "Http3Server", "addons.layers",
                   "the HTTP/3 server layer, made as mitmproxy's own next-layer step makes it"),
     PrivateImport("h11._receivebuffer", "ReceiveBuffer", "addons.http1, addons.http1_server", _HTTP1),
