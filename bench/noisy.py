@@ -20,7 +20,7 @@ on a credential-bound rule (300 MB of brotli zeros), a never-finished 8 MiB TLS 
 HTTP/2 rapid reset (6,000 HEADERS + RST_STREAM), a flood of kept-alive requests, a flood of new
 connections, an 8 MiB HTTP/2 header block in CONTINUATION frames, heads of 12,000 tiny fields,
 9,000 one-byte HTTP/2 DATA frames rotating over 100 streams, 1,200 HTTP/2 heads of 55 KB whose body
-never comes.
+never comes, an upstream the sandbox picks answering in 2,000,000 one-byte chunks.
 """
 
 from __future__ import annotations

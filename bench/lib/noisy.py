@@ -63,8 +63,8 @@ class Origin:
     attacker's threads nor B's share its interpreter lock: B's latency is the gateway's, not this
     process's): `/ok` is 200 `ok`; `/bomb` is a brotli bomb of `bomb_size` bytes with its (small)
     Content-Length, `/bomb-chunked` the same chunked (a bound response then decodes as it streams);
-    `/lines` is LINES_SIZE of short text lines in brotli, within every budget (~30:1); anything else
-    is 200 `ok` after reading the body."""
+    `/lines` is LINES_SIZE of short text lines in brotli, within every budget (~30:1); `/pieces` is
+    PIECES one-byte chunks, then a close; anything else is 200 `ok` after reading the body."""
 
     def __init__(self, address: str, cert: Path, key: Path, bomb_size: int):
         self._process = _child("origin", address, str(cert), str(key), str(bomb_size))
@@ -113,6 +113,20 @@ def _origin_main(address: str, cert: str, key: str, bomb_size: int) -> None:
         threading.Thread(target=_origin_handle, args=(raw, tls, bomb, lines), daemon=True).start()
 
 
+PIECES = 2_000_000  # 1-byte chunks of /pieces (12 MB on the wire)
+
+
+def _send_pieces(conn) -> None:
+    """A chunked answer of PIECES one-byte chunks, written as fast as the gateway reads (an upstream
+    the sandbox picks; review 32), then the connection closes."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                 b"Connection: close\r\n\r\n")
+    batch = b"1\r\nx\r\n" * 10_000
+    for _ in range(PIECES // 10_000):
+        conn.sendall(batch)
+    conn.sendall(b"0\r\n\r\n")
+
+
 def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes, lines_br: bytes = b"") -> None:
     try:
         raw.settimeout(TIMEOUT)
@@ -128,6 +142,9 @@ def _origin_handle(raw: socket.socket, tls: ssl.SSLContext, bomb: bytes, lines_b
                 body = bomb if path == "/bomb" else lines_br
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            elif path == "/pieces":
+                _send_pieces(conn)
+                return
             elif path == "/bomb-chunked":
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: br\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(bomb) + bomb + b"\r\n0\r\n\r\n")
@@ -744,6 +761,32 @@ def _bound_gets(world: World, path: str, times: int, outcome: Outcome) -> Outcom
     return outcome
 
 
+def upstream_pieces(world: World, connections: int = 2, seconds: float = 20.0) -> Outcome:
+    """Review 32: an upstream the sandbox picks answers in 1-byte chunks (GET /pieces, 2,000,000 of
+    them), read as fast as they come on `connections` tunnels, again until `seconds`. Before, each
+    chunk was one event through every layer and a read of 64 KiB one step of ~0.1 s of the loop
+    (another sandbox's p50 17 ms -> 3.5-6.3 s); now a read's chunks are merged, parsed ~1 ms per
+    step, the rest behind the read-ahead gate. Nothing is refused: it is slowed."""
+    outcome = Outcome("upstream_pieces")
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def one() -> None:
+        while time.monotonic() < deadline:
+            with tls_tunnel(world, world.attacker, ORIGIN_NAME) as tls:
+                tls.settimeout(max(deadline - time.monotonic(), 0.1))
+                tls.sendall(f"GET /pieces HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\n\r\n".encode())
+                try:
+                    status, _, got = read_response(tls)
+                except (OSError, ssl.SSLError):
+                    return
+                with lock:
+                    outcome.count(status)
+                    outcome.sent += got
+
+    return _on_threads(connections, one, seconds, outcome, lock)
+
+
 def request_body_bomb(world: World, connections: int = 4, requests: int = 100, seconds: float = 20.0) -> Outcome:
     """`connections` kept-alive tunnels POST forms of 52 bytes of brotli (lgwin 24, 64 MiB of
     zeros) on the open rule, `requests` in all: each is decoded for its method-override scan until
@@ -1027,6 +1070,7 @@ ATTACKS = {
     "many_header_fields": many_header_fields,
     "h2_small_data": h2_small_data,
     "h2_held_heads": h2_held_heads,
+    "upstream_pieces": upstream_pieces,
 }
 
 
