@@ -1,5 +1,6 @@
-"""Bytes written to a client, or to an upstream of its connection, that the peer has not read yet
-are charged to the client's buffer budget.
+"""Bytes written to a client, or to an upstream of its connection, that the peer has not read yet,
+and bytes its stream readers hold that the gateway has not taken yet, are charged to the client's
+buffer budget.
 
 A buffered response's charge (addons/http_stream.py) ends when its stream completes, but its bytes then
 sit in the asyncio transport's write buffer until the client reads them: 30 tunnels of one
@@ -45,11 +46,54 @@ def _size(writer) -> int:
         return 0
 
 
+READ_SIZE = 256 * 1024  # what asyncio's socket transport reads at once (its max_size), if it says nothing
+
+
+def _backed_up(writer) -> bool:
+    """The writer's transport holds more than its high-water mark: the handler waits for it to
+    drain before it takes anything more from its other connections' readers."""
+    try:
+        return writer.transport.get_write_buffer_size() > writer.transport.get_write_buffer_limits()[1]
+    except Exception:  # a transport being torn down
+        return False
+
+
+def _reader_held(io, full: bool) -> int:
+    """What a stream reader holds: read from its socket and not taken yet. `full`: what it may come
+    to hold while nothing takes from it (twice its limit, then one more read of the socket, before
+    asyncio pauses it), since it keeps reading without an event to charge it at."""
+    reader = getattr(io, "reader", None)
+    buffered = getattr(reader, "_buffer", None)
+    if buffered is None:
+        return 0
+    if not full:
+        return len(buffered)
+    transport = getattr(getattr(io, "writer", None), "transport", None)
+    return max(len(buffered), 2 * getattr(reader, "_limit", 0) + getattr(transport, "max_size", READ_SIZE))
+
+
+def _read_ahead(handler) -> int:
+    """What the connection's stream readers hold or may come to hold. An upstream's reader fills
+    while the client's writer is backed up (and the client's while an upstream's is), with no
+    event to charge it at: 990 tunnels of one sandbox, each a download it never read, held ~430 KiB
+    each while ~100 KiB was charged (review 32: RSS 83 -> 501 MiB past a 128 MiB sandbox budget).
+    While the writer they feed is backed up, readers are charged what they may come to hold.
+    (`_buffer`, `_limit`: asyncio's StreamReader, Python 3.12.)"""
+    client_io = handler.transports.get(handler.client)
+    client_backed = client_io is not None and _backed_up(getattr(client_io, "writer", None))
+    upstream_backed = any(_backed_up(getattr(io, "writer", None))
+                          for conn, io in list(handler.transports.items()) if io is not client_io)
+    held = 0
+    for io in list(handler.transports.values()):
+        held += _reader_held(io, upstream_backed if io is client_io else client_backed)
+    return held
+
+
 def _backlog(handler) -> int | None:
     writers = _writers(handler)
     if not writers:
         return None
-    return sum(_size(writer) for writer in writers)
+    return sum(_size(writer) for writer in writers) + _read_ahead(handler)
 
 
 def settle(handler) -> None:

@@ -53,3 +53,56 @@ def test_every_transport_s_backlog_is_charged_to_the_client(monkeypatch, client_
         writer.size = 0  # drained
     write_backlog.settle(handler)
     assert ledger.held(sandbox="sandbox:a") == 0
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(min_value=0, max_value=1 << 18), min_size=1, max_size=3))
+def test_what_the_stream_readers_hold_is_charged_too(monkeypatch, read_ahead):
+    """Review 32: an upstream's reader fills (up to twice its 64 KiB limit) while the client's
+    writer is full; 990 downloads nobody read held ~430 KiB each, ~100 KiB charged."""
+    import asyncio
+
+    ledger = Ledger(per_connection=1 << 20, per_sandbox=1 << 20)
+    state = SimpleNamespace(buffers=ledger, connections={}, sandbox_key=lambda conn: "sandbox:a")
+    monkeypatch.setattr(write_backlog, "_state", state)
+    monkeypatch.setattr(write_backlog.asyncio, "ensure_future", lambda coroutine: coroutine.close())
+    handler = _handler(100, [0] * len(read_ahead))
+    readers = []
+    loop = asyncio.new_event_loop()  # (asyncio's own reader, so that the attribute read is its own)
+    for io, held in zip([io for conn, io in handler.transports.items() if conn.id != "c1"], read_ahead):
+        io.reader = asyncio.StreamReader(loop=loop)
+        io.reader.feed_data(b"x" * held)
+        readers.append(io.reader)
+    write_backlog.settle(handler)
+    assert ledger.held(sandbox="sandbox:a") == 100 + sum(read_ahead)
+    for reader, held in zip(readers, read_ahead):
+        reader._buffer.clear()  # (taken by the handler's read loop)
+    write_backlog.settle(handler)
+    assert ledger.held(sandbox="sandbox:a") == 100
+    loop.close()
+
+
+def test_readers_feeding_a_backed_up_writer_are_charged_what_they_may_come_to_hold(monkeypatch):
+    """An upstream's reader keeps reading while the client's writer is backed up, and no event comes
+    to charge what it takes in: it is charged twice its limit and one read of the socket at once;
+    the client's own reader is not (it feeds the upstreams, whose writers are not backed up)."""
+    import asyncio
+
+    ledger = Ledger(per_connection=1 << 24, per_sandbox=1 << 24)
+    state = SimpleNamespace(buffers=ledger, connections={}, sandbox_key=lambda conn: "sandbox:a")
+    monkeypatch.setattr(write_backlog, "_state", state)
+    monkeypatch.setattr(write_backlog.asyncio, "ensure_future", lambda coroutine: coroutine.close())
+    handler = _handler(200_000, [0])
+    loop = asyncio.new_event_loop()
+    for conn, io in handler.transports.items():
+        io.reader = asyncio.StreamReader(limit=1 << 16, loop=loop)
+        io.writer.transport.get_write_buffer_limits = lambda: (16384, 65536)
+        io.writer.transport.max_size = 1 << 18
+    upstream_reader = next(io.reader for conn, io in handler.transports.items() if conn.id != "c1")
+    upstream_reader.feed_data(b"x" * 1000)
+    write_backlog.settle(handler)
+    assert ledger.held(sandbox="sandbox:a") == 200_000 + 2 * (1 << 16) + (1 << 18)
+    next(io.writer for conn, io in handler.transports.items() if conn.id == "c1").size = 0  # drained
+    write_backlog.settle(handler)
+    assert ledger.held(sandbox="sandbox:a") == 1000  # what the reader holds now
+    loop.close()
