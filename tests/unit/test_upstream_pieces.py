@@ -164,3 +164,21 @@ def test_the_read_ahead_gate_opens_only_once_every_source_that_closed_it_is_down
     assert not read_ahead.closed(client)
     read_ahead.settle_bytes(client, first, half)  # a source that never closed it changes nothing
     assert not read_ahead.closed(client)
+
+
+def test_what_an_upstream_sent_before_bad_framing_goes_on_before_the_error():
+    """Review 33: the chunks merged in a read were dropped when a later chunk line of the same read
+    was malformed; they go on first, and the error comes at the next call (a client's request body
+    stays refused whole: nothing of that read goes on)."""
+    from addons.http1 import MalformedBody
+
+    wire = b"3\r\nabc\r\n2\r\nde\r\nzz\r\nhello\r\n"
+    reader, buf = ChunkMerger(ChunkedReader(), None, 0, malformed=False), ReceiveBuffer()
+    buf += wire
+    assert bytes(reader(buf).data) == b"abcde"
+    with pytest.raises(h11.ProtocolError):
+        reader(buf)
+    client, buf = ChunkMerger(ChunkedReader(), None, 0), ReceiveBuffer()
+    buf += wire
+    with pytest.raises(MalformedBody):
+        client(buf)
