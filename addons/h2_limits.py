@@ -41,7 +41,8 @@ from h2.frame_buffer import CONTINUATION_BACKLOG, FrameBuffer
 from hyperframe.frame import (
     ContinuationFrame, DataFrame, HeadersFrame, PushPromiseFrame, ExtensionFrame, GoAwayFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame,
 )
-from mitmproxy.proxy.commands import CloseConnection, Log, SendData
+from mitmproxy.proxy.commands import CloseConnection, Log, RequestWakeup, SendData
+from mitmproxy.proxy.events import ConnectionClosed, DataReceived, Wakeup
 from mitmproxy.proxy.layers.http._base import HttpEvent, ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 from mitmproxy.utils import human
@@ -51,7 +52,7 @@ from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection, SendH2Dat
 from gateway import h2budget
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
-from . import frame_limits, h2_backpressure
+from . import frame_limits, h2_backpressure, read_ahead
 from .http1 import DEFAULT_MAX_HEADER_FIELDS, max_header_fields
 from .options import declare
 
@@ -453,10 +454,16 @@ class GatewayHttp2Client(Http2Client):
 
     _draining = False
 
+    _parse_wakeup: RequestWakeup | None = None  # a read's parse cut at its slice goes on then
+    _close_pending: ConnectionClosed | None = None  # the upstream's close, held while a parse is cut
+
     def __init__(self, context):
         super().__init__(context)
         self.h2_conn.__class__ = UpstreamH2Connection  # (mitmproxy made it; the same state, merged reads)
         self.h2_conn.incoming_buffer = BoundedFrameBuffer(False, self.h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE)
+        # A read's frames are parsed PARSE_SECONDS per step, as the client side's: 64 KiB of 1-byte
+        # DATA frames from an upstream was one step of 70-146 ms (review 33).
+        self.h2_conn.incoming_buffer.parse_seconds = PARSE_SECONDS
 
     def handle_h2_event(self, event):
         if isinstance(event, (HeaderBlockTooLarge, FrameTooLarge, h2.exceptions.DenialOfServiceError)):
@@ -490,6 +497,29 @@ class GatewayHttp2Client(Http2Client):
             self.provisional_max_concurrency or self.h2_conn.remote_settings.max_concurrent_streams)
 
     def _handle_event(self, event):
+        """The stream queue (`_handle_queued`), with a read's parse in slices: what a slice left is
+        parsed at a wakeup, while more than READ_AHEAD_BYTES waits the client connection's readers
+        wait (addons/read_ahead.py), and the upstream's close waits until it is all parsed."""
+        if isinstance(event, Wakeup) and event.command is self._parse_wakeup:
+            self._parse_wakeup = None
+            event = DataReceived(self.conn, b"")  # the next slice of what was read
+        elif isinstance(event, ConnectionClosed) and event.connection is self.conn and self.h2_conn.incoming_buffer.more:
+            self._close_pending = event
+            return
+        yield from self._handle_queued(event)
+        buffer = self.h2_conn.incoming_buffer
+        # (A connection that ended in this event answers with `done` from now on: what it left
+        # unparsed is never parsed, and must not hold the client's readers.)
+        more = buffer.more and "_handle_event" not in self.__dict__
+        if more and self._parse_wakeup is None:
+            self._parse_wakeup = RequestWakeup(0)
+            yield self._parse_wakeup
+        read_ahead.settle_bytes(self.context.client, self, len(buffer._data) if more else 0)
+        if not buffer.more and self._close_pending is not None:
+            close, self._close_pending = self._close_pending, None
+            yield from self._handle_queued(close)
+
+    def _handle_queued(self, event):
         if isinstance(event, HttpEvent):
             ours = self.our_stream_id.get(event.stream_id, None)
             if ours is None:
@@ -514,7 +544,7 @@ class GatewayHttp2Client(Http2Client):
             while self.stream_queue and not self._no_free_streams():
                 events = self.stream_queue.pop(next(iter(self.stream_queue)))  # FIFO
                 for queued in events:
-                    yield from self._handle_event(queued)
+                    yield from self._handle_queued(queued)
         finally:
             self._draining = False
 

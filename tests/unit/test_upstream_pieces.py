@@ -182,3 +182,116 @@ def test_what_an_upstream_sent_before_bad_framing_goes_on_before_the_error():
     buf += wire
     with pytest.raises(MalformedBody):
         client(buf)
+
+
+def _upstream_h2_layer():
+    """The gateway's upstream HTTP/2 layer past its preface, with one request (stream 1) sent to
+    an h2 origin that has read it; returns both."""
+    from mitmproxy import http
+    from mitmproxy.addons import proxyserver
+    from mitmproxy.connection import Client, ConnectionState, Server
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.context import Context
+    from mitmproxy.proxy.layers.http._events import RequestHeaders
+    from mitmproxy.test import taddons
+
+    from addons.h2_limits import GatewayHttp2Client
+
+    with taddons.context(proxyserver.Proxyserver()) as tctx:
+        options = tctx.options
+    client = Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2), timestamp_start=0)
+    context = Context(client, options)
+    context.server = Server(address=("origin.test", 443))
+    context.server.alpn, context.server.state = b"h2", ConnectionState.OPEN
+    layer = GatewayHttp2Client(context)
+    origin = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    origin.initiate_connection()
+    sent = [c.data for c in layer.handle_event(events.Start()) if hasattr(c, "data")]
+    request = http.Request.make("GET", "https://origin.test/")
+    request.authority = "origin.test"
+    sent += [c.data for c in layer.handle_event(RequestHeaders(1, request, True)) if hasattr(c, "data")]
+    origin.receive_data(b"".join(sent))
+    list(layer.handle_event(events.DataReceived(context.server, origin.data_to_send())))
+    return layer, origin
+
+
+def _answered(layer, commands, limit: int = 100_000):
+    """What the layer hands the HTTP layer from `commands` and from every parse wakeup after them,
+    and how many wakeups that took."""
+    from mitmproxy.proxy import commands as mc, events
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+
+    out, wakeups = [], 0
+    pending = list(commands)
+    while pending and wakeups < limit:
+        command = pending.pop(0)
+        if isinstance(command, ReceiveHttp):
+            out.append(command.event)
+        elif isinstance(command, mc.RequestWakeup):
+            wakeups += 1
+            pending += list(layer.handle_event(events.Wakeup(command)))
+    return out, wakeups
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=300), st.booleans())
+def test_an_upstreams_read_of_many_data_frames_is_parsed_a_slice_at_a_time(frames, closes):
+    """Review 33: one read of an upstream HTTP/2 connection was parsed in one step, whatever it
+    held (64 KiB of 1-byte DATA frames: 70-146 ms in which no other sandbox was served). It stops
+    before a DATA frame once PARSE_SECONDS were spent and goes on at a wakeup; with a clock that
+    moves 1 ms a look and a 2 ms slice, a step parses a frame or two. An upstream close right
+    behind the frames waits for them: every byte arrives, in order, then the end of the answer."""
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.layers.http._events import ResponseData, ResponseEndOfMessage, ResponseProtocolError
+
+    layer, origin = _upstream_h2_layer()
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.001
+        return now[0]
+
+    buffer = layer.h2_conn.incoming_buffer
+    buffer.parse_clock = clock
+    origin.send_headers(1, [(":status", "200")])
+    for piece in frames:
+        origin.send_data(1, piece)
+    origin.end_stream(1)
+    first = list(layer.handle_event(events.DataReceived(layer.conn, origin.data_to_send())))
+    if closes:
+        first += list(layer.handle_event(events.ConnectionClosed(layer.conn)))
+    got, wakeups = _answered(layer, first)
+    data = b"".join(bytes(e.data) for e in got if isinstance(e, ResponseData))
+    assert data == b"".join(frames)
+    assert isinstance(got[-1], ResponseEndOfMessage) and not any(isinstance(e, ResponseProtocolError) for e in got)
+    assert wakeups >= len(frames) // 3  # (each step parsed a few frames: the read was cut)
+    assert not buffer.more and buffer.pending_bytes == 0
+
+
+def test_an_upstream_that_ends_its_connection_mid_read_leaves_the_clients_readers_free():
+    """A GOAWAY ends the layer in the slice that parses it; whatever the read held behind it
+    (here 320 KiB of DATA, more than the read-ahead gate allows) is never parsed, so it must not
+    hold the client connection's readers shut until the client leaves."""
+    from hyperframe.frame import DataFrame, GoAwayFrame
+    from mitmproxy.proxy import events
+
+    from addons import read_ahead
+
+    layer, origin = _upstream_h2_layer()
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.001
+        return now[0]
+
+    layer.h2_conn.incoming_buffer.parse_clock = clock
+    origin.send_headers(1, [(":status", "200")])
+    origin.send_data(1, b"x")
+    behind = b"".join(DataFrame(1, data=b"y" * 16_384).serialize() for _ in range(20))
+    wire = origin.data_to_send() + GoAwayFrame(0).serialize() + behind
+    try:
+        got, _ = _answered(layer, list(layer.handle_event(events.DataReceived(layer.conn, wire))))
+        assert layer.h2_conn.incoming_buffer.more  # (the rest was left unparsed)
+        assert not read_ahead.closed(layer.context.client)
+    finally:
+        read_ahead.release(layer.context.client)
