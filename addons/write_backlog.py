@@ -97,7 +97,10 @@ def _backlog(handler) -> int | None:
 
 
 def settle(handler) -> None:
-    """Charge (or give back) what the client's transport holds now; start a drain watcher if any."""
+    """Charge (or give back) what the client's transport holds now; start a drain watcher if any.
+    What is given back is not counted as freed (`freed=False`): transports and readers hold bytes,
+    freed by reference counting, and part of a reader's charge is an estimate, never memory at all;
+    counted, it drove thaws of the collector (addons/gc_freeze.py) that found nothing (review 33)."""
     state = _state
     if state is None:
         return
@@ -114,7 +117,7 @@ def settle(handler) -> None:
     if size > account.held:
         account.hold(size - account.held)
     elif size < account.held:
-        account.release(account.held - size)
+        account.release(account.held - size, freed=False)
     if account.held and getattr(handler, ATTR + "_task", None) is None:
         setattr(handler, ATTR + "_task", asyncio.ensure_future(_drained(handler, account)))
 
@@ -130,7 +133,7 @@ async def _drained(handler, account) -> None:
             size = _backlog(handler)
             if size is None:
                 break
-            account.release(max(account.held - size, 0))
+            account.release(max(account.held - size, 0), freed=False)
             if size and size <= 64 * 1024:
                 break  # a small remainder: corrected at the connection's next event
             if size:
