@@ -52,7 +52,7 @@ from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection, SendH2Dat
 from gateway import h2budget
 from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 
-from . import frame_limits, h2_backpressure, read_ahead
+from . import fair_share, frame_limits, h2_backpressure, read_ahead
 from .http1 import DEFAULT_MAX_HEADER_FIELDS, max_header_fields
 from .options import declare
 
@@ -170,12 +170,14 @@ class BoundedFrameBuffer(FrameBuffer):
         self.parse_clock: Callable[[], float] = time.perf_counter
         self.more = False  # the last call stopped with whole frames left: parse on (receive_data(b""))
         self._parse_began = 0.0
+        self._slice = 0.0  # this call's slice: parse_seconds, less while the sandbox gives way (fair_share)
 
     def add_data(self, data) -> None:
         """(h2 calls this first in each receive_data: the slice's time counts from here.)"""
         super().add_data(data)
         self.more = False
         self._parse_began = self.parse_clock()
+        self._slice = fair_share.parse_slice(self.parse_seconds) if self.parse_seconds else 0.0
 
     @property
     def pending_since(self) -> float | None:
@@ -208,9 +210,9 @@ class BoundedFrameBuffer(FrameBuffer):
         header-block frame's against what is left of the head's budget (padding included)."""
         if len(self._data) >= 9:
             length, kind = int.from_bytes(self._data[:3], "big"), self._data[3]
-            if (kind == DataFrame.type and self.parse_seconds and len(self._data) >= 9 + length
+            if (kind == DataFrame.type and self._slice and len(self._data) >= 9 + length
                     and _carries_data(self._data, length)
-                    and self.parse_clock() - self._parse_began >= self.parse_seconds):
+                    and self.parse_clock() - self._parse_began >= self._slice):
                 # A slice of the read is parsed; the rest on the server's next step (review 15: a
                 # 64 KiB read of 1-byte DATA frames is ~6,500 frames, ~0.3 s of h2 in one call).
                 # Only before a DATA frame: other frames are bounded by their own budgets, and a

@@ -177,6 +177,35 @@ def test_callbacks_set_aside_across_polls_run_in_their_sandboxs_order_and_none_i
         assert [h.n for h in ran if h.key == key] == list(range(1, made.get(key, 0) + 1))
 
 
+def test_a_sandbox_whose_callbacks_wait_again_gets_as_many_put_back_as_ran():
+    """Review 33: with 50 connections set aside, a poll put 64 back to run one or two and set the
+    rest aside again (~35,000 requeues a second). A poll now puts back as many as ran at the last,
+    plus one, and doubles that (up to PUT_BACK_PER_SANDBOX) while none waits again; in order."""
+    full = fair_share.PUT_BACK_PER_SANDBOX
+    aside, ready, ran = fair_share._SetAside(), collections.deque(), []
+    for n in range(1000):
+        assert aside.add(_Callback("a", n), "a")
+
+    def poll(runs: int) -> int:
+        aside.put_back(ready)
+        count = len(ready)
+        for i in range(count):
+            handle = ready.popleft()
+            if i < runs:
+                ran.append(handle.n)
+            else:
+                assert aside.add(handle, "a")  # waits again
+        return count
+
+    assert poll(1) == full
+    assert [poll(1) for _ in range(3)] == [2, 2, 2]
+    assert poll(3) == 2  # both ran: twice as many next
+    assert poll(3) == 4  # three of four ran: four next
+    assert [poll(10**6) for _ in range(5)] == [min(n, full) for n in (4, 8, 16, 32, 64)]
+    assert poll(10**6) == full
+    assert ran == list(range(len(ran)))  # each in the order it was made
+
+
 def _run_loop(steps) -> tuple[list, dict]:
     aside, ready, ran, made = fair_share._SetAside(), collections.deque(), [], {}
 
@@ -233,3 +262,25 @@ def test_a_connecting_socket_s_writer_already_queued_is_not_queued_again_by_a_po
             listener.close()
 
     asyncio.run(main())
+
+
+def test_a_parse_slice_is_shorter_while_the_sandbox_served_gives_way(monkeypatch):
+    """What one read's parse may take in a step (an upstream's chunked body, HTTP/2 frames): the
+    layer's own slice, or YIELDING_PARSE_SLICE while the sandbox served now gives way to a lighter
+    one (each of the lighter one's steps waits for the callback running when it became ready)."""
+    import contextvars
+    from types import SimpleNamespace
+
+    class _Order:
+        def yielding(self, key, load, now):
+            return key == "sandbox:heavy"
+
+    monkeypatch.setattr(fair_share, "_order", _Order())
+
+    def served(key):
+        fair_share.serve(SimpleNamespace(**{fair_share.ATTR: key}))
+        return fair_share.parse_slice(0.001)
+
+    assert contextvars.Context().run(fair_share.parse_slice, 0.001) == 0.001  # no connection's
+    assert contextvars.Context().run(served, "sandbox:light") == 0.001
+    assert contextvars.Context().run(served, "sandbox:heavy") == fair_share.YIELDING_PARSE_SLICE
