@@ -188,6 +188,12 @@ def _setting_up(handle) -> bool:
     return False
 
 
+def _is_accept(handle) -> bool:
+    """Whether a selector's reader callback is a listening socket's accept (not cancelled)."""
+    return (handle is not None and not handle._cancelled
+            and getattr(handle._callback, "__func__", None) is _ACCEPT)
+
+
 def _lighter_ready(ready, handler, key, load: float) -> bool:
     """Whether a callback that `handler`'s sandbox (`key`, at `load`) yields to is in the loop's
     ready queue: one of a lighter sandbox, of a connection whose sandbox is not known yet, or of
@@ -471,6 +477,11 @@ def install(state) -> None:
         accepted = _accepted(extra)
         if accepted is not None:
             _serving.set(_Serving(accepted))
+            # Its sandbox is being served from its accept on: a heavier one yields to it now, not
+            # once the setup's steps have each waited behind all of that one's ready work (review
+            # 34: a sandbox's first request after an idle spell waited 180-300 ms to be set up).
+            key = accepted._egress_share_key
+            _order.ran(key, max(_share.noted_load(key), 0.0), perf_counter(), 0.0, False)
         return await accept_connection(self, protocol_factory, conn, extra, *args, **kwargs)
 
     _SETUP_CODE[0] = keyed_accept_connection.__code__
@@ -531,6 +542,11 @@ def install(state) -> None:
                 # unrelated event (review 28: up to the 1 s heartbeat, 6.6-13.5 s of 30).
                 aside.poll_pending = True
                 self.call_soon(self.call_soon, _next_poll)
+        accepts = [key.data[0] for key, mask in event_list
+                   if mask & selectors.EVENT_READ and _is_accept(key.data[0])]
+        if accepts:  # a new connection's accept goes first: nothing of it can be waiting yet
+            event_list = [(key, mask) for key, mask in event_list if key.data[0] not in accepts]
+            self._ready.extendleft(reversed(accepts))
         return process_events(self, event_list)
 
     async def turn(self, may_slice: bool = True) -> None:

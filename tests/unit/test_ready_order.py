@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import socket
+import time
 import threading
 
 import pytest
@@ -566,6 +567,65 @@ def test_a_connection_being_set_up_is_its_peer_s_sandbox_s_work(order, monkeypat
 
     asyncio.run(main())
     assert seen == ["sandbox:127.0.0.1"]
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("light", [False, True], ids=["unknown peer", "lighter sandbox"])
+def test_a_new_connection_is_accepted_and_set_up_before_a_heavier_sandbox_s_ready_work(order, monkeypatch, light):
+    """Review 34: with a heavy sandbox's work filling the ready queue (here 300 callbacks of 0.2 ms)
+    and nobody lighter served lately, a connection's accept waited behind all of it, and so did
+    each step of its setup: a sandbox's first request after an idle spell took 180-300 ms to be
+    set up. The accept now goes to the front of the ready queue, and a lighter sandbox's accepted
+    connection counts as that sandbox being served: the heavier one gives way from then on."""
+
+    class _State:
+        def sandbox_key_of_peer(self, peername):
+            return "sandbox:b" if light else None
+
+    monkeypatch.setattr(fair_share, "_state", _State())
+    if light:
+        fair_share._share["sandbox:b"] = 0.05
+    heavy = _context(_Handler("sandbox:a", 0.6))
+    events = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(asyncio.eager_task_factory)  # (as mitmproxy's master runs it)
+
+        set_up = loop.create_future()
+
+        def connected(reader, writer):
+            events.append("connected")
+            set_up.set_result(None)
+            writer.close()
+
+        def protocol():
+            events.append("accept")
+            return asyncio.StreamReaderProtocol(asyncio.StreamReader(), connected)
+
+        server = await loop.create_server(protocol, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))  # (in the backlog until accepted)
+        try:
+            done = loop.create_future()
+            for n in range(300):
+                loop.call_soon(lambda n=n: (_busy(0.0002), events.append(n), n == 299 and done.set_result(None)),
+                               context=heavy)
+            await asyncio.wait_for(asyncio.gather(done, set_up), 20)
+        finally:
+            client.close()
+            server.close()
+        return events
+
+    got = asyncio.run(main())
+    assert got.index("accept") < 10  # (not after the 300 already ready)
+    if light:
+        assert got.index("connected") < 100  # set up while the heavy one gave way
 
 
 class _AlwaysYielding(ReadyOrder):
