@@ -60,13 +60,24 @@ def install() -> None:
                 connection.state &= ~ConnectionState.CAN_READ  # half-closed by the peer
             else:
                 connection.state = ConnectionState.CLOSED
+            delivery = asyncio.ensure_future(self.server_event(events.ConnectionClosed(connection)))
             try:
-                await self.server_event(events.ConnectionClosed(connection))
+                await asyncio.shield(delivery)
                 if connection.state is ConnectionState.CAN_WRITE:
                     # the peer closed its side; we may still send until cancelled
                     await asyncio.Event().wait()
             except asyncio.CancelledError as e:
                 cancelled = cancelled or e
+                if not delivery.done():
+                    # A cancel that came while the close waited for the connection's lock does not
+                    # drop it: an upstream reset while a layer still parsed what it had read, a
+                    # drain of its writer then failed and cancelled this reader, and the layer never
+                    # learnt that its connection had ended (review 34: the client's stream hung
+                    # until its 120 s body timeout).
+                    try:
+                        await delivery
+                    except asyncio.CancelledError:
+                        pass
         finally:
             connection.state = ConnectionState.CLOSED
             io = self.transports.pop(connection, None)
