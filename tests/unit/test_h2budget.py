@@ -66,18 +66,11 @@ def test_ledger_never_holds_more_than_its_budget(budget, steps):
 
 
 def _upstream_h2_client(layer_class, max_streams: int):
-    from mitmproxy.addons import proxyserver
-    from mitmproxy.connection import Client, ConnectionState, Server
     from mitmproxy.proxy import events
-    from mitmproxy.proxy.context import Context
-    from mitmproxy.test import taddons
 
-    with taddons.context(proxyserver.Proxyserver()) as tctx:
-        options = tctx.options
-    client = Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2), timestamp_start=0)
-    context = Context(client, options)
-    context.server = Server(address=("origin.test", 443))
-    context.server.alpn, context.server.state = b"h2", ConnectionState.OPEN
+    from tests.support.h2_layers import upstream_h2_context
+
+    context = upstream_h2_context()
     layer = layer_class(context)
     list(layer.handle_event(events.Start()))
     origin = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))

@@ -188,21 +188,13 @@ def _upstream_h2_layer():
     """The gateway's upstream HTTP/2 layer past its preface, with one request (stream 1) sent to
     an h2 origin that has read it; returns both."""
     from mitmproxy import http
-    from mitmproxy.addons import proxyserver
-    from mitmproxy.connection import Client, ConnectionState, Server
     from mitmproxy.proxy import events
-    from mitmproxy.proxy.context import Context
     from mitmproxy.proxy.layers.http._events import RequestHeaders
-    from mitmproxy.test import taddons
 
     from addons.h2_limits import GatewayHttp2Client
+    from tests.support.h2_layers import upstream_h2_context
 
-    with taddons.context(proxyserver.Proxyserver()) as tctx:
-        options = tctx.options
-    client = Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2), timestamp_start=0)
-    context = Context(client, options)
-    context.server = Server(address=("origin.test", 443))
-    context.server.alpn, context.server.state = b"h2", ConnectionState.OPEN
+    context = upstream_h2_context()
     layer = GatewayHttp2Client(context)
     origin = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
     origin.initiate_connection()
