@@ -318,9 +318,9 @@ def _quota(quota: int, sent: int, waited: int) -> int:
     PUT_BACK_PER_SANDBOX). Each one put back that waits again costs a look and a requeue: with 50
     connections a sandbox had 64 put back at each poll to run one or two (review 33: ~35,000
     requeues a second, a third of the loop, and the neighbour's p99 ~5x)."""
-    if sent < quota:
-        return quota if not waited else max(1, sent - waited + 1)  # (fewer were there to send)
-    return min(PUT_BACK_PER_SANDBOX, 2 * quota) if not waited else max(1, sent - waited + 1)
+    if waited:
+        return max(1, sent - waited + 1)
+    return quota if sent < quota else min(PUT_BACK_PER_SANDBOX, 2 * quota)  # (sent < quota: no more were there)
 
 
 def _set_aside(loop) -> _SetAside:
