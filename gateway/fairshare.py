@@ -9,8 +9,12 @@ connection rate: 8x). A worker has one event loop and no scheduler between sandb
 - `charge(key, seconds)` after each piece of a sandbox's work (the adapter times mitmproxy's event
   handling and hooks, addons/fair_share.py);
 - each sandbox has a bucket of loop time that refills at its share of a second per second: at most
-  `max_share`, and 1/N when N sandboxes were active in the last `window` seconds, so the shares
-  of the active sandboxes never add up to more than the loop; it holds at most `burst` seconds;
+  `max_share`, and at least 1/N when N sandboxes were active in the last `window` seconds. Above
+  that, the share is the max-min level (`fill_level`): what the lighter sandboxes leave of the loop,
+  split between the heavier ones, so that light neighbours do not cut the others to 1/N each (a
+  flood, four sandboxes making a request a second and one making requests back to back: at 1/6
+  the last waited for its turns ~290 times a second while the flood took what the light ones left,
+  its latency 4-5x; review 34). It holds at most `burst` seconds;
 - `delay(key)` is how long the sandbox's next read waits: zero while its bucket is not in debt,
   while no other sandbox is active, or while the loop is not contended (the work charged over
   about the last second, decayed exponentially, fills less than `busy` of it): the share only
@@ -19,7 +23,11 @@ connection rate: 8x). A worker has one event loop and no scheduler between sandb
   read asks again after it, until it gets 0).
 
 Pure (no I/O, no asyncio): the clock is injected. Every call is O(1) amortised; keys are evicted
-once inactive for `window`, and never more than `max_keys` are kept.
+once inactive for `window`, and never more than `max_keys` are kept. The level is recomputed every
+LEVEL_PERIOD from the sandboxes whose load is at least LEVEL_MIN_LOAD (at most about 1/LEVEL_MIN_LOAD
+of them: the loads add up to about one loop), the others counted together, and at once when a
+sandbox becomes one of them (each needs ~10 ms of work to), so that neither a decision nor a
+recomputation grows with the number of sandboxes.
 """
 
 from __future__ import annotations
@@ -64,6 +72,13 @@ HEAVY_SLICE = 0.001  # seconds of yielding work per poll for I/O, while a lighte
 # past it its next one runs whatever is ready. A lighter sandbox with a tiny callback ready at
 # every poll held a heavier one's for as long as it went on (10 s in a review's probe).
 MAX_SET_ASIDE = 0.02
+# The max-min level (`fill_level`) shares out the loop less the spare headroom (what a sandbox that
+# becomes active finds free at once, and the loop's own work that no sandbox is charged for); a
+# sandbox under LEVEL_MIN_LOAD counts with the other light ones, as one sum; recomputed every
+# LEVEL_PERIOD seconds.
+LEVEL_MIN_LOAD = 0.01
+LEVEL_PERIOD = 0.05
+_HEAVY_CAP = 1024  # sandboxes looked at for the level (past it, another counts with the light ones)
 _WAITING_CAP = 4096  # sandboxes remembered as waiting (past it the memory is cleared: they may run)
 
 
@@ -73,6 +88,22 @@ def yields_to(load: float, other: float) -> bool:
     the lighter one's load grows as it runs, and once it is no longer the lighter it no longer goes
     first; the heavier one waits only for work that is ready, never for a timer."""
     return load >= HEAVY and other < load
+
+
+def fill_level(loads: list[float], capacity: float) -> float:
+    """The max-min (water-filling) level of `capacity` between sandboxes with these `loads`, sorted
+    ascending: the largest f with sum(min(load, f)) <= capacity, so that each sandbox using less
+    than f is left alone and the ones using more share what remains equally; math.inf when all of
+    them fit (nobody needs a limit). O(len(loads))."""
+    if capacity <= 0:
+        return 0.0
+    remaining, left = capacity, len(loads)
+    for load in loads:
+        if load * left > remaining:
+            return max(0.0, remaining / left)
+        remaining -= load
+        left -= 1
+    return math.inf
 
 
 class ReadyOrder:
@@ -205,6 +236,8 @@ class LoopShare:
         self._fast = _Decaying(FAST_WINDOW, self._load.stamp)  # the same, over a shorter time
         self.max_keys = max(2, int(max_keys))
         self._shares: OrderedDict[Hashable, _Share] = OrderedDict()  # least recently active first
+        self._heavy: dict[Hashable, _Share] = {}  # the sandboxes that count one by one for the level
+        self._level, self._level_at = math.inf, -math.inf  # the max-min level, and when it was computed
         self.configure(max_share, burst)
 
     def configure(self, max_share: float, burst: float, busy: float | None = None,
@@ -232,8 +265,26 @@ class LoopShare:
         return len(self._shares)
 
     def share(self, now: float | None = None) -> float:
-        """The share of the loop each active sandbox may have now."""
-        return min(self.max_share, 1.0 / max(1, self.active(now)))
+        """The share of the loop each active sandbox may have now: the max-min level, at least 1/N
+        and at most `max_share`."""
+        now = self.clock() if now is None else now
+        return min(self.max_share, max(1.0 / max(1, self.active(now)), self._fill(now)))
+
+    def _fill(self, now: float) -> float:
+        """The max-min level, recomputed at most every LEVEL_PERIOD."""
+        if now - self._level_at < LEVEL_PERIOD:
+            return self._level
+        self._level_at = now
+        loads = []
+        for key, entry in list(self._heavy.items()):
+            load = entry.load.at(now) / LOAD_WINDOW
+            if load < LEVEL_MIN_LOAD or self._shares.get(key) is not entry:  # light again, or forgotten
+                del self._heavy[key]
+            else:
+                loads.append(load)
+        light = max(0.0, self._load.at(now) / LOAD_WINDOW - sum(loads))
+        self._level = fill_level(sorted(loads), 1.0 - self.spare_headroom - light)
+        return self._level
 
     def _share_of(self, entry: _Share, now: float, share: float) -> float:
         """The share `entry`'s sandbox refills at: `share`, or what the others' work left of the loop
@@ -257,6 +308,10 @@ class LoopShare:
         entry.per_read = seconds if not entry.per_read else 0.9 * entry.per_read + 0.1 * seconds
         entry.active = now
         entry.load.add(now, seconds)
+        if entry.load.value >= LEVEL_MIN_LOAD * LOAD_WINDOW and self._heavy.get(key) is not entry and len(
+                self._heavy) < _HEAVY_CAP:
+            self._heavy[key] = entry
+            self._level_at = -math.inf  # a sandbox that just became heavy counts at once (a flood that begins)
         entry.fast.add(now, seconds)
         self._load.add(now, seconds)
         self._fast.add(now, seconds)

@@ -8,7 +8,7 @@ import pytest
 
 from hypothesis import given, settings, strategies as st
 
-from gateway.fairshare import MAX_DELAY, LoopShare
+from gateway.fairshare import LEVEL_MIN_LOAD, LEVEL_PERIOD, MAX_DELAY, LoopShare, fill_level
 
 
 class Clock:
@@ -54,10 +54,10 @@ def test_the_load_decays_with_the_window():
     assert abs(s.load() - 0.9 / 2.718281828) < 1e-6 and not s.contended()
 
 
-def test_the_share_is_one_over_the_active_sandboxes_and_expires_with_the_window():
+def test_the_share_is_one_over_the_active_sandboxes_when_all_are_heavy_and_expires_with_the_window():
     s, clock = share(max_share=0.5, window=1.0)
     for key in "abcd":
-        s.charge(key, 0.001)
+        s.charge(key, 0.3)  # each wants more than the loop's level (0.8 / 4)
     assert s.active() == 4 and s.share() == 0.25
     clock.now += 1.5
     s.charge("a", 0.001)
@@ -245,3 +245,64 @@ def test_a_burst_is_heavy_within_a_tenth_of_a_second_though_its_average_over_a_s
     assert abs(s.load_of("flood") - s._shares["flood"].load.at(clock[0]) / LOAD_WINDOW) < 0.01
     s.charge("trickle", 0.0005)
     assert s.load_of("trickle") < HEAVY
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads=st.lists(st.floats(0, 1), max_size=40), capacity=st.floats(0, 1))
+def test_the_level_is_the_largest_that_the_capacity_holds(loads, capacity):
+    """Max-min: below the level a sandbox keeps what it uses, above it each gets the level; the
+    sum fits the capacity and no higher level would."""
+    level = fill_level(sorted(loads), capacity)
+    if capacity == 0 or not loads:
+        assert level == (0.0 if capacity == 0 else math.inf)
+        return
+    if level == math.inf:
+        assert sum(loads) <= capacity + 1e-9
+        return
+    assert sum(min(load, level) for load in loads) <= capacity + 1e-9
+    assert sum(min(load, level + 1e-6) for load in loads) > capacity - 1e-9
+    assert level >= capacity / len(loads) - 1e-12  # never below an equal split
+
+
+def test_light_neighbours_leave_their_part_of_the_loop_to_the_others_not_1_over_n():
+    """Review 34: a flood, four sandboxes making a request a second and one (b) making requests
+    back to back. At 1/6 each, b (~30% of the loop) was in debt and waited for its turns ~290 times
+    a second while the flood took what the light ones left: b's latency 4-5x. The max-min level
+    gives b what the light ones leave, so it does not wait; the flood still does."""
+    s, clock = share(max_share=0.5, burst=0.05, max_debt=100)
+    for step in range(300):  # three seconds in 10 ms steps
+        clock.now += 0.01
+        s.charge("flood", 0.006)
+        s.charge("b", 0.003)
+        if step % 100 == 0:
+            for light in "1234":
+                s.charge(light, 0.004)  # a small request a second each
+    assert s.active() == 6
+    assert s.share() > 0.3 > 1 / 6  # (b's load)
+    assert s.tokens("b") >= 0 and s.reserve("b") == 0.0
+    assert s.reserve("flood") > 0.0  # the flood, over its level, still waits
+
+
+def test_the_level_is_recomputed_from_a_bounded_number_of_sandboxes():
+    """Ten thousand light sandboxes and two heavy ones: only the heavy ones are looked at one by
+    one (the loads add up to about one loop, so at most ~1/LEVEL_MIN_LOAD are over it); the
+    level is computed at most once per LEVEL_PERIOD."""
+    s, clock = share(max_share=0.5, burst=0.0, max_debt=100)
+    for key in range(10_000):
+        s.charge(key, 0.00005)
+    s.charge("x", 0.3)
+    s.charge("y", 0.4)
+    clock.now += LEVEL_PERIOD
+    level = s.share()
+    assert set(s._heavy) == {"x", "y"}
+    light = s.load() - (0.3 + 0.4) * math.exp(-LEVEL_PERIOD)
+    assert abs(level - min(0.5, fill_level(sorted([0.3 * math.exp(-LEVEL_PERIOD), 0.4 * math.exp(-LEVEL_PERIOD)]),
+                                           1.0 - s.spare_headroom - light))) < 1e-6
+    s.charge("x", 0.2)
+    assert s.share() == level  # within the period: not recomputed
+    s.charge("z", 0.5)
+    assert s.share() < level  # but at once when another sandbox becomes heavy
+    clock.now += 30  # all quiet: forgotten, and the heavy ones with them
+    s.charge("x", LEVEL_MIN_LOAD / 2)
+    s.share()
+    assert set(s._heavy) == set()
