@@ -183,8 +183,8 @@ class GatewayMetrics:
         )
         self.loop_share_active = Gauge(
             "egress_loop_share_active_sandboxes", "Sandboxes whose connections used a worker's event loop in the last "
-            "second (each may have 1/N of it while over egress_max_loop_share_per_sandbox's bound; summed over "
-            "workers).", registry=r, multiprocess_mode="livesum",
+            "second (each may have at least 1/N of it, and what lighter ones leave, up to "
+            "egress_max_loop_share_per_sandbox; summed over workers).", registry=r, multiprocess_mode="livesum",
         )
         self.dns_queries = Counter(
             "egress_dns_queries", "DNS-mode queries answered, by decision.", ["decision"], registry=r,

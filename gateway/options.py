@@ -114,8 +114,8 @@ OPTIONS: dict[str, Option] = _table(
     # --- addons.fair_share
     Option('egress_max_loop_share_per_sandbox', str, f'{DEFAULT_MAX_SHARE:g}', 'addons.fair_share',
            "Share of a worker's event loop one sandbox may take while another sandbox is active: at most "
-           "this, and 1/N with N active, unless the others' work left more of the loop idle (then that, "
-           "less egress_loop_share_headroom); over it, its connections' next reads wait (back-pressure, "
+           "this; at least 1/N with N active; between, what the lighter sandboxes leave of the loop less "
+           "egress_loop_share_headroom, split between the heavier ones (max-min); over it, its connections' next reads wait (back-pressure, "
            "nothing refused). 0: off."),
     Option('egress_loop_share_burst', str, f'{DEFAULT_BURST:g}', 'addons.fair_share',
            'Seconds of loop time a sandbox may use at once above its share.'),
