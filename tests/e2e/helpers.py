@@ -501,10 +501,18 @@ class H2Client:
         import h2.events
 
         deadline = time.monotonic() + timeout
+        idle = self.conn.sock.gettimeout()
         while not done():
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"h2 streams {stream_ids} not there: {self.responses}")
-            data = self.conn.sock.recv(65536)
+            # `timeout` bounds the wait, not the socket's own per-read timeout (3 s: a body of
+            # 200,000 one-byte frames buffered by the gateway on a loaded machine went quiet longer).
+            self.conn.sock.settimeout(max(idle or 0.0, left) if idle is not None else None)
+            try:
+                data = self.conn.sock.recv(65536)
+            finally:
+                self.conn.sock.settimeout(idle)
             if not data:
                 raise ConnectionError(f"connection closed; streams so far: {self.responses}")
             for event in self.h2.receive_data(data):
