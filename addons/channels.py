@@ -103,9 +103,11 @@ METADATA: tuple[MetadataKey, ...] = (
 ATTRIBUTES: tuple[Attribute, ...] = (
     # set on mitmproxy's message objects, read where mitmproxy gives the gateway only the object
     Attribute("_egress_refusal", "a Request, or an HTTP error event", "addons.refusals:REFUSAL_ATTR",
-              "addons.http2_server, addons.http_stream, addons.respond", "addons.http1_server, addons.http2_server",
+              "addons.http2_server, addons.http_stream, addons.respond",
+              "addons.http1_server, addons.http2_server, addons.http_stream",
               "the refusal the gateway decided and audited, so that the error mitmproxy then sends itself "
-              "carries its status and reason and is not audited twice"),
+              "carries its status and reason and is not audited twice, and a refused head is not sent the "
+              "100 Continue its Expect asked for"),
     Attribute("_egress_counts_as_reset", "a Response the gateway made", "addons.respond:COUNTS_AS_RESET",
               "addons.rate_limits, addons.respond", "addons.http2_server",
               "the HTTP/2 server counts such a stream in its reset budget"),

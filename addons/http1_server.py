@@ -28,6 +28,7 @@ from gateway.options import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES
 from . import frame_limits
 from .http1 import ChunkMerger, MalformedBody, ServerFraming, SmallChunkFlood, TooManyFields, max_header_fields
 from .respond import PageFor, accept_of, default_page, raw_http_refusal
+from .refusal_layers import RefusalLayer, in_tunnel
 from .refusals import REFUSAL_ATTR, _ERROR_REASONS, OnRefusal, _report, _too_many_fields, protocol_error_decision
 
 PIPELINE_HEADS = 2  # bytes sent ahead of a response (HTTP/1 pipelining) are bounded by this many max heads
@@ -72,6 +73,7 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
         self._head_started: float | None = None  # when the first byte of the current head came
         self._empty_lines = 0  # empty lines skipped since the last head (MAX_EMPTY_LINES)
         self._head_wakeup: commands.RequestWakeup | None = None  # the timer for that head
+        self._linger_wakeup: commands.RequestWakeup | None = None  # the end of a lingering close (`_linger`)
 
     def _refuse(self, decision: Decision, request=None, method: str | None = None) -> layer.CommandGenerator[None]:
         decision = _report(self.on_refusal, self.context, decision, request, method)
@@ -91,6 +93,13 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
             if event.command is self._head_wakeup:
                 self._head_wakeup = None
                 yield from self._head_deadline()
+            elif event.command is self._linger_wakeup:
+                self._linger_wakeup = None
+                yield commands.CloseConnection(self.conn)
+            return
+        if self._linger_wakeup is not None and isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
+            self._linger_wakeup = None  # the client read its refusal and left
+            yield commands.CloseConnection(self.conn)
             return
         if isinstance(event, events.DataReceived):
             if self.state == self.done:
@@ -107,6 +116,18 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
                 "buffer_budget", f"the {len(self.buf)} bytes this connection sent and the gateway has not parsed yet (a "
                                  f"head being read, requests pipelined behind one in flight) would pass the "
                                  f"connection's or the sandbox's buffer budget"), "over the buffer budget")
+
+    def _linger(self) -> layer.CommandGenerator[None]:
+        """Close after a refusal sent while the client may still be sending its body: closing at
+        once with its bytes unread makes the kernel answer with a reset, which can destroy the
+        refusal before the client reads it. FIN first where the connection is the client's own
+        TCP (inside a CONNECT tunnel mitmproxy makes any close a full one), then what it sends is
+        read and dropped until it closes or LINGER seconds pass (RefusalLayer does the same)."""
+        self.state = self.done  # (its bytes are dropped unparsed: `_handle_event`)
+        if not in_tunnel(self.context):
+            yield commands.CloseTcpConnection(self.conn, half_close=True)
+        self._linger_wakeup = commands.RequestWakeup(RefusalLayer.LINGER)
+        yield self._linger_wakeup
 
     def _charge_unparsed(self) -> bool:
         """What the connection holds unparsed (a head still arriving, up to the head limit; requests
@@ -266,6 +287,9 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
             if decision is not None and event.code.http_status_code() is not None:
                 if self.conn.state & ConnectionState.CAN_WRITE:
                     yield commands.SendData(self.conn, self._refusal(decision, self.request))
-                    yield commands.CloseConnection(self.conn)
+                    if self.state == self.read_body:
+                        yield from self._linger()
+                    else:
+                        yield commands.CloseConnection(self.conn)
                 return
         yield from super().send(event)

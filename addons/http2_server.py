@@ -31,7 +31,7 @@ from gateway.budget import Account
 from gateway.decision import Decision
 
 from . import frame_limits, h2_backpressure, h2_limits
-from .respond import COUNTS_AS_RESET, PageFor, accept_of, default_page, refusal_headers
+from .respond import COUNTS_AS_RESET, PageFor, accept_of, challenge_fields, default_page, refusal_headers
 from .refusals import REFUSAL_ATTR, _ERROR_REASONS, OnRefusal, _report, _too_many_fields, protocol_error_decision
 from .refusal_layers import in_tunnel
 
@@ -474,7 +474,8 @@ class GatewayHttp2Server(Http2Server):
         page = self.page_for(self.context, decision, accept) if self.page_for is not None else default_page(decision)
         body = page.body
         headers = [(b":status", b"%d" % decision.status)]
-        headers += [(k.lower().encode(), v.encode()) for k, v in refusal_headers(decision, page.content_type).items()]
+        fields = [*refusal_headers(decision, page.content_type).items(), *challenge_fields(decision)]
+        headers += [(k.lower().encode(), v.encode()) for k, v in fields]
         headers.append((b"content-length", b"%d" % len(body)))
         if stream_id in self._head_requests:
             self.h2_conn.send_headers(stream_id, headers, end_stream=True)

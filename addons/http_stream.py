@@ -431,7 +431,37 @@ class GatewayHttpStream(HttpStream):
             if not self._charge_head(event.request):
                 self._release_head()
                 return (yield from self._refuse_head_over_budget(event))
-        return (yield from super().state_wait_for_request_headers(event))
+        return (yield from self._refused_without_continue(super().state_wait_for_request_headers(event)))
+
+    def _refused_without_continue(self, commands_: layer.CommandGenerator) -> layer.CommandGenerator[None]:
+        """`commands_` (mitmproxy's handling of a request head), except that a request refused at
+        its head is not sent the `100 Continue` its `Expect` asked for: mitmproxy sends it after the
+        requestheaders hook whatever the hook decided, and the client then uploaded its whole body
+        (an SDK's object, a git push) to be read and thrown away before its refusal. RFC 9110
+        10.1.1: a server that will not take the content answers with the final status instead.
+        The refusal goes out at once. Over HTTP/1 the connection then ends (whether the client
+        still sends the body is unknown, so is the framing of what follows; addons/http1_server.py
+        lingers). Over HTTP/2 the stream is answered and not reset: a reset after the answer
+        (RFC 9113 8.1 allows NO_ERROR) made curl 7.88 drop the answer and fail the transfer."""
+        reply, skipped, result = None, False, None
+        while True:
+            try:
+                command = commands_.send(reply)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            reply = None
+            event = command.event if isinstance(command, SendHttp) else None
+            if (isinstance(event, ResponseHeaders) and event.response.status_code == 100 and self._refused_at_head()):
+                skipped = True  # the 100 Continue of a refused request
+                continue
+            reply = yield command
+        if skipped and self.client_state == self.state_consume_request_body:
+            yield from self._abort(getattr(self.flow.request, REFUSAL_ATTR), upstream=False, audited=True)
+        return result
+
+    def _refused_at_head(self) -> bool:
+        return self.flow is not None and getattr(self.flow.request, REFUSAL_ATTR, None) is not None
 
     def _refuse_head_over_budget(self, event: RequestHeaders) -> layer.CommandGenerator[None]:
         """The head cannot be held: refused before any hook decides it (so no upstream connection,

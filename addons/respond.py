@@ -71,6 +71,12 @@ def refusal_headers(decision: Decision, content_type: str = TEXT_TYPE) -> dict[s
     return headers
 
 
+def challenge_fields(decision: Decision) -> list[tuple[str, str]]:
+    """A 407's challenges (both schemes carry the token, gateway/proxyauth.py), one field each:
+    every format a refusal goes out in needs them, or the client cannot authenticate."""
+    return [("Proxy-Authenticate", challenge) for challenge in CHALLENGES] if decision.status == 407 else []
+
+
 COUNTS_AS_RESET = "_egress_counts_as_reset"  # on a gateway-made response: the h2 server counts its stream
 
 
@@ -88,9 +94,8 @@ def refuse(flow: http.HTTPFlow, decision: Decision, page: Page) -> None:
     if decision.status in (407, 429) and not h2:
         headers["Connection"] = "close"
     flow.response = http.Response.make(decision.status, page.body, headers)
-    if decision.status == 407:  # the proxy credential: both schemes carry the token (gateway/proxyauth.py)
-        for challenge in CHALLENGES:
-            flow.response.headers.add("Proxy-Authenticate", challenge)
+    for name, value in challenge_fields(decision):
+        flow.response.headers.add(name, value)
     if decision.status == 429:
         setattr(flow.response, COUNTS_AS_RESET, True)
     if flow.request is not None:
@@ -144,5 +149,6 @@ def raw_http_refusal(decision: Decision, page: Page) -> bytes:
     body = page.body
     head = [f"HTTP/1.1 {decision.status} {reason_phrase(decision.status)}"]
     head += [f"{k}: {v}" for k, v in refusal_headers(decision, page.content_type).items()]
+    head += [f"{k}: {v}" for k, v in challenge_fields(decision)]
     head += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
     return "\r\n".join(head).encode("ascii") + body

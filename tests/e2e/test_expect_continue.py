@@ -1,0 +1,152 @@
+"""`Expect: 100-continue` on a request the gateway refuses at its head (RFC 9110 10.1.1).
+
+A client that sends the expectation waits for `100 Continue` before it sends its body. mitmproxy
+answers the 100 itself once the request's head is decided, also when the decision was a refusal:
+the client then uploaded its whole body (an SDK's multi-MiB object, a git push) for the gateway to
+read and throw away, and only then got its 403. A refused head is answered at once with its final
+status instead, nothing invites the body, and the connection ends after the answer (HTTP/1: the
+client may or may not send the body, so the framing of whatever follows is unknown); an allowed
+one still gets its 100 and goes upstream.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
+    H2Client,
+    build_request,
+    connect_proxy,
+    extra_static_hosts,
+    fresh_upstreams,
+    new_entry,
+    shared_gateway,
+    tls_tunnel,
+)
+from tests.support.lenient_origin import LenientOrigin
+
+LAST_OCTET = 112  # in the session block
+
+RULES = """
+- id: upload
+  hosts: [upload.test]
+  schemes: [https, http]
+  methods: [GET, POST, PUT]
+  paths: ["/ok/**"]
+  allow_body: true
+"""
+
+BODY_SIZE = 8 * 1024 * 1024  # what the client would upload if invited
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, upstreams, pki):
+    address = f"{upstreams.block}.{LAST_OCTET}"
+    cert, key = pki.issue(["upload.test"], [address], stem="e2e-expect")
+    tls_origin = LenientOrigin(address, 443, cert, key)
+    plain_origin = LenientOrigin(address, 80)
+    gateway = shared_gateway(tmp_path_factory, upstreams, pki, RULES,
+                             extra_static_hosts({"upload.test": address}), name="expect")
+    yield gateway, tls_origin, plain_origin
+    gateway.stop()
+    tls_origin.stop()
+    plain_origin.stop()
+
+
+@pytest.fixture
+def gw(world):
+    gateway, tls_origin, plain_origin = world
+    tls_origin.reset()
+    plain_origin.reset()
+    gateway.mark()
+    return gateway
+
+
+def _expecting(method: str, target: str, host: str = "upload.test", size: int = BODY_SIZE) -> bytes:
+    return build_request(method, target, [("Host", host), ("Expect", "100-continue"),
+                                          ("Content-Length", str(size))])
+
+
+def _refused_at_once(conn, status: int = 403):
+    """The first answer is the final refusal (no 100), and it ends the connection."""
+    response = conn.read_response()
+    assert response.status == status, response
+    assert response.egress_reason == "path_not_allowed", response
+    assert response.header("connection").lower() == "close", response
+    assert conn.closed()  # the connection ends after the answer, nothing else follows
+    return response
+
+
+def test_a_refused_head_is_answered_at_once_instead_of_inviting_its_body(gw, world):
+    with tls_tunnel(gw, "upload.test:443") as tls:
+        tls.send(_expecting("PUT", "/denied/object"))  # the body is never sent
+        _refused_at_once(tls)
+    assert world[1].connections == 0
+    line = gw.audit_lines(gw.audit_mark, decision="deny", reason="path_not_allowed")[0]
+    assert line["method"] == "PUT"
+
+
+def test_a_refused_head_over_plain_http_is_answered_at_once(gw, world):
+    conn = connect_proxy(gw)
+    try:
+        conn.send(_expecting("POST", "http://upload.test/denied"))
+        _refused_at_once(conn)
+    finally:
+        conn.sock.close()
+    assert world[2].connections == 0
+
+
+def test_a_client_that_sends_its_body_without_waiting_still_reads_the_refusal(gw, world):
+    """The client sends the head and the body in one go: the refusal is still read whole, not
+    destroyed by a reset (the gateway reads and drops what comes after it before it closes)."""
+    with tls_tunnel(gw, "upload.test:443") as tls:
+        tls.send(_expecting("POST", "/denied", size=1024 * 1024) + b"x" * (1024 * 1024))
+        _refused_at_once(tls)
+    assert world[1].connections == 0
+
+
+def test_an_allowed_head_still_gets_its_100_and_goes_upstream(gw, world):
+    body = b"payload" * 10
+    with tls_tunnel(gw, "upload.test:443") as tls:
+        tls.send(_expecting("POST", "/ok/object", size=len(body)))
+        interim = tls.read_response()
+        assert interim.status == 100, interim
+        tls.send(body)
+        response = tls.read_response(method="POST")
+        assert response.status == 200, response
+    assert [e.path for e in world[1].executed] == ["/ok/object"]
+
+
+def test_http2_a_refused_head_is_answered_without_an_interim_and_the_connection_goes_on(gw, world):
+    client = H2Client(tls_tunnel(gw, "upload.test:443", alpn=["h2"]))
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, [(":method", "PUT"), (":scheme", "https"), (":authority", "upload.test"),
+                                 (":path", "/denied"), ("content-length", str(BODY_SIZE)),
+                                 ("expect", "100-continue")])
+    client._flush()
+    client.responses[sid] = new_entry()
+    client.wait(sid)
+    entry = client.responses[sid]
+    assert not entry.get("interim"), entry
+    assert entry["status"] == 403 and client.header(sid, "x-egress-reason") == "path_not_allowed", entry
+    after = client.send("upload.test", "/ok/after")
+    client.wait(after)
+    assert client.responses[after]["status"] == 200, client.responses[after]
+    client.conn.close()
+    assert [e.path for e in world[1].executed] == ["/ok/after"]
+
+
+def test_curl_uploading_to_a_refused_path_gets_its_refusal_without_sending_the_body(gw, world, tmp_path):
+    """curl asks for `100 Continue` before an HTTP/1.1 upload over 1 MiB: refused, it sends none of
+    it. (Over HTTP/2 curl 7.88 does not ask, and sends its body whole.)"""
+    upload = tmp_path / "object"
+    upload.write_bytes(b"x" * BODY_SIZE)
+    out = subprocess.run(["curl", "-sS", "--http1.1", "--max-time", "20", "--cacert", str(gw.ca_cert), "-x", gw.proxy_url,
+                          "-T", str(upload), "-o", "/dev/null", "-w", "%{http_code} %{size_upload}",
+                          "https://upload.test/denied/object"], capture_output=True, timeout=30)
+    status, uploaded = out.stdout.decode().split()
+    assert status == "403", out
+    assert int(uploaded) < BODY_SIZE // 8, out  # (curl may send a little before the answer is read)
+    assert world[1].connections == 0
