@@ -49,6 +49,40 @@ def shared_gateway(tmp_path_factory, upstreams, pki, rules: str, extra: str = ""
     return gateway
 
 
+@dataclass
+class LenientWorld:
+    """A gateway and two LenientOrigins (TLS on 443, plain on 80) at one address of the session's
+    upstream block, shared by a module (`lenient_world`)."""
+
+    gateway: GatewayProcess
+    tls_origin: object
+    plain_origin: object
+
+    def fresh(self) -> GatewayProcess:
+        """For the next test: the origins' records emptied, the gateway's audit marked."""
+        self.tls_origin.reset()
+        self.plain_origin.reset()
+        self.gateway.mark()
+        return self.gateway
+
+
+def lenient_world(tmp_path_factory, upstreams, pki, rules: str, names: list[str], last_octet: int, name: str):
+    """Yield a `LenientWorld` whose origins answer for `names` (a module fixture's body)."""
+    from tests.support.lenient_origin import LenientOrigin
+
+    address = f"{upstreams.block}.{last_octet}"
+    cert, key = pki.issue(names, [address], stem=f"e2e-{name}")
+    tls_origin, plain_origin = LenientOrigin(address, 443, cert, key), LenientOrigin(address, 80)
+    gateway = shared_gateway(tmp_path_factory, upstreams, pki, rules,
+                             extra_static_hosts({host: address for host in names}), name=name)
+    try:
+        yield LenientWorld(gateway, tls_origin, plain_origin)
+    finally:
+        gateway.stop()
+        tls_origin.stop()
+        plain_origin.stop()
+
+
 # The policy most modules share. other.test has no rule at all: it is the forbidden destination.
 STANDARD_RULES = """
 - id: allowed

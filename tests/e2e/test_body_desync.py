@@ -22,9 +22,8 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     audit_for,
     build_request,
     connect_proxy,
-    extra_static_hosts,
     fresh_upstreams,
-    shared_gateway,
+    lenient_world,
     tls_tunnel,
 )
 from tests.support.gateway import PROJECT_ROOT
@@ -55,34 +54,22 @@ SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: other.test\r\n\r\n"
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, upstreams, pki):
-    address = f"{upstreams.block}.{LAST_OCTET}"
-    cert, key = pki.issue(NAMES, [address], stem="e2e-lenient")
-    tls_origin = LenientOrigin(address, 443, cert, key)
-    plain_origin = LenientOrigin(address, 80)
-    extra = extra_static_hosts({name: address for name in NAMES})
-    gateway = shared_gateway(tmp_path_factory, upstreams, pki, RULES, extra, name="desync")
-    yield gateway, tls_origin, plain_origin
-    gateway.stop()
-    tls_origin.stop()
-    plain_origin.stop()
+    yield from lenient_world(tmp_path_factory, upstreams, pki, RULES, NAMES, LAST_OCTET, "desync")
 
 
 @pytest.fixture
 def gw(world):
-    gateway, tls_origin, plain_origin = world
-    tls_origin.reset()
-    plain_origin.reset()
-    return gateway
+    return world.fresh()
 
 
 @pytest.fixture
 def origin(world):
-    return world[1]
+    return world.tls_origin
 
 
 @pytest.fixture
 def plain_origin(world):
-    return world[2]
+    return world.plain_origin
 
 
 def _smuggled(origin: LenientOrigin) -> list:

@@ -19,13 +19,11 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     H2Client,
     build_request,
     connect_proxy,
-    extra_static_hosts,
     fresh_upstreams,
+    lenient_world,
     new_entry,
-    shared_gateway,
     tls_tunnel,
 )
-from tests.support.lenient_origin import LenientOrigin
 
 LAST_OCTET = 112  # in the session block
 
@@ -43,25 +41,12 @@ BODY_SIZE = 8 * 1024 * 1024  # what the client would upload if invited
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, upstreams, pki):
-    address = f"{upstreams.block}.{LAST_OCTET}"
-    cert, key = pki.issue(["upload.test"], [address], stem="e2e-expect")
-    tls_origin = LenientOrigin(address, 443, cert, key)
-    plain_origin = LenientOrigin(address, 80)
-    gateway = shared_gateway(tmp_path_factory, upstreams, pki, RULES,
-                             extra_static_hosts({"upload.test": address}), name="expect")
-    yield gateway, tls_origin, plain_origin
-    gateway.stop()
-    tls_origin.stop()
-    plain_origin.stop()
+    yield from lenient_world(tmp_path_factory, upstreams, pki, RULES, ["upload.test"], LAST_OCTET, "expect")
 
 
 @pytest.fixture
 def gw(world):
-    gateway, tls_origin, plain_origin = world
-    tls_origin.reset()
-    plain_origin.reset()
-    gateway.mark()
-    return gateway
+    return world.fresh()
 
 
 def _expecting(method: str, target: str, host: str = "upload.test", size: int = BODY_SIZE) -> bytes:
@@ -83,7 +68,7 @@ def test_a_refused_head_is_answered_at_once_instead_of_inviting_its_body(gw, wor
     with tls_tunnel(gw, "upload.test:443") as tls:
         tls.send(_expecting("PUT", "/denied/object"))  # the body is never sent
         _refused_at_once(tls)
-    assert world[1].connections == 0
+    assert world.tls_origin.connections == 0
     line = gw.audit_lines(gw.audit_mark, decision="deny", reason="path_not_allowed")[0]
     assert line["method"] == "PUT"
 
@@ -95,7 +80,7 @@ def test_a_refused_head_over_plain_http_is_answered_at_once(gw, world):
         _refused_at_once(conn)
     finally:
         conn.sock.close()
-    assert world[2].connections == 0
+    assert world.plain_origin.connections == 0
 
 
 def test_a_client_that_sends_its_body_without_waiting_still_reads_the_refusal(gw, world):
@@ -104,7 +89,7 @@ def test_a_client_that_sends_its_body_without_waiting_still_reads_the_refusal(gw
     with tls_tunnel(gw, "upload.test:443") as tls:
         tls.send(_expecting("POST", "/denied", size=1024 * 1024) + b"x" * (1024 * 1024))
         _refused_at_once(tls)
-    assert world[1].connections == 0
+    assert world.tls_origin.connections == 0
 
 
 def test_an_allowed_head_still_gets_its_100_and_goes_upstream(gw, world):
@@ -116,7 +101,7 @@ def test_an_allowed_head_still_gets_its_100_and_goes_upstream(gw, world):
         tls.send(body)
         response = tls.read_response(method="POST")
         assert response.status == 200, response
-    assert [e.path for e in world[1].executed] == ["/ok/object"]
+    assert [e.path for e in world.tls_origin.executed] == ["/ok/object"]
 
 
 def test_http2_a_refused_head_is_answered_without_an_interim_and_the_connection_goes_on(gw, world):
@@ -135,7 +120,7 @@ def test_http2_a_refused_head_is_answered_without_an_interim_and_the_connection_
     client.wait(after)
     assert client.responses[after]["status"] == 200, client.responses[after]
     client.conn.close()
-    assert [e.path for e in world[1].executed] == ["/ok/after"]
+    assert [e.path for e in world.tls_origin.executed] == ["/ok/after"]
 
 
 def test_curl_uploading_to_a_refused_path_gets_its_refusal_without_sending_the_body(gw, world, tmp_path):
@@ -149,4 +134,4 @@ def test_curl_uploading_to_a_refused_path_gets_its_refusal_without_sending_the_b
     status, uploaded = out.stdout.decode().split()
     assert status == "403", out
     assert int(uploaded) < BODY_SIZE // 8, out  # (curl may send a little before the answer is read)
-    assert world[1].connections == 0
+    assert world.tls_origin.connections == 0
