@@ -99,7 +99,8 @@ class GatewayHttp1Server(ServerFraming, Http1Server):
             return
         if self._linger_wakeup is not None and isinstance(event, events.ConnectionClosed) and event.connection is self.conn:
             self._linger_wakeup = None  # the client read its refusal and left
-            yield commands.CloseConnection(self.conn)
+            if self.conn.state is not ConnectionState.CLOSED:
+                yield commands.CloseConnection(self.conn)
             return
         if isinstance(event, events.DataReceived):
             if self.state == self.done:
