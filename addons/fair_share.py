@@ -217,7 +217,7 @@ def _lighter_ready(ready, handler, key, load: float) -> bool:
             return True  # a handler whose client is not known yet
         if other_key != key:
             other_load = _share.noted_load(other_key)
-            if other_load >= 0 and yields_to(load, other_load):
+            if other_load >= 0 and yields_to(load, other_load, _order.heavy):
                 return True
     return False
 
@@ -585,6 +585,7 @@ def install(state) -> None:
                 _resume(paused)
         self._egress_light = not _share.in_debt(key)
         load = _share.note_load(key)
+        _order.heavy = _share.heavy()  # (the level it follows is recomputed at most every 50 ms)
         if waited:
             _waited(key, waited)
         elif may_slice and serving() is self and perf_counter() - _began[0] > (

@@ -66,6 +66,13 @@ DEFAULT_MAX_DEBT = 0.02
 # never-finished ClientHellos (lighter, ~0.05, and always ready) and waited for them: its p99 rose
 # from 1.1x to 3.5x its baseline (bench/noisy.py huge_client_hello).
 HEAVY = 0.25
+# Under contention the line is lower: a sandbox over the max-min level (`LoopShare.heavy`) yields
+# too, down to this. Four sandboxes of an attack each at ~0.2 of the loop were all under HEAVY, so
+# none gave way and a neighbour making one request every 0.1 s (~0.05) waited behind all of their
+# ready work: its p50 2-3x (review 34's probe, the attack spread over four sandboxes). Not lower
+# than this: an ordinary client making a fresh request every 0.1 s (~0.12) would then give way to
+# a flood of cheap, never-finished ClientHellos (see HEAVY).
+HEAVY_FLOOR = 0.15
 LIGHT_RECENT = 0.25  # seconds: a lighter sandbox whose callback ended within it is being served
 HEAVY_SLICE = 0.001  # seconds of yielding work per poll for I/O, while a lighter sandbox is served
 # Seconds a sandbox's callbacks may be set aside in a row (from its first wait to a run of it):
@@ -82,12 +89,12 @@ _HEAVY_CAP = 1024  # sandboxes looked at for the level (past it, another counts 
 _WAITING_CAP = 4096  # sandboxes remembered as waiting (past it the memory is cleared: they may run)
 
 
-def yields_to(load: float, other: float) -> bool:
+def yields_to(load: float, other: float, heavy: float = HEAVY) -> bool:
     """Whether ready work of a sandbox with `load` waits while work of one with `other` is ready:
     the one that used less of the loop lately goes first (least attained service). No starvation:
     the lighter one's load grows as it runs, and once it is no longer the lighter it no longer goes
     first; the heavier one waits only for work that is ready, never for a timer."""
-    return load >= HEAVY and other < load
+    return load >= heavy and other < load
 
 
 def fill_level(loads: list[float], capacity: float) -> float:
@@ -145,7 +152,7 @@ class ReadyOrder:
     def yielding(self, key: Hashable, load: float, now: float) -> bool:
         """Whether the sandbox's work (at `load`; negative: not known) gives way now."""
         return (load >= self.heavy and key is not None and now - self._light_at < self.recent
-                and self._light_key != key and yields_to(load, self._light_load))
+                and self._light_key != key and yields_to(load, self._light_load, self.heavy))
 
     def sliced(self) -> bool:
         """Whether the yielding work since the last poll has used its slice (waits for the next);
@@ -269,6 +276,12 @@ class LoopShare:
         and at most `max_share`."""
         now = self.clock() if now is None else now
         return min(self.max_share, max(1.0 / max(1, self.active(now)), self._fill(now)))
+
+    def heavy(self) -> float:
+        """The load from which a sandbox gives way to lighter ones (`ReadyOrder.heavy`): HEAVY, or
+        the max-min level while that is lower, but not under HEAVY_FLOOR. (The level as last
+        computed: no clock read.)"""
+        return max(HEAVY_FLOOR, min(HEAVY, self._level))
 
     def _fill(self, now: float) -> float:
         """The max-min level, recomputed at most every LEVEL_PERIOD."""

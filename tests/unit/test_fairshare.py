@@ -306,3 +306,32 @@ def test_the_level_is_recomputed_from_a_bounded_number_of_sandboxes():
     s.charge("x", LEVEL_MIN_LOAD / 2)
     s.share()
     assert set(s._heavy) == set()
+
+
+def test_under_contention_a_sandbox_over_the_level_gives_way_though_under_heavy():
+    """Review 34's probe spread over four sandboxes: each at ~0.2 of the loop, all under HEAVY, so
+    none gave way to a neighbour making a request every 0.1 s, which waited behind all of their
+    ready work. The line is the max-min level while that is lower than HEAVY (not under
+    HEAVY_FLOOR), and the ready order follows it."""
+    from gateway.fairshare import HEAVY, HEAVY_FLOOR, ReadyOrder
+
+    s, clock = share()
+    assert s.heavy() == HEAVY  # nobody yet: no level
+    for step in range(500):  # five seconds in 10 ms steps
+        clock.now += 0.01
+        for attacker in "wxyz":
+            s.charge(attacker, 0.0022)  # ~0.22 of the loop each
+        if step % 10 == 0:
+            s.charge("b", 0.005)  # one small request every 0.1 s: ~0.05
+    s.share()
+    assert HEAVY_FLOOR < s.heavy() < 0.2 < HEAVY
+    assert s.load_of("b") < s.heavy() <= s.load_of("w") < HEAVY
+    for line, gives_way in ((HEAVY, False), (s.heavy(), True)):
+        order = ReadyOrder(heavy=line)
+        order.ran("b", s.load_of("b"), clock.now, 0.001, False)  # b is being served
+        assert order.yielding("w", s.load_of("w"), clock.now) is gives_way
+    for many in range(40):  # forty such: the level is far lower, the line stops at the floor
+        s.charge(("more", many), 0.2)
+    clock.now += LEVEL_PERIOD
+    s.share()
+    assert s.heavy() == HEAVY_FLOOR
