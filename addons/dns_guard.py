@@ -10,12 +10,14 @@ so mitmproxy's built-in resolver (which would forward unknown types upstream) ne
 from __future__ import annotations
 
 import ipaddress
+import logging
 
 from mitmproxy import dns
 from mitmproxy.net.dns import classes, op_codes, response_codes, types
 
 from gateway.decision import Decision, verdict_fields
 
+from . import dns_layer
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .state import GatewayState
@@ -35,6 +37,20 @@ def _servfail_on_error(self, flow: dns.DNSFlow, error: Exception) -> None:
 class DnsGuard:
     def __init__(self, state: GatewayState):
         self.state = state
+        dns_layer.install()  # answered queries forgotten, what waits bounded (review 35)
+        dns_layer.GatewayDnsLayer.on_cut_off = self._cut_off
+
+    def _cut_off(self, context) -> None:
+        """A UDP peer sent too far ahead of its answers and was cut off (addons/dns_layer.py)."""
+        try:
+            client = context.client
+            conn = self.state.connection(client.id, client.peername, "dns")
+            scope = self.state.scope(conn)
+            self._audit(conn, scope, None, "?", Decision.deny(
+                "pipeline_too_large", f"more than {dns_layer.MAX_QUEUED_QUERIES} DNS queries were sent ahead of their "
+                                      f"answers; this address and port are not answered until silent for 60 s"))
+        except Exception:  # the audit cannot be written: the cut-off stands
+            logging.getLogger("egress").exception("egress gateway: could not record a DNS cut-off")
 
     @fail_closed(_servfail_on_error)
     async def dns_request(self, flow: dns.DNSFlow) -> None:
@@ -47,6 +63,15 @@ class DnsGuard:
             self._audit(conn, scope, None, "?", Decision.deny("dns_type_refused", "not a single IN query"))
             return
         query_type = types.to_str(question.type)
+        if (refusal := self.state.gate(conn, scope)) is not None:
+            # Each query takes a token from the sandbox's request bucket, like a request head: at
+            # the rate one port's flood was answered (~700 a second), one audit line each rotated
+            # every sandbox's history away in under an hour (review 35). Refused, and the client's
+            # connection (a UDP address and port) closed after the answer: addons/dns_layer.py.
+            flow.response = request.fail(response_codes.REFUSED)
+            setattr(flow, dns_layer.CUT_OFF_ATTR, True)
+            self._audit(conn, scope, question.name[:253], query_type, refusal)
+            return
         engine = self.state.require_engine()
         answer = await engine.answer_dns(question.name, query_type, scope)
         if answer.rcode == "NOERROR":

@@ -99,6 +99,8 @@ PATCHES: tuple[Patch, ...] = (
           "the upstream HTTP/2 client bounds frames and header blocks and drains its queue in a loop"),
     Patch("mitmproxy.proxy.layers.websocket:WebsocketLayer", "addons.websocket_limits, addons.websocket_redaction",
           "WebSocket messages bounded and charged; control frames sent to the client redacted"),
+    Patch("mitmproxy.proxy.mode_servers:DnsInstance.make_top_layer", "addons.dns_layer",
+          "DNS mode's layer forgets answered queries and bounds what waits while a query's hook runs"),
     Patch("mitmproxy.proxy.mode_servers:asyncio", "addons.runner",
           "listen with SO_REUSEPORT so N workers share each port", when="run --workers N"),
 )

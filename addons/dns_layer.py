@@ -1,0 +1,78 @@
+"""DNS mode's layer, bounded: mitmproxy's `DNSLayer` with what one sandbox sends held to a budget.
+
+Review 35 found two ways for one sandbox to grow a worker without end through `--mode dns@`:
+- mitmproxy keeps every query's flow in `DNSLayer.flows` (by query id, never pruned) for as long
+  as the peer is active: 8 UDP ports at 900 queries a second grew a worker 84 -> 309 MiB in
+  150 s. The gateway answers every query itself (addons/dns_guard.py; nothing is forwarded
+  upstream), so a flow is dropped once its answer is sent.
+- while a query's `dns_request` hook runs the layer is paused and queues whatever arrives, and the
+  connection's readers read on: two TCP connections pipelining queries had 18.5 M queued in 60 s
+  (+700 MiB), one UDP socket at 85 k a second +400 MiB, answered for 90 s after it stopped. Over
+  TCP the read-ahead gate now holds the connection's readers (addons/read_ahead.py: TCP
+  back-pressure). UDP has none, and mitmproxy_rs queues a UDP peer's datagrams without limit
+  until they are read (src/network/udp.rs `ConnectionState.packets`), so a peer with
+  MAX_QUEUED_QUERIES waiting is cut off instead: its connection is closed, which empties that
+  queue and makes mitmproxy_rs drop what the same address and port send until they have been
+  silent for 60 s (`UDP_TIMEOUT`). Refused `pipeline_too_large` (sent too far ahead of its
+  answers), one audit line. A stub resolver sends a query or two at a time and retries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mitmproxy.proxy import commands, events, layer
+from mitmproxy.proxy.layers.dns import DNSLayer
+
+from . import read_ahead
+
+MAX_QUEUED_QUERIES = 256  # per UDP peer: what a resolver sends in a burst, far more than it retries
+CUT_OFF_ATTR = "_egress_cut_off"  # on a DNSFlow: its answer ends the connection (addons/dns_guard.py)
+
+
+class GatewayDnsLayer(DNSLayer):
+    dropped = 0  # UDP queries dropped because too many waited (set per instance once any is)
+    cut_off = False  # the UDP peer sent too far ahead: its connection was closed
+    on_cut_off: Callable[[object], None] | None = None  # (context) -> audits it (addons/dns_guard.py)
+
+    def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        udp = self.context.client.transport_protocol == "udp"
+        if udp and isinstance(event, events.DataReceived) and (self.cut_off or (
+                self._paused is not None and len(self._paused_event_queue) >= MAX_QUEUED_QUERIES)):
+            self.dropped += 1
+            if not self.cut_off and self.on_cut_off is not None:
+                self.on_cut_off(self.context)
+            yield from self._cut()
+            return
+        yield from super().handle_event(event)
+        if not udp:  # (a UDP peer's reader held at the gate would only move the queue elsewhere)
+            read_ahead.settle(self)
+
+    def handle_response(self, flow, msg) -> layer.CommandGenerator[None]:
+        yield from super().handle_response(flow, msg)
+        self._forget(flow)
+        if getattr(flow, CUT_OFF_ATTR, False):  # refused so (the sandbox's request rate): after its answer
+            yield from self._cut()
+
+    def _cut(self) -> layer.CommandGenerator[None]:
+        """Close the client's connection, once: over UDP mitmproxy_rs then drops what the same address
+        and port send until they have been silent for 60 s."""
+        if not self.cut_off:
+            self.cut_off = True
+            yield commands.CloseConnection(self.context.client)
+
+    def handle_error(self, flow, err: str) -> layer.CommandGenerator[None]:
+        yield from super().handle_error(flow, err)
+        self._forget(flow)
+
+    def _forget(self, flow) -> None:
+        """The query is answered: its flow goes (a later query with the same id gets a new one)."""
+        if flow.request is not None and self.flows.get(flow.request.id) is flow:
+            del self.flows[flow.request.id]
+
+
+def install() -> None:
+    """DNS mode's listeners make this layer instead of mitmproxy's."""
+    from mitmproxy.proxy import mode_servers
+
+    mode_servers.DnsInstance.make_top_layer = lambda self, context: GatewayDnsLayer(context)

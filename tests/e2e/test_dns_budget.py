@@ -1,0 +1,88 @@
+"""DNS mode's queries take the sandbox's request tokens (review 35): past the bucket a query is
+refused and the client's connection closed, so that a flood from one UDP address and port is
+dropped by mitmproxy_rs instead of queued without limit, and the audit log stays bounded."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from tests.e2e.helpers import extra_static_hosts, fresh_upstreams  # noqa: F401  (fixtures are used by name)
+from tests.support.gateway import free_port
+from tests.support.topology import dns_query_packet, parse_dns_reply
+from tests.support.waiting import value_when
+
+BURST = 5
+RULES = """
+- id: names
+  hosts: [a.test]
+"""
+
+
+def _gateway(start_gateway, upstreams):
+    port = free_port("127.0.0.1")
+    gateway = start_gateway(RULES, extra=extra_static_hosts({"a.test": f"{upstreams.block}.9"}), args=[
+        "--mode", f"dns@127.0.0.1:{port}", "--set", f"egress_request_burst_per_sandbox={BURST}",
+        "--set", "egress_max_requests_per_second_per_sandbox=0.001"])  # (no token comes back during the test)
+    return gateway, port
+
+
+def _udp() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(3)
+    return sock
+
+
+def _ask(sock: socket.socket, port: int, query_id: int):
+    sock.sendto(dns_query_packet("a.test", "A", query_id), ("127.0.0.1", port))
+    return parse_dns_reply(sock.recv(4096))
+
+
+def _listening(port: int) -> bool:
+    """The DNS listener answers (the gateway's HTTP port is up first). One token per probe."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_udp_flood_past_the_request_bucket_is_refused_then_not_read(start_gateway, upstreams):
+    gateway, port = _gateway(start_gateway, upstreams)
+    value_when(lambda: _listening(port), bool, 10, interval=0.05)
+    flood, other = _udp(), _udp()
+    try:
+        answers = [_ask(flood, port, i).rcode for i in range(BURST)]
+        assert answers == ["NOERROR"] * BURST
+        assert _ask(flood, port, BURST).rcode == "REFUSED"  # the bucket is empty: refused, and cut off
+        flood.sendto(dns_query_packet("a.test", "A", 99), ("127.0.0.1", port))  # dropped from here on
+        assert _ask(other, port, 100).rcode == "REFUSED"  # another port of the same sandbox: answered, refused
+        flood.setblocking(False)
+        try:
+            extra = flood.recv(4096)
+        except BlockingIOError:
+            extra = None
+        assert extra is None, parse_dns_reply(extra)
+    finally:
+        flood.close()
+        other.close()
+    lines = gateway.audit_lines(0, count=1, event="dns", reason="rate_limited")
+    assert lines and lines[0]["decision"] == "deny"
+
+
+def test_a_tcp_client_past_the_request_bucket_gets_refused_then_closed(start_gateway, upstreams):
+    gateway, port = _gateway(start_gateway, upstreams)
+    value_when(lambda: _listening(port), bool, 10, interval=0.05)
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+        for query_id in range(BURST):  # (the readiness probe took none: it sent no query)
+            query = dns_query_packet("a.test", "A", query_id)
+            sock.sendall(struct.pack("!H", len(query)) + query)
+        refused = dns_query_packet("a.test", "A", BURST)
+        sock.sendall(struct.pack("!H", len(refused)) + refused)
+        data = b""
+        while chunk := sock.recv(65536):  # until the gateway closes
+            data += chunk
+    rcodes = []
+    while data:
+        (size,) = struct.unpack("!H", data[:2])
+        rcodes.append(parse_dns_reply(data[2:2 + size]).rcode)
+        data = data[2 + size:]
+    assert rcodes == ["NOERROR"] * BURST + ["REFUSED"]
