@@ -493,9 +493,10 @@ class GatewayHttp2Server(Http2Server):
             flow = getattr(self._streams.get(event.stream_id), "flow", None)
             self._send_refusal(event.stream_id, decision, accept_of(getattr(flow, "request", None)))
             yield commands.SendData(self.conn, self.h2_conn.data_to_send())
-            if decision.reason == "buffer_budget":
-                # A stream refused before any hook took a token (a head over the budget): a
-                # flood of them ends like a flood of resets, not at the request rate's bucket.
+            if decision.reason == "buffer_budget" or decision.status == 429:
+                # A stream refused before any hook took a token (a head over the budget), or a
+                # rate's refusal answered at once (a refused head that asked for `100 Continue`,
+                # addons/http_stream.py): a flood of them ends like a flood of resets (GOAWAY).
                 yield from self._count_reset(time.monotonic())
             return
         if isinstance(event, ResponseHeaders) and getattr(event.response, COUNTS_AS_RESET, False):

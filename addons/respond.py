@@ -93,7 +93,10 @@ def refuse(flow: http.HTTPFlow, decision: Decision, page: Page) -> None:
     h2 = flow.request is not None and (flow.request.is_http2 or flow.request.is_http3)
     if decision.status in (407, 429) and not h2:
         headers["Connection"] = "close"
-    flow.response = http.Response.make(decision.status, page.body, headers)
+    # A HEAD is answered without a body: one sent anyway was read as the next answer's status line
+    # on a kept-alive HTTP/1 connection (review 35b: Python's http.client, BadStatusLine).
+    head = flow.request is not None and flow.request.method.upper() == "HEAD"
+    flow.response = http.Response.make(decision.status, b"" if head else page.body, headers)
     for name, value in challenge_fields(decision):
         flow.response.headers.add(name, value)
     if decision.status == 429:

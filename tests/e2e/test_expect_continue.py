@@ -19,6 +19,7 @@ from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     H2Client,
     build_request,
     connect_proxy,
+    extra_static_hosts,
     fresh_upstreams,
     lenient_world,
     new_entry,
@@ -135,3 +136,43 @@ def test_curl_uploading_to_a_refused_path_gets_its_refusal_without_sending_the_b
     assert status == "403", out
     assert int(uploaded) < BODY_SIZE // 8, out  # (curl may send a little before the answer is read)
     assert world.tls_origin.connections == 0
+
+
+def test_http2_rate_refusals_answered_at_once_still_end_in_goaway(start_gateway, upstreams):
+    """Review 35b: 429s answered at once (a refused head with `expect`) went out past the
+    connection's reset budget (300 answered, no GOAWAY); they count like any gateway 429."""
+    import h2.events
+
+    gateway = start_gateway(RULES, extra=extra_static_hosts({"upload.test": f"{upstreams.block}.{LAST_OCTET}"}), args=[
+        "--set", "egress_max_requests_per_second_per_sandbox=0.001", "--set", "egress_request_burst_per_sandbox=1",
+        "--set", "egress_h2_max_resets=20"])
+    client = H2Client(tls_tunnel(gateway, "upload.test:443", alpn=["h2"]))
+    answered, ended = 0, None
+    for _ in range(100):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(sid, [(":method", "PUT"), (":scheme", "https"), (":authority", "upload.test"),
+                                     (":path", "/ok/object"), ("content-length", "10"), ("expect", "100-continue")])
+        client._flush()
+        client.responses[sid] = new_entry()
+        try:
+            client.wait(sid)
+        except ConnectionError as goaway:
+            ended = goaway
+            break
+        assert client.responses[sid]["status"] == 429, client.responses[sid]
+        answered += 1
+    assert ended is not None and "error_code:11" in str(ended), (answered, ended)  # ENHANCE_YOUR_CALM
+    assert answered <= 21
+    client.conn.close()
+
+
+def test_a_refused_head_request_gets_no_body_and_the_connection_goes_on(gw, world):
+    """Review 35b: a refused HEAD got its refusal's body, which Python's http.client then read as
+    the next answer's status line."""
+    with tls_tunnel(gw, "upload.test:443") as tls:
+        tls.send(build_request("HEAD", "/ok/object", [("Host", "upload.test")]))  # (the rule allows no HEAD)
+        refused = tls.read_response(method="HEAD")
+        assert refused.status == 403 and refused.egress_reason == "method_not_allowed", refused
+        after = tls.request("GET", "/ok/after", [("Host", "upload.test")])
+        assert after.status == 200, after
+    assert [e.path for e in world.tls_origin.executed] == ["/ok/after"]
