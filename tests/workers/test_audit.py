@@ -48,14 +48,14 @@ def test_one_audit_stream_whole_lines_no_loss_one_chain(worker_gateway, upstream
             raise AssertionError(f"audit line {number} is not one JSON object (interleaved?): {line[:300]!r}...") from None
     requests = [e for e in entries if e["event"] == "request"]
     assert len(requests) == k, f"{k} requests, {len(requests)} request lines"
-    clients = Counter(e["client"] for e in requests)
-    assert clients == {p.client: 1 for p in probes}, "request lines do not match the requests one to one"
-    by_client = {e["client"]: e for e in requests}
-    for probe in probes:
-        line = by_client[probe.client]
-        expected = "allow" if probe.status == 200 else "deny"
-        assert line["decision"] == expected, (probe, line)
-        assert line["path"].startswith(LONG), line["path"][:80]
+    # Matched by path, each request's own: a client port can come back for a later probe on a
+    # loaded machine (seen in a CI rehearsal: five ports twice).
+    sent = {f"{LONG}/{kind}/{i}": "deny" if kind == "deny" else "allow"
+            for kind, n in (("allow", N_ALLOW), ("deny", N_DENY), ("tls", N_TLS)) for i in range(n)}
+    paths = Counter(e["path"] for e in requests)
+    assert paths == {path: 1 for path in sent}, "request lines do not match the requests one to one"
+    for line in requests:
+        assert line["decision"] == sent[line["path"]], line
     connects = [e for e in entries if e["event"] == "connect"]
     assert len(connects) == N_TLS, f"{len(connects)} connect lines for {N_TLS} CONNECTs"
     assert all("prev" in e for e in entries), "a line without prev under --audit-chain"
