@@ -63,8 +63,8 @@ class DnsGuard:
             self._audit(conn, scope, None, "?", Decision.deny("dns_type_refused", "not a single IN query"))
             return
         query_type = types.to_str(question.type)
-        if (refusal := self.state.gate(conn, scope)) is not None:
-            # Each query takes a token from the sandbox's request bucket, like a request head: at
+        if (refusal := self.state.dns_gate(conn, scope)) is not None:
+            # Each query takes a token from the sandbox's DNS bucket (addons/rate_limits.py): at
             # the rate one port's flood was answered (~700 a second), one audit line each rotated
             # every sandbox's history away in under an hour (review 35). Refused, and the client's
             # connection (a UDP address and port) closed after the answer: addons/dns_layer.py.

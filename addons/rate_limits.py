@@ -36,7 +36,14 @@ from mitmproxy import ctx, exceptions, http
 
 from gateway.decision import Decision, verdict_fields
 from gateway.engine import Engine
-from gateway.options import DEFAULT_CONNECTIONS_PER_SECOND, DEFAULT_CONNECTION_BURST, DEFAULT_REQUESTS_PER_SECOND, DEFAULT_REQUEST_BURST
+from gateway.options import (
+    DEFAULT_CONNECTION_BURST,
+    DEFAULT_CONNECTIONS_PER_SECOND,
+    DEFAULT_DNS_QUERIES_PER_SECOND,
+    DEFAULT_DNS_QUERY_BURST,
+    DEFAULT_REQUEST_BURST,
+    DEFAULT_REQUESTS_PER_SECOND,
+)
 from gateway.policy import LIMIT_KEYS, Policy, Scope
 from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_rate
 
@@ -112,6 +119,7 @@ class Limiter:
         self.clock = clock
         self.requests = BucketTable(DEFAULT_REQUESTS_PER_SECOND, DEFAULT_REQUEST_BURST, clock=clock)
         self.connections = BucketTable(DEFAULT_CONNECTIONS_PER_SECOND, DEFAULT_CONNECTION_BURST, clock=clock)
+        self.dns_queries = BucketTable(DEFAULT_DNS_QUERIES_PER_SECOND, DEFAULT_DNS_QUERY_BURST, clock=clock)
         # A sandbox's windows are grouped by its id, so a deregistered one's go at once (bounded memory).
         self.quotas = Quotas(clock, group=lambda key: key[1])
         state.install_listeners.append(self._on_install)
@@ -241,13 +249,27 @@ class RequestLimits:
         self.state = limiter.state
         self.state.request_limiters.append(self.check)
         self.state.request_gates.append(self.gate)
+        self.state.dns_gates.append(self.dns_gate)
 
     def load(self, loader):
-        declare(loader, "egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox")
+        declare(loader, "egress_max_requests_per_second_per_sandbox", "egress_request_burst_per_sandbox",
+                "egress_max_dns_queries_per_second_per_sandbox", "egress_dns_query_burst_per_sandbox")
 
     def configure(self, updated: set[str]):
         _configure_bucket(self.limiter.requests, updated, "egress_max_requests_per_second_per_sandbox",
                           "egress_request_burst_per_sandbox")
+        _configure_bucket(self.limiter.dns_queries, updated, "egress_max_dns_queries_per_second_per_sandbox",
+                          "egress_dns_query_burst_per_sandbox")
+
+    def dns_gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
+        """Called by addons/dns_guard.py for every DNS-mode query: a token from the sandbox's DNS
+        bucket, or `rate_limited` (review 35: one UDP port's flood, each answer an audit line)."""
+        key = self.limiter.key(conn, scope)
+        if wait := self.limiter.dns_queries.take(key):
+            table = self.limiter.dns_queries
+            return Decision.deny("rate_limited", f"more than {table.rate:g} DNS queries a second for {key} "
+                                 f"(burst {table.burst:g}); refused, and the connection closed", retry_after=wait)
+        return None
 
     def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """Called by RequestGuard and ConnectGuard for every request head and CONNECT, allowed or

@@ -66,6 +66,7 @@ class GatewayState:
         # any decision work, with (connection, scope): a refusal, or None (the per-sandbox request
         # rate, addons/rate_limits.py). A flood of requests the rules deny costs its sender too.
         self.request_gates: list[Callable[..., Decision | None]] = []
+        self.dns_gates: list[Callable[..., Decision | None]] = []  # each DNS-mode query (addons/rate_limits.py)
         # Told (sandbox, rule, "upload" | "download", bytes) for bytes counted against policy limits.
         self.usage_listeners: list[Callable[[str | None, str | None, str, int], None]] = []
         self.wait_listeners: list[Callable[[str | None, float], None]] = []  # a read waited for its sandbox's loop share
@@ -265,6 +266,13 @@ class GatewayState:
     def gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
         """The first refusal of `request_gates` for a request head, or None."""
         for gate in self.request_gates:
+            if (refusal := gate(conn, scope)) is not None:
+                return refusal
+        return None
+
+    def dns_gate(self, conn: ClientSession, scope: Scope) -> Decision | None:
+        """The first refusal of `dns_gates` for a DNS-mode query, or None."""
+        for gate in self.dns_gates:
             if (refusal := gate(conn, scope)) is not None:
                 return refusal
         return None

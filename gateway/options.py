@@ -33,6 +33,10 @@ DEFAULT_SANDBOX_HIGH_WATER = 16 * 1024 * 1024
 DEFAULT_REQUESTS_PER_SECOND = 200.0
 DEFAULT_REQUEST_BURST = 400
 DEFAULT_CONNECTIONS_PER_SECOND = 50.0
+# DNS mode's queries per sandbox: a resolver asks A and AAAA for every name, some names several
+# times; a bucket of their own, so that lookups never spend the request bucket's tokens.
+DEFAULT_DNS_QUERIES_PER_SECOND = 200.0
+DEFAULT_DNS_QUERY_BURST = 400
 DEFAULT_CONNECTION_BURST = 100
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -216,6 +220,13 @@ OPTIONS: dict[str, Option] = _table(
            'limit.'),
     Option('egress_request_burst_per_sandbox', int, DEFAULT_REQUEST_BURST, 'addons.rate_limits',
            'Requests a sandbox may send at once above its per-second rate (token bucket size).'),
+    Option('egress_max_dns_queries_per_second_per_sandbox', str, f'{DEFAULT_DNS_QUERIES_PER_SECOND:g}',
+           'addons.rate_limits',
+           'DNS-mode queries per second per sandbox (per client address without a sandboxes section), '
+           'sustained; over it a query is answered REFUSED (rate_limited) and its connection closed (a UDP '
+           'address and port is then not read until silent for 60 s). 0: no limit.'),
+    Option('egress_dns_query_burst_per_sandbox', int, DEFAULT_DNS_QUERY_BURST, 'addons.rate_limits',
+           'DNS-mode queries a sandbox may send at once above its per-second rate (token bucket size).'),
     # --- addons.reload
     Option('egress_policy_poll', int, 2, 'addons.reload',
            'Seconds between checks of the policy file for changes (0: only on SIGHUP).'),

@@ -1,4 +1,4 @@
-"""DNS mode's queries take the sandbox's request tokens (review 35): past the bucket a query is
+"""DNS mode's queries take tokens from the sandbox's DNS bucket (review 35): past the bucket a query is
 refused and the client's connection closed, so that a flood from one UDP address and port is
 dropped by mitmproxy_rs instead of queued without limit, and the audit log stays bounded."""
 
@@ -22,8 +22,8 @@ RULES = """
 def _gateway(start_gateway, upstreams):
     port = free_port("127.0.0.1")
     gateway = start_gateway(RULES, extra=extra_static_hosts({"a.test": f"{upstreams.block}.9"}), args=[
-        "--mode", f"dns@127.0.0.1:{port}", "--set", f"egress_request_burst_per_sandbox={BURST}",
-        "--set", "egress_max_requests_per_second_per_sandbox=0.001"])  # (no token comes back during the test)
+        "--mode", f"dns@127.0.0.1:{port}", "--set", f"egress_dns_query_burst_per_sandbox={BURST}",
+        "--set", "egress_max_dns_queries_per_second_per_sandbox=0.001"])  # (no token comes back during the test)
     return gateway, port
 
 
@@ -39,15 +39,14 @@ def _ask(sock: socket.socket, port: int, query_id: int):
     return parse_dns_reply(sock.recv(4096))
 
 
-def _listening(port: int) -> bool:
-    """The DNS listener answers (the gateway's HTTP port is up first). One token per probe."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+def _ready(gateway) -> bool:
+    """Every listener is up, the DNS one's UDP and TCP too (the gateway says so once, in its log)."""
+    return "egress gateway: ready: listening on" in gateway.log()
 
 
 def test_a_udp_flood_past_the_request_bucket_is_refused_then_not_read(start_gateway, upstreams):
     gateway, port = _gateway(start_gateway, upstreams)
-    value_when(lambda: _listening(port), bool, 10, interval=0.05)
+    assert value_when(lambda: _ready(gateway), bool, 10), gateway.log()[-2000:]
     flood, other = _udp(), _udp()
     try:
         answers = [_ask(flood, port, i).rcode for i in range(BURST)]
@@ -70,9 +69,9 @@ def test_a_udp_flood_past_the_request_bucket_is_refused_then_not_read(start_gate
 
 def test_a_tcp_client_past_the_request_bucket_gets_refused_then_closed(start_gateway, upstreams):
     gateway, port = _gateway(start_gateway, upstreams)
-    value_when(lambda: _listening(port), bool, 10, interval=0.05)
+    assert value_when(lambda: _ready(gateway), bool, 10), gateway.log()[-2000:]
     with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
-        for query_id in range(BURST):  # (the readiness probe took none: it sent no query)
+        for query_id in range(BURST):
             query = dns_query_packet("a.test", "A", query_id)
             sock.sendall(struct.pack("!H", len(query)) + query)
         refused = dns_query_packet("a.test", "A", BURST)
