@@ -660,3 +660,21 @@ def test_with_more_set_aside_than_a_poll_puts_back_the_loop_polls_at_once_and_ne
         return run.names()
 
     assert asyncio.run(main()) == [f"s{i}" for i in range(count)]
+
+
+def test_a_ready_queue_another_thread_appends_to_during_the_scan_is_no_crash():
+    """Review 36: mitmproxy_rs's UDP receiver appends to the loop's ready queue from its own thread
+    (call_soon_threadsafe); the scan for a lighter sandbox's callback then raised `deque mutated
+    during iteration`, which escaped the loop and killed the worker. It counts as none found."""
+    import collections
+
+    ready = collections.deque()
+
+    class _AppendedMeanwhile:
+        @property
+        def _cancelled(self):
+            ready.append(object())  # what the other thread does between two steps of the scan
+            return True
+
+    ready.extend([_AppendedMeanwhile(), _AppendedMeanwhile()])
+    assert fair_share._lighter_ready(ready, None, "sandbox:a", 0.9) is False
