@@ -108,8 +108,9 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "the refusal the gateway decided and audited, so that the error mitmproxy then sends itself "
               "carries its status and reason and is not audited twice, and a refused head is not sent the "
               "100 Continue its Expect asked for"),
-    Attribute("_egress_cut_off", "a DNSFlow", "addons.dns_layer:CUT_OFF_ATTR", "addons.dns_guard", "addons.dns_layer",
-              "a DNS query refused for the sandbox's request rate: its answer ends the client's connection"),
+    Attribute("_egress_rate_refused", "a DNSFlow", "addons.dns_layer:RATE_REFUSED_ATTR", "addons.dns_guard",
+              "addons.dns_layer", "a DNS query refused for the sandbox's DNS rate: enough of them in a row end the "
+              "client's connection"),
     Attribute("_egress_counts_as_reset", "a Response the gateway made", "addons.respond:COUNTS_AS_RESET",
               "addons.rate_limits, addons.respond", "addons.http2_server",
               "the HTTP/2 server counts such a stream in its reset budget"),

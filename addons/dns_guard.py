@@ -58,20 +58,22 @@ class DnsGuard:
         conn = self.state.connection(flow.client_conn.id, flow.client_conn.peername, "dns")
         scope = self.state.scope(conn)
         question = request.question
+        if (refusal := self.state.dns_gate(conn, scope)) is not None:
+            # Every query takes a token from the sandbox's DNS bucket (addons/rate_limits.py), a
+            # malformed or odd one too (review 36: class CH queries took none): at the rate one
+            # port's flood was answered (~700 a second), one audit line each rotated every sandbox's
+            # history away in under an hour (review 35). Refused; a connection refused so
+            # MAX_RATE_REFUSED_IN_A_ROW times in a row is cut off (addons/dns_layer.py).
+            flow.response = request.fail(response_codes.REFUSED)
+            setattr(flow, dns_layer.RATE_REFUSED_ATTR, True)
+            name = question.name[:253] if question is not None else None
+            self._audit(conn, scope, name, types.to_str(question.type) if question is not None else "?", refusal)
+            return
         if not request.query or request.op_code != op_codes.QUERY or question is None or question.class_ != classes.IN:
             flow.response = request.fail(response_codes.REFUSED)
             self._audit(conn, scope, None, "?", Decision.deny("dns_type_refused", "not a single IN query"))
             return
         query_type = types.to_str(question.type)
-        if (refusal := self.state.dns_gate(conn, scope)) is not None:
-            # Each query takes a token from the sandbox's DNS bucket (addons/rate_limits.py): at
-            # the rate one port's flood was answered (~700 a second), one audit line each rotated
-            # every sandbox's history away in under an hour (review 35). Refused, and the client's
-            # connection (a UDP address and port) closed after the answer: addons/dns_layer.py.
-            flow.response = request.fail(response_codes.REFUSED)
-            setattr(flow, dns_layer.CUT_OFF_ATTR, True)
-            self._audit(conn, scope, question.name[:253], query_type, refusal)
-            return
         engine = self.state.require_engine()
         answer = await engine.answer_dns(question.name, query_type, scope)
         if answer.rcode == "NOERROR":

@@ -492,6 +492,7 @@ class GatewayHttp2Server(Http2Server):
                 decision = _report(self.on_refusal, self.context, protocol_error_decision(event))
             flow = getattr(self._streams.get(event.stream_id), "flow", None)
             self._send_refusal(event.stream_id, decision, accept_of(getattr(flow, "request", None)))
+            self._head_requests.discard(event.stream_id)  # (answered: it is not looked up again)
             yield commands.SendData(self.conn, self.h2_conn.data_to_send())
             if decision.reason == "buffer_budget" or decision.status == 429:
                 # A stream refused before any hook took a token (a head over the budget), or a
