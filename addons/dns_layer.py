@@ -15,6 +15,11 @@ Review 35 found two ways for one sandbox to grow a worker without end through `-
   queue and makes mitmproxy_rs drop what the same address and port send until they have been
   silent for 60 s (`UDP_TIMEOUT`). Refused `pipeline_too_large` (sent too far ahead of its
   answers), one audit line. A stub resolver sends a query or two at a time and retries.
+
+Review 36 added: a TCP connection's queries are unpacked one at a time (a whole read was ~30 times
+its bytes in query objects), nothing is handled once a connection is cut off (queued events are
+replayed past `handle_event`), and a connection whose queries were refused for the sandbox's DNS
+rate MAX_RATE_REFUSED_IN_A_ROW times in a row is cut off too (UDP or TCP).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ _LENGTH = struct.Struct("!H")
 
 class GatewayDnsLayer(DNSLayer):
     dropped = 0  # UDP queries dropped because too many waited (set per instance once any is)
-    cut_off = False  # the UDP peer sent too far ahead: its connection was closed
-    on_cut_off: Callable[[object], None] | None = None  # (context) -> audits it (addons/dns_guard.py)
+    cut_off = False  # the connection was closed (sent too far ahead, refused too often, malformed)
+    refused_in_a_row = 0  # answers in a row refused for the sandbox's DNS rate
+    on_cut_off: Callable[[object], None] | None = None  # (context) -> audits a UDP peer cut off for its backlog
 
     def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         udp = self.context.client.transport_protocol == "udp"
@@ -55,8 +61,6 @@ class GatewayDnsLayer(DNSLayer):
         yield from super().handle_event(event)
         if not udp:  # (a UDP peer's reader held at the gate would only move the queue elsewhere)
             read_ahead.settle(self)
-
-    refused_in_a_row = 0
 
     def handle_response(self, flow, msg) -> layer.CommandGenerator[None]:
         yield from super().handle_response(flow, msg)
