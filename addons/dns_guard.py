@@ -85,7 +85,10 @@ class DnsGuard:
             ]
             flow.response = request.succeed(records)
             if conn.address is not None and answer.name and answer.addresses:
-                self.state.dns_memory.remember(conn.address, answer.name, answer.addresses)
+                # Kept in the sandbox's own part of the memory: a full memory evicts the answers of
+                # whoever holds the most, never another sandbox's first (gateway/dnsmemory.py).
+                self.state.dns_memory.remember(conn.address, answer.name, answer.addresses,
+                                               owner=self.state.sandbox_key(conn, scope))
         else:
             flow.response = request.fail(RCODES[answer.rcode])
         self._audit(
