@@ -1,6 +1,8 @@
 """Limits that protect the gateway itself: concurrent connections per sandbox (or per client
-address when the policy has no sandboxes). A client over the limit is closed right after accept,
-before any byte is read, with one audit line (`reason: too_many_connections`).
+address when the policy has no sandboxes), and the sockets a sandbox holds against the worker's
+open-file limit (gateway/sockets.py). A client over a limit is closed right after accept, before
+any byte is read, with one audit line (`reason: too_many_connections`); an upstream connection
+over one is not dialled, and its request is refused 503 `too_many_connections`.
 
 The other limits live where the bytes are: request head size and head time in the gateway's
 HTTP/1 server (`egress_max_head_bytes`, `egress_head_timeout`), idle connections in mitmproxy's
@@ -12,16 +14,29 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import resource
 from collections import Counter
 
 from mitmproxy import ctx
 
 from gateway.decision import Decision, verdict_fields
+from gateway.sockets import SocketLedger, worker_limit_for
 
 from . import conn_close, gc_freeze
 from .audit_fields import connection_fields
 from .options import declare
+from .refusals import UPSTREAM_OVER_BUDGET
 from .state import GatewayState
+
+
+# The error an upstream connection over a socket budget gets at `server_connect` (mitmproxy reports
+# it on the stream; addons/refusals.py words it as `too_many_connections`).
+UPSTREAM_REFUSED = UPSTREAM_OVER_BUDGET
+
+
+def _open_files() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 class ConnectionLimiter:
@@ -30,9 +45,17 @@ class ConnectionLimiter:
         self.state = state
         self.open: Counter[str] = Counter()
         self._keys: dict[str, str] = {}
+        self.sockets = SocketLedger(worker_limit_for(_open_files()))
+        self._upstreams: dict[str, tuple[str, str]] = {}  # server connection id -> (sandbox key, client id)
+        self._client_upstreams: dict[str, set[str]] = {}  # client id -> its server connections counted
 
     def load(self, loader):
-        declare(loader, "egress_max_connections_per_sandbox", "egress_max_idle_upstreams_per_connection")
+        declare(loader, "egress_max_connections_per_sandbox", "egress_max_idle_upstreams_per_connection",
+                "egress_max_upstream_connections_per_sandbox")
+
+    def configure(self, updated: set[str]) -> None:
+        if "egress_max_upstream_connections_per_sandbox" in updated:
+            self.sockets.upstream_limit = max(0, int(ctx.options.egress_max_upstream_connections_per_sandbox))
 
     def _key(self, conn) -> str:
         return self.state.sandbox_key(conn)
@@ -41,9 +64,10 @@ class ConnectionLimiter:
         conn = self.state.connection(client.id, client.peername)
         key = self._key(conn)
         limit = ctx.options.egress_max_connections_per_sandbox
-        if limit and self.open[key] >= limit:
+        over_share = self.sockets.client_refusal(key)
+        if (limit and self.open[key] >= limit) or over_share:
             client.error = "egress gateway: too many connections"
-            refusal = Decision.deny("too_many_connections",
+            refusal = Decision.deny("too_many_connections", over_share or
                                     f"{self.open[key]} connections already open for {key} (limit {limit})")
             # Closed at accept: no HTTP status is sent.
             sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None  # None: null
@@ -52,6 +76,7 @@ class ConnectionLimiter:
             return
         self.open[key] += 1
         self._keys[client.id] = key
+        self.sockets.opened(key, upstream=False)
 
     def client_disconnected(self, client):
         key = self._keys.pop(client.id, None)
@@ -59,8 +84,47 @@ class ConnectionLimiter:
             self.open[key] -= 1
             if self.open[key] <= 0:
                 del self.open[key]
+            self.sockets.closed(key, upstream=False)
+        for server_id in self._client_upstreams.pop(client.id, ()):  # (its upstreams end with it)
+            self._release(server_id)
         if not self._keys:
             self._schedule_trim()
+
+    def server_connect(self, data) -> None:
+        """An upstream connection is about to be dialled: counted against its sandbox, or not
+        dialled when the sandbox holds its upstream cap, or its share of a worker whose sockets
+        are taken (before, each sandbox could hold 1,000 x 9 sockets and a few exhausted the
+        worker: accept() and every dial then failed for all)."""
+        if data.server.error:
+            return  # refused already (addons/upstream_guard.py)
+        conn = self.state.connections.get(data.client.id)
+        key = self._key(conn) if conn is not None else None
+        if key is None:
+            return
+        if self.sockets.upstream_refusal(key) is not None:
+            data.server.error = UPSTREAM_REFUSED
+            return
+        self.sockets.opened(key, upstream=True)
+        self._upstreams[data.server.id] = (key, data.client.id)
+        self._client_upstreams.setdefault(data.client.id, set()).add(data.server.id)
+
+    def server_connect_error(self, data) -> None:
+        self._release(data.server.id)
+
+    def server_disconnected(self, data) -> None:
+        self._release(data.server.id)
+
+    def _release(self, server_id: str) -> None:
+        counted = self._upstreams.pop(server_id, None)
+        if counted is None:
+            return
+        key, client_id = counted
+        self.sockets.closed(key, upstream=True)
+        held = self._client_upstreams.get(client_id)
+        if held is not None:
+            held.discard(server_id)
+            if not held:
+                del self._client_upstreams[client_id]
 
     def _schedule_trim(self) -> None:
         """When the last connection closes, give memory back: closed connections leave reference

@@ -203,6 +203,10 @@ OPTIONS: dict[str, Option] = _table(
     Option('egress_max_connections_per_sandbox', int, 1000, 'addons.limits',
            'Concurrent client connections allowed per sandbox (per client address without a sandboxes '
            'section); 0 for no limit.'),
+    Option('egress_max_upstream_connections_per_sandbox', int, 1000, 'addons.limits',
+           'Concurrent upstream connections allowed per sandbox (per client address without a sandboxes '
+           'section), all its client connections together; over it a request that needs a new one is '
+           'refused 503 too_many_connections. 0 for no limit.'),
     Option('egress_max_idle_upstreams_per_connection', int, DEFAULT_MAX_IDLE_UPSTREAMS, 'addons.limits',
            'Idle upstream connections one client connection keeps open for reuse (plain-HTTP requests on '
            'the proxy port may go to many destinations, one upstream connection each); past it the least '

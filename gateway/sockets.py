@@ -1,0 +1,88 @@
+"""The sockets each sandbox holds on a worker: its client connections and the upstream connections
+made for them, against the worker's open-file limit.
+
+Every connection is a file descriptor, and a worker has a fixed number of them (RLIMIT_NOFILE).
+When they ran out, `accept()` failed for every sandbox (asyncio then stops accepting on that
+listener for a second) and every dial failed with EMFILE (502 `upstream_failed`). Review 37: three
+sandboxes, each inside every budget (1,000 connections, 9 upstreams each: 8 idle kept for reuse and
+the one in use), held all 20,000 of a worker's.
+
+So:
+- a sandbox's upstream connections have a cap of their own (`upstream_limit`), like its client
+  connections;
+- once the worker holds `worker_limit` sockets (the open-file limit less a reserve for the audit
+  log, listeners and the sockets of sandboxes under their share), a sandbox holding at least its
+  even share of that (`worker_limit` / the sandboxes holding any) opens no more: the sandbox
+  holding the most is refused first, and one within its share never.
+
+A sans-I/O core: addons/limits.py counts and asks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable
+
+# Of the open-file limit, what is kept back: the worker's own files (audit log, listeners, the
+# event loop's), and the sockets of sandboxes within their share once the rest is taken.
+RESERVE_FRACTION = 0.1
+MIN_RESERVE = 64
+
+
+def worker_limit_for(open_files: int) -> int:
+    """The sockets a worker lets sandboxes hold before it shares them out: `open_files` (the
+    RLIMIT_NOFILE soft limit) less the reserve."""
+    return max(1, open_files - max(MIN_RESERVE, int(open_files * RESERVE_FRACTION)))
+
+
+class SocketLedger:
+    def __init__(self, worker_limit: int, upstream_limit: int = 0):
+        self.worker_limit = max(1, int(worker_limit))
+        self.upstream_limit = max(0, int(upstream_limit))  # per sandbox; 0: none
+        self.clients: Counter[Hashable] = Counter()
+        self.upstreams: Counter[Hashable] = Counter()
+        self._held: Counter[Hashable] = Counter()  # clients + upstreams, only sandboxes holding any
+        self.total = 0
+
+    def held(self, key: Hashable) -> int:
+        return self._held.get(key, 0)
+
+    def over_share(self, key: Hashable) -> bool:
+        """Whether the worker's sockets are taken and the sandbox holds at least its even share."""
+        if self.total < self.worker_limit:
+            return False
+        return self.held(key) * max(1, len(self._held)) >= self.worker_limit
+
+    def upstream_refusal(self, key: Hashable) -> str | None:
+        """Why the sandbox may not open another upstream connection now (None: it may)."""
+        if self.upstream_limit and self.upstreams.get(key, 0) >= self.upstream_limit:
+            return (f"{self.upstreams[key]} upstream connections already open for {key} "
+                    f"(egress_max_upstream_connections_per_sandbox {self.upstream_limit})")
+        if self.over_share(key):
+            return self._share_text(key)
+        return None
+
+    def client_refusal(self, key: Hashable) -> str | None:
+        """Why the sandbox may not keep another client connection now (None: it may)."""
+        return self._share_text(key) if self.over_share(key) else None
+
+    def _share_text(self, key: Hashable) -> str:
+        return (f"the worker holds {self.total} sockets of the {self.worker_limit} it shares out, and {key} "
+                f"holds {self.held(key)}, at least its share of them")
+
+    def opened(self, key: Hashable, upstream: bool) -> None:
+        (self.upstreams if upstream else self.clients)[key] += 1
+        self._held[key] += 1
+        self.total += 1
+
+    def closed(self, key: Hashable, upstream: bool) -> None:
+        counter = self.upstreams if upstream else self.clients
+        if counter.get(key, 0) <= 0:
+            return
+        counter[key] -= 1
+        if not counter[key]:
+            del counter[key]
+        self._held[key] -= 1
+        if not self._held[key]:
+            del self._held[key]
+        self.total -= 1

@@ -1,0 +1,86 @@
+"""The sockets a sandbox holds: a cap on its upstream connections, and its share of a worker whose
+sockets are taken (gateway/sockets.py, addons/limits.py; review 37: three sandboxes, each inside
+every budget, held all 20,000 of a worker's file descriptors, and accept() and every dial then
+failed for every sandbox).
+
+Without a `sandboxes` section each client address is its own sandbox: the tests' sandboxes are
+loopback source addresses of the session's block."""
+
+from __future__ import annotations
+
+import socket
+
+from tests.e2e.helpers import Conn, get
+from tests.support.gateway import GatewayProcess
+from tests.support.waiting import wait_for
+from tests.conftest import policy_text
+
+
+def _rules(names) -> str:
+    return "".join(f"- id: r{i}\n  hosts: [{name}]\n  schemes: [http]\n" for i, name in enumerate(names))
+
+
+def _connect(gateway, source: str) -> Conn:
+    sock = socket.socket()
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect((gateway.host, gateway.port))
+    return Conn(sock)
+
+
+def _closed_without_a_byte(conn: Conn) -> bool:
+    try:
+        return conn.sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_sandbox_at_its_upstream_cap_is_refused_503_nothing_dialled_and_freed_as_they_close(
+        start_gateway, upstreams):
+    names = list(upstreams.plain)[:3]
+    gateway = start_gateway(_rules(names), args=["--set", "egress_max_upstream_connections_per_sandbox=2"])
+    source, other = f"{upstreams.block}.200", f"{upstreams.block}.201"
+    with _connect(gateway, source) as conn:
+        for name in names[:2]:
+            assert get(conn, f"http://{name}/held", name).status == 200
+        gateway.mark()
+        answer = get(conn, f"http://{names[2]}/over", names[2])
+        assert answer.status == 503, answer
+        assert upstreams.plain[names[2]].connections == 0  # nothing dialled
+        line, = gateway.audit_lines(count=1, reason="too_many_connections")
+        assert line["decision"] == "deny" and line["status"] == 503
+        with _connect(gateway, other) as theirs:  # another sandbox's cap is its own
+            assert get(theirs, f"http://{names[2]}/theirs", names[2]).status == 200
+    wait_for(lambda: upstreams.plain[names[0]].ended and upstreams.plain[names[1]].ended, 10,
+             "the sandbox's upstreams closed with its connection")
+    with _connect(gateway, source) as conn:
+        assert get(conn, f"http://{names[2]}/again", names[2]).status == 200
+
+
+def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no_more(tmp_path, pki, upstreams):
+    """A worker with 200 open files shares out 136 sockets (less a reserve of 64): sandbox A holds
+    them all with idle connections; its next is closed at accept, while B, holding none, is still
+    served (a connection and its upstream dial)."""
+    name = next(iter(upstreams.plain))
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_text(upstreams, _rules([name])))
+    gateway = GatewayProcess(policy, tmp_path / "gw", upstream_ca=pki.ca_cert,
+                             command_prefix=["prlimit", "--nofile=200:200", "--"],
+                             extra_args=["--set", "egress_new_connection_burst_per_sandbox=1000",
+                                         "--set", "egress_max_new_connections_per_second_per_sandbox=1000"])
+    gateway.start()
+    held: list[Conn] = []
+    try:
+        hog, light = f"{upstreams.block}.202", f"{upstreams.block}.203"
+        gateway.mark()
+        for _ in range(140):
+            held.append(_connect(gateway, hog))
+        lines = gateway.audit_lines(count=4, reason="too_many_connections")  # the 137th to the 140th
+        assert all(line["client"].startswith(hog + ":") and "share" in line["message"] for line in lines)
+        assert _closed_without_a_byte(held[-1])
+        with _connect(gateway, light) as conn:
+            assert get(conn, f"http://{name}/light", name).status == 200
+    finally:
+        for conn in held:
+            conn.sock.close()
+        gateway.stop()
