@@ -9,6 +9,7 @@ mitmproxy: a `run --workers N` supervisor never needs it (~70 MiB for its whole 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import re
@@ -151,6 +152,14 @@ def main(args: argparse.Namespace) -> int:
     if workers > 1 and worker_index() is None:
         if all(_is_dns(mode) for mode in modes):
             workers = 1  # DNS mode is UDP and runs in one worker only: nothing to share
+        elif any(_is_dns(mode) for mode in modes) and _tcp_rules_name_hosts(policy):
+            # Such a rule allows a redirected connection by what the gateway's DNS answered its
+            # client, and those answers are in the one worker that runs DNS mode: a connection the
+            # kernel gave another worker was refused `no_rule` (review 37: 4 of 10 relayed with
+            # --workers 2). One worker, until the answers are shared between workers.
+            print(f"egress-gateway: running one worker, not {workers}: DNS mode runs in one worker, and a "
+                  "protocol: tcp rule names a host (allowed by that worker's DNS answers)", file=sys.stderr)
+            workers = 1
         else:
             return supervise(args, modes, workers)
     from .runner import run_gateway  # mitmproxy is imported only when running
@@ -186,6 +195,25 @@ def operational_options(extra) -> dict:
 
 def _is_dns(mode: str) -> bool:
     return mode.split("@", 1)[0].split(":", 1)[0] == "dns"
+
+
+def _tcp_rules_name_hosts(policy) -> bool:
+    """Whether a `protocol: tcp` rule names a host (not an address or a network)."""
+    for rule in policy.rules:
+        if rule.protocol != "tcp":
+            continue
+        for pattern in rule.hosts:
+            if pattern.kind != "network" and not _is_address(pattern.value):
+                return True
+    return False
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _with_port(spec: str, kind: str) -> str:
