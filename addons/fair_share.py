@@ -6,7 +6,8 @@ connections (asyncio.Handle._run, timed; a connection's handler marks its task's
 tasks it starts, for its connections and its hooks, inherit the mark). That is all of it, measured
 where it runs: TLS, HTTP/1 and HTTP/2 parsing, WebSocket framing, the layers, every addon's
 decision, audit and metrics work, and nothing while a hook awaits (a DNS answer costs the loop
-nothing, and the work of others that runs meanwhile is theirs). The cost: two clock reads per
+nothing, and the work of others that runs meanwhile is theirs), nor a garbage collection that
+happens to run inside its callback (`_not_charged`). The cost: two clock reads per
 callback. The time is summed on the handler and charged at its next turn.
 
 A turn (`turn`) comes before each read of one of its connections is handled (addons/conn_close.py's
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import selectors
 import contextvars
 import itertools
@@ -48,6 +50,7 @@ from .options import declare
 ATTR = "_egress_share_key"
 _step = [0.0]  # when the loop's current callback began, or was last charged (one callback at a time)
 _began = [0.0]  # when the loop's current callback began
+_gc_began = [0.0]  # when the garbage collection under way began (0: none)
 # A connection's reader goes on to its next read in the same step of the loop while its stream has
 # bytes buffered (StreamReader.read does not yield then): 256 KiB the transport read at once, four
 # of mitmproxy's reads, each parsed and decided. Past this much of a step it yields first, so that
@@ -469,6 +472,19 @@ def _waited(key: str, seconds: float) -> None:
             logging.getLogger("egress").exception("egress gateway: a loop-share listener failed")
 
 
+def _not_charged(phase: str, info: dict) -> None:
+    """gc callback: a collection's time is nobody's. It runs inside whatever callback happened to
+    allocate (or a thaw's), and was charged to that callback's sandbox: a 100-300 ms thaw made a
+    neighbour timing one request every 0.1 s "heavy" (its load over the last 0.1 s 0.4-0.8), so it
+    gave way to the very sandboxes whose connections made the garbage (four sandboxes each opening
+    90 connections at once; stop 44). The charge window moves past it."""
+    if phase == "start":
+        _gc_began[0] = time.perf_counter()
+    elif _gc_began[0]:
+        _step[0] += time.perf_counter() - _gc_began[0]
+        _gc_began[0] = 0.0
+
+
 def install(state) -> None:
     """Time every callback the event loop runs and charge it to the sandbox whose connection it
     serves, and make that sandbox's reads wait while it is over its share."""
@@ -643,6 +659,8 @@ def install(state) -> None:
         self.wakeup_timer.discard(task)
         await self.server_event(events.Wakeup(request))
 
+    if _not_charged not in gc.callbacks:
+        gc.callbacks.append(_not_charged)
     perf_counter = time.perf_counter
     handler_class._egress_spent = 0.0  # loop time of the handler's callbacks not charged yet
     handler_class._egress_light = False  # its sandbox was within its share at its last turn (unknown: not)

@@ -216,6 +216,36 @@ def test_what_a_lighter_sandbox_s_socket_brings_runs_before_the_rest_of_a_heavie
         right.close()
 
 
+def test_a_garbage_collection_inside_a_sandbox_s_callback_is_not_charged_to_it(order):
+    """A collection runs inside whatever callback allocates: a 100-300 ms thaw charged to a
+    neighbour timing one request every 0.1 s made it "heavy" (0.4-0.8 of the loop over the last
+    0.1 s), and it gave way to the sandboxes that made the garbage."""
+    import gc
+
+    handler = _Handler("sandbox:b", 0.05)
+    context = _context(handler)
+    garbage = [[i] for i in range(300_000)]  # tracked objects, so that a full collection takes a while
+    took = []
+
+    def callback():
+        _busy(0.002)
+        started = time.perf_counter()
+        gc.collect()
+        took.append(time.perf_counter() - started)
+
+    async def main():
+        done = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(lambda: (callback(), done.set_result(None)), context=context)
+        await done
+
+    try:
+        asyncio.run(main())
+    finally:
+        del garbage
+    assert took[0] > 0.005, "the collection was too quick to tell"
+    assert 0.002 <= handler._egress_spent < 0.002 + took[0] / 2
+
+
 def test_a_heavy_sandbox_alone_runs_its_callbacks_in_order_in_one_step_of_the_loop(order):
     order.slice = 0.0
     heavy = _context(_Handler("sandbox:a", 0.9))
