@@ -36,6 +36,7 @@ from .pki import TestPKI
 ORIGIN_NAME = "origin.noisy"
 VICTIM_NAME = "b.noisy"  # B's origin: its own process, so that B never queues behind A's requests there
 BOUND_NAME = "bound.noisy"
+ACCOMPLICES = 3  # sandboxes that attack with A (`connection_bursts`), each a policy entry of its own
 SECRET_ENV = "EGRESS_NOISY_KEY"
 SECRET_VALUE = "sk-noisy-Platform7Key6Yy5"
 TIMEOUT = 30.0
@@ -163,6 +164,7 @@ class World:
     attacker: str  # sandbox A's source address
     victim: str  # sandbox B's source address
     victim_origin: Origin
+    others: tuple[str, ...] = ()  # the source addresses of A's accomplices, sandboxes of their own
 
     def stop(self) -> None:
         self.gateway.stop()
@@ -176,7 +178,10 @@ class World:
         return [e for e in self.gateway.audit() if str(e.get("client", "")).startswith(source + ":")]
 
 
-def policy_text(origin_address: str, attacker: str, victim: str, victim_origin: str) -> str:
+def policy_text(origin_address: str, attacker: str, victim: str, victim_origin: str,
+                others: tuple[str, ...] = ()) -> str:
+    accomplices = "".join(f"  - id: accomplice-{i}\n    source_ips: [{address}/32]\n    rules: [open]\n"
+                          for i, address in enumerate(others, 1))
     return f"""version: 1
 network:
   allow_ip_ranges: [127.0.0.0/8]
@@ -194,7 +199,7 @@ sandboxes:
   - id: victim
     source_ips: [{victim}/32]
     rules: [open]
-rules:
+{accomplices}rules:
   - id: open
     hosts: [{ORIGIN_NAME}, {VICTIM_NAME}]
     methods: [GET, POST]
@@ -209,8 +214,9 @@ rules:
 def make_world(workdir: Path, block: str, args: list[str] = (), bomb_size: int = 300 << 20,
                octets: tuple[int, int, int, int] = (250, 251, 252, 253)) -> World:
     """A's origin at <block>.<octets[0]>, attacker at .<octets[1]>, victim at .<octets[2]>, B's
-    origin at .<octets[3]>."""
+    origin at .<octets[3]>; A's ACCOMPLICES accomplices at the ACCOMPLICES octets below .<octets[1]>."""
     origin_address, attacker, victim, victim_origin = (f"{block}.{o}" for o in octets)
+    others = tuple(f"{block}.{octets[1] - 10 - i}" for i in range(ACCOMPLICES))
     pki = TestPKI(workdir / "pki")
     cert, key = pki.issue([ORIGIN_NAME, BOUND_NAME, VICTIM_NAME], [origin_address, victim_origin], stem="noisy-origin")
     origin = Origin(origin_address, cert, key, bomb_size)
@@ -220,7 +226,7 @@ def make_world(workdir: Path, block: str, args: list[str] = (), bomb_size: int =
         origin.stop()
         raise
     policy = workdir / "noisy.yaml"
-    policy.write_text(policy_text(origin_address, attacker, victim, victim_origin))
+    policy.write_text(policy_text(origin_address, attacker, victim, victim_origin, others))
     os.environ[SECRET_ENV] = SECRET_VALUE  # the gateway's environment (GatewayProcess copies os.environ)
     gateway = GatewayProcess(policy, workdir / "gateway", upstream_ca=pki.ca_cert, extra_args=list(args))
     try:
@@ -229,7 +235,7 @@ def make_world(workdir: Path, block: str, args: list[str] = (), bomb_size: int =
         origin.stop()
         theirs.stop()
         raise
-    return World(gateway, origin, attacker, victim, theirs)
+    return World(gateway, origin, attacker, victim, theirs, others)
 
 
 # --- clients --------------------------------------------------------------------------------------
@@ -893,6 +899,49 @@ def connection_flood(world: World, count: int = 2000, seconds: float = 20.0) -> 
     return outcome
 
 
+def connection_bursts(world: World, burst: int = 90, period: float = 2.0) -> Outcome:
+    """A and its accomplices (four sandboxes) each open `burst` connections at once, every
+    `period` seconds: CONNECT, TLS, one GET, close. Inside every budget (the connection bucket
+    holds 100 and refills 50 a second); together they saturate a worker with TLS handshakes (review
+    35's F4, docs/load.md round 11). One round per call: the benchmark repeats it while B measures."""
+    import asyncio
+
+    outcome = Outcome("connection_bursts")
+    context = ssl.create_default_context(cafile=str(world.gateway.ca_cert))
+    context.set_alpn_protocols(["http/1.1"])
+    host, port = world.gateway.host, world.gateway.port
+
+    async def one(source: str) -> int:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+        except OSError:
+            return 0
+        try:
+            writer.write(f"CONNECT {ORIGIN_NAME}:443 HTTP/1.1\r\nHost: {ORIGIN_NAME}:443\r\n\r\n".encode())
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                return int(head[9:12])
+            await writer.start_tls(context, server_hostname=ORIGIN_NAME)
+            writer.write(f"GET /ok HTTP/1.1\r\nHost: {ORIGIN_NAME}\r\nConnection: close\r\n\r\n".encode())
+            answer = await reader.read()
+            return int(answer[9:12]) if answer.startswith(b"HTTP/1.1 ") else 0
+        except (OSError, ssl.SSLError, ValueError, asyncio.IncompleteReadError):
+            return 0
+        finally:
+            writer.close()
+
+    async def round_() -> None:
+        sources = (world.attacker, *world.others)
+        for status in await asyncio.gather(*(one(source) for source in sources for _ in range(burst))):
+            outcome.count(status)
+        outcome.sent += burst * len(sources)
+
+    started = time.monotonic()
+    asyncio.run(round_())
+    time.sleep(max(0.0, period - (time.monotonic() - started)))  # the attackers' own pacing
+    return outcome
+
+
 def _huffman_block(value_bytes: int) -> bytes:
     """An HPACK block of a GET to the origin plus one `x-big` literal of `value_bytes` Huffman-coded
     'a's, built directly (hpack's own encoder takes seconds for megabytes): 'a' is the 5-bit code
@@ -1063,6 +1112,7 @@ ATTACKS = {
     "h2_rapid_reset": h2_rapid_reset,
     "request_flood": request_flood,
     "connection_flood": connection_flood,
+    "connection_bursts": connection_bursts,
     "request_body_bomb": request_body_bomb,
     "streamed_bomb": streamed_bomb,
     "bound_lines": bound_lines,
