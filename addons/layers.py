@@ -34,7 +34,7 @@ from mitmproxy.proxy.layers.tcp import TCPLayer
 from gateway.options import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_IDLE_UPSTREAMS
 
 from . import read_ahead
-from .refusals import OnRefusal
+from .refusals import UPSTREAM_OVER_BUDGET, OnRefusal
 from .respond import PageFor
 from .http1_server import GatewayHttp1Server
 from .http2_server import GatewayHttp2Server
@@ -174,8 +174,22 @@ class GatewayHttpLayer(HttpLayer):
             yield from self.event_to_child(stream, GetHttpConnectionCompleted(event, (None, reset)))
             return
         self._forget_ended()  # those a stream still named when they closed
+        self._forget_over_budget()
         yield from super().get_connection(event, reuse=reuse)
         yield from self._close_idle_past_limit(stream)
+
+    def _forget_over_budget(self) -> None:
+        """A dial the socket budget refused (addons/limits.py) says nothing of its destination, but
+        mitmproxy answers every later request for a destination with the error of a connection to
+        it that failed: an HTTP/2 client's requests kept getting 503 `too_many_connections` on that
+        connection after the sandbox's other connections had closed (review 38), a tunnel's
+        too. Such a connection is forgotten, so the next request asks the budget again."""
+        for conn in [c for c in self.connections if c.error and UPSTREAM_OVER_BUDGET in c.error]:
+            if conn not in self.waiting_for_establishment:
+                del self.connections[conn]
+        server = self.context.server
+        if server.error and UPSTREAM_OVER_BUDGET in server.error and not server.connected:
+            server.error = None
 
     def _close_idle_past_limit(self, stream) -> layer.CommandGenerator[None]:
         """Keep at most `egress_max_idle_upstreams_per_connection` idle upstream connections: mitmproxy

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.e2e.helpers import Conn, get
+from tests.e2e.helpers import Conn, H2Client, get, tls_tunnel
 from tests.support.gateway import GatewayProcess
 from tests.support.waiting import wait_for
 from tests.conftest import policy_text
@@ -55,6 +55,29 @@ def test_a_sandbox_at_its_upstream_cap_is_refused_503_nothing_dialled_and_freed_
              "the sandbox's upstreams closed with its connection")
     with _connect(gateway, source) as conn:
         assert get(conn, f"http://{names[2]}/again", names[2]).status == 200
+
+
+def test_a_refused_dial_does_not_stick_to_its_destination_on_an_http2_connection(start_gateway, upstreams):
+    """mitmproxy answers every later request for a destination with the error of a connection to it
+    that failed: after a dial over the cap, an HTTP/2 connection's requests kept getting 503 once
+    the sandbox's other upstream had closed (review 38). (An HTTP/1 connection is closed after
+    such a refusal.)"""
+    held_name, other = list(upstreams.tls)[:2]
+    rules = f"- id: a\n  hosts: [{held_name}]\n- id: b\n  hosts: [{other}]\n"
+    gateway = start_gateway(rules, args=["--set", "egress_max_upstream_connections_per_sandbox=1"])
+    waiting = H2Client(tls_tunnel(gateway, f"{other}:443", alpn=["h2"]))
+    try:
+        with tls_tunnel(gateway, f"{held_name}:443") as holding:  # HTTP/1.1, kept alive: its upstream held
+            assert get(holding, "/held", held_name).status == 200
+            stream = waiting.send(other, "/over")
+            waiting.wait(stream)
+            assert waiting.responses[stream]["status"] == 503, waiting.responses[stream]
+        wait_for(lambda: upstreams.tls[held_name].ended, 10, "the holding connection's upstream closed")
+        stream = waiting.send(other, "/again")
+        waiting.wait(stream)
+        assert waiting.responses[stream]["status"] == 200, waiting.responses[stream]
+    finally:
+        waiting.conn.close()
 
 
 def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no_more(tmp_path, pki, upstreams):
