@@ -22,6 +22,27 @@ from __future__ import annotations
 import asyncio
 
 
+# Seconds a closed connection's socket may go on sending what was queued before it is aborted. The
+# close waits for the transport's buffer to drain, with no deadline of its own: a peer that never
+# reads kept the socket (and a file descriptor, and its kernel send buffer) for as long as it
+# liked, after the connection had been released from its sandbox's counts (review 38: one sandbox
+# held 246 of a worker's 256 descriptors while its count said 0; every 2 minutes it could add its
+# whole connection cap). What a reading peer still needs at a close is at most a write or two.
+CLOSE_DRAIN_SECONDS = 5.0
+
+
+def _abort_if_still_draining(writer) -> None:
+    transport = getattr(writer, "transport", None)
+    if transport is None or not transport.get_write_buffer_size():
+        return  # (closed at once)
+
+    def abort() -> None:
+        if transport.get_write_buffer_size():
+            transport.abort()
+
+    asyncio.get_running_loop().call_later(CLOSE_DRAIN_SECONDS, abort)
+
+
 def install() -> None:
     from mitmproxy.connection import ConnectionState
     from mitmproxy.proxy import events, server
@@ -89,6 +110,8 @@ def install() -> None:
                     transport = getattr(writer, "transport", None)
                     if transport is not None:
                         transport.abort()
+                else:
+                    _abort_if_still_draining(writer)
         if cancelled is not None:
             raise cancelled
 

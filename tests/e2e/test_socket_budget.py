@@ -8,9 +8,10 @@ loopback source addresses of the session's block."""
 
 from __future__ import annotations
 
+import os
 import socket
 
-from tests.e2e.helpers import Conn, H2Client, get, tls_tunnel
+from tests.e2e.helpers import Conn, H2Client, get, start_tls, tls_tunnel
 from tests.support.gateway import GatewayProcess
 from tests.support.waiting import wait_for
 from tests.conftest import policy_text
@@ -107,3 +108,32 @@ def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no
         for conn in held:
             conn.sock.close()
         gateway.stop()
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_closed_connection_whose_peer_never_reads_lets_go_of_its_socket(start_gateway, upstreams):
+    """A close waits for what was queued to be sent, with no deadline of its own: a client that
+    asks for a large download and never reads kept the gateway's socket (a file descriptor and its
+    send buffer) after the connection was cut and released from its sandbox's counts (review 38:
+    246 of a worker's 256 descriptors held while the count said 0). Aborted after
+    CLOSE_DRAIN_SECONDS."""
+    gateway = start_gateway("- id: a\n  hosts: [allowed.test]\n", args=["--set", "egress_body_idle_timeout=1"])
+    pid = gateway.process.pid
+    before = _open_files(pid)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (small: the gateway's side fills sooner)
+    sock.settimeout(10)
+    sock.connect((gateway.host, gateway.port))
+    conn = Conn(sock)
+    try:
+        conn.send(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+        assert conn.read_response(head_only=True).status == 200
+        tls = start_tls(conn, gateway, "allowed.test")
+        tls.send(b"GET /bytes/64000000 HTTP/1.1\r\nHost: allowed.test\r\n\r\n")  # and never read
+        gateway.audit_lines(count=1, wait=30, reason="response_body_timeout")  # cut: the gateway closes
+        wait_for(lambda: _open_files(pid) <= before, 30, "the gateway's sockets of the cut connection closed")
+    finally:
+        sock.close()
