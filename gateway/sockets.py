@@ -10,10 +10,14 @@ the one in use), held all 20,000 of a worker's.
 So:
 - a sandbox's upstream connections have a cap of their own (`upstream_limit`), like its client
   connections;
-- once the worker holds `worker_limit` sockets (the open-file limit less a reserve for the audit
-  log, listeners and the sockets of sandboxes under their share), a sandbox holding at least its
-  even share of that (`worker_limit` / the sandboxes holding any) opens no more: the sandbox
-  holding the most is refused first, and one within its share never.
+- a worker shares out its open-file limit less a reserve for its own files (audit log, listeners,
+  the event loop's: `hard`). From SHARE_FROM of that on (`soft`), a sandbox holding at least its even
+  share of `soft` (`soft` / the sandboxes holding any) opens no more, so the sandbox holding the most
+  is refused first; at `hard` nobody opens another. A first version had no `hard`: sandboxes under
+  their share went on opening past the limit, and with two sandboxes at 1,024 open files (three
+  at 4,096) the worker hit EMFILE and served nobody (review 38). What it cannot do is make room:
+  sandboxes that together hold `hard` keep the rest out (refused, not failed) until they let go, so
+  the open-file limit must fit the sandboxes a worker serves (docs/options.md).
 
 A sans-I/O core: addons/limits.py counts and asks.
 """
@@ -23,21 +27,23 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 
-# Of the open-file limit, what is kept back: the worker's own files (audit log, listeners, the
-# event loop's), and the sockets of sandboxes within their share once the rest is taken.
-RESERVE_FRACTION = 0.1
+# Of the open-file limit, what is kept back for the worker's own files (audit log, listeners, the
+# event loop's, a refused connection's accept).
+RESERVE_FRACTION = 0.05
 MIN_RESERVE = 64
+SHARE_FROM = 0.8  # of what is shared out: from there on, a sandbox over its even share opens no more
 
 
 def worker_limit_for(open_files: int) -> int:
-    """The sockets a worker lets sandboxes hold before it shares them out: `open_files` (the
-    RLIMIT_NOFILE soft limit) less the reserve."""
+    """The sockets a worker lets sandboxes hold in all: `open_files` (the RLIMIT_NOFILE soft limit)
+    less the reserve."""
     return max(1, open_files - max(MIN_RESERVE, int(open_files * RESERVE_FRACTION)))
 
 
 class SocketLedger:
     def __init__(self, worker_limit: int, upstream_limit: int = 0):
-        self.worker_limit = max(1, int(worker_limit))
+        self.worker_limit = max(1, int(worker_limit))  # hard: nobody opens past it
+        self.soft = max(1, int(self.worker_limit * SHARE_FROM))  # from it on, only those under their share
         self.upstream_limit = max(0, int(upstream_limit))  # per sandbox; 0: none
         self.clients: Counter[Hashable] = Counter()
         self.upstreams: Counter[Hashable] = Counter()
@@ -48,10 +54,13 @@ class SocketLedger:
         return self._held.get(key, 0)
 
     def over_share(self, key: Hashable) -> bool:
-        """Whether the worker's sockets are taken and the sandbox holds at least its even share."""
-        if self.total < self.worker_limit:
+        """Whether the sandbox may open no more socket for the worker's sake: all that is shared out
+        is taken, or most of it is and the sandbox holds at least its even share."""
+        if self.total >= self.worker_limit:
+            return True
+        if self.total < self.soft:
             return False
-        return self.held(key) * max(1, len(self._held)) >= self.worker_limit
+        return self.held(key) * max(1, len(self._held)) >= self.soft
 
     def upstream_refusal(self, key: Hashable) -> str | None:
         """Why the sandbox may not open another upstream connection now (None: it may)."""
@@ -67,6 +76,8 @@ class SocketLedger:
         return self._share_text(key) if self.over_share(key) else None
 
     def _share_text(self, key: Hashable) -> str:
+        if self.total >= self.worker_limit:
+            return f"the worker's sockets are all taken ({self.total} of the {self.worker_limit} it shares out)"
         return (f"the worker holds {self.total} sockets of the {self.worker_limit} it shares out, and {key} "
                 f"holds {self.held(key)}, at least its share of them")
 

@@ -48,7 +48,7 @@ def test_a_sandbox_at_its_upstream_cap_is_refused_503_nothing_dialled_and_freed_
         answer = get(conn, f"http://{names[2]}/over", names[2])
         assert answer.status == 503, answer
         assert upstreams.plain[names[2]].connections == 0  # nothing dialled
-        line, = gateway.audit_lines(count=1, reason="too_many_connections")
+        line, = gateway.audit_lines(since=gateway.audit_mark, count=1, reason="too_many_connections")
         assert line["decision"] == "deny" and line["status"] == 503
         with _connect(gateway, other) as theirs:  # another sandbox's cap is its own
             assert get(theirs, f"http://{names[2]}/theirs", names[2]).status == 200
@@ -82,9 +82,10 @@ def test_a_refused_dial_does_not_stick_to_its_destination_on_an_http2_connection
 
 
 def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no_more(tmp_path, pki, upstreams):
-    """A worker with 200 open files shares out 136 sockets (less a reserve of 64): sandbox A holds
-    them all with idle connections; its next is closed at accept, while B, holding none, is still
-    served (a connection and its upstream dial)."""
+    """A worker with 200 open files shares out 136 sockets (less a reserve of 64), and from 108
+    (80%) on only to sandboxes under their share: sandbox A holds 108 idle connections; its next
+    ones are closed at accept, while B, holding none, is still served (a connection and its
+    upstream dial)."""
     name = next(iter(upstreams.plain))
     policy = tmp_path / "policy.yaml"
     policy.write_text(policy_text(upstreams, _rules([name])))
@@ -97,13 +98,20 @@ def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no
     try:
         hog, light = f"{upstreams.block}.202", f"{upstreams.block}.203"
         gateway.mark()
-        for _ in range(140):
+        for _ in range(120):
             held.append(_connect(gateway, hog))
-        lines = gateway.audit_lines(count=4, reason="too_many_connections")  # the 137th to the 140th
+        lines = gateway.audit_lines(since=gateway.audit_mark, count=12, reason="too_many_connections")  # the 109th to the 120th
         assert all(line["client"].startswith(hog + ":") and "share" in line["message"] for line in lines)
         assert _closed_without_a_byte(held[-1])
         with _connect(gateway, light) as conn:
             assert get(conn, f"http://{name}/light", name).status == 200
+        gateway.mark()
+        for _ in range(40):  # B, under its share, up to all that is shared out (136), and no further
+            held.append(_connect(gateway, light))
+        lines = gateway.audit_lines(since=gateway.audit_mark, count=12, reason="too_many_connections")
+        assert all("all taken" in line["message"] for line in lines), [line["message"] for line in lines]
+        assert _open_files(gateway.process.pid) < 200
+        assert "Too many open files" not in gateway.log()
     finally:
         for conn in held:
             conn.sock.close()
