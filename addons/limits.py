@@ -20,6 +20,7 @@ from collections import Counter
 from mitmproxy import ctx
 
 from gateway.decision import Decision, verdict_fields
+from gateway.session import PASSTHROUGH
 from gateway.sockets import SocketLedger, worker_limit_for
 
 from . import conn_close, gc_freeze
@@ -37,6 +38,12 @@ UPSTREAM_REFUSED = UPSTREAM_OVER_BUDGET
 def _open_files() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def _relays(conn) -> bool:
+    """Whether the connection relays bytes unread (a passthrough tunnel, raw TCP): no HTTP stream of
+    its own reports a refused dial."""
+    return conn.phase == PASSTHROUGH or any(e.kind == "tcp" for e in conn.established)
 
 
 class ConnectionLimiter:
@@ -101,8 +108,15 @@ class ConnectionLimiter:
         key = self._key(conn) if conn is not None else None
         if key is None:
             return
-        if self.sockets.upstream_refusal(key) is not None:
+        refusal = self.sockets.upstream_refusal(key)
+        if refusal is not None:
             data.server.error = UPSTREAM_REFUSED
+            if _relays(conn):
+                # A relay (passthrough, raw TCP) has no stream to answer and audit the refusal: its
+                # client only saw the connection end, and only the gateway log said why (review 38).
+                sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None
+                self.state.record(event="connection", **connection_fields(conn, sandbox),
+                                  **verdict_fields(Decision.deny("too_many_connections", refusal), status_sent=False))
             return
         self.sockets.opened(key, upstream=True)
         self._upstreams[data.server.id] = (key, data.client.id)

@@ -310,3 +310,30 @@ def test_the_pinned_address_is_the_gateways_resolution(gateway, pki, pass_upstre
     assert not pass_upstreams.pass2_tls.touched
     peer = pass_upstreams.pass_tls.requests[0].peer
     assert peer[0].startswith("127."), peer
+
+
+def test_a_passthrough_dial_over_the_sandbox_s_upstream_cap_is_refused_and_audited(
+        tmp_path, upstreams, pki, pass_upstreams):
+    """A relay has no HTTP stream to answer a refused dial: its client only saw the connection
+    end, and only the gateway log said why (review 38). Nothing is dialled; the audit line says
+    `too_many_connections`."""
+    from tests.passthrough.conftest import pass_policy
+    from tests.support.gateway import GatewayProcess
+    from tests.e2e.helpers import get, tls_tunnel
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(pass_policy(upstreams, pass_upstreams))
+    gateway = GatewayProcess(policy, tmp_path / "gw", upstream_ca=pki.ca_cert,
+                             extra_args=["--set", "egress_max_upstream_connections_per_sandbox=1"]).start()
+    try:
+        pass_upstreams.reset()
+        with tls_tunnel(gateway, "allowed.test:443") as holding:  # kept alive: the sandbox's one upstream
+            assert get(holding, "/held", "allowed.test").status == 200
+            conn = open_tunnel(gateway, "pass.test:443")
+            with pytest.raises((ssl.SSLError, OSError)):
+                upstream_tls(conn, pki.ca_cert, "pass.test")
+            lines = deny_lines(gateway, conn.client, "too_many_connections")
+            assert [line["event"] for line in lines if line["reason"] == "too_many_connections"] == ["connection"]
+            assert pass_upstreams.pass_tls.connections == 0
+    finally:
+        gateway.stop()
