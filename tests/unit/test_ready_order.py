@@ -582,21 +582,23 @@ def test_a_connection_being_set_up_is_its_peer_s_sandbox_s_work(order, monkeypat
     monkeypatch.setattr(fair_share, "_state", _State())
     seen = []
 
-    async def main():
-        def connected(reader, writer):
-            seen.append(getattr(fair_share.serving(), fair_share.ATTR, None))
-            writer.close()
-
-        server = await asyncio.start_server(connected, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await reader.read()
+    def connected(reader, writer):
+        seen.append(getattr(fair_share.serving(), fair_share.ATTR, None))
         writer.close()
-        server.close()
-        await server.wait_closed()
 
-    asyncio.run(main())
+    asyncio.run(_one_connection(connected))
     assert seen == ["sandbox:127.0.0.1"]
+
+
+async def _one_connection(connected) -> None:
+    """A local server whose `connected` runs for one connection made to it, until that closes."""
+    server = await asyncio.start_server(connected, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await reader.read()
+    writer.close()
+    server.close()
+    await server.wait_closed()
 
 
 def test_a_connection_s_setup_is_charged_to_its_sandbox_through_its_handler(order, monkeypatch):
@@ -614,24 +616,15 @@ def test_a_connection_s_setup_is_charged_to_its_sandbox_through_its_handler(orde
     handler._egress_spent = 0.0
     adopted = []
 
-    async def main():
-        def connected(reader, writer):
-            accepted = fair_share.serving()
-            before = accepted._spent  # the setup's callbacks before this one
-            fair_share.adopt(handler, accepted)
-            adopted.append((accepted, before))
-            _busy(0.002)  # the rest of this callback: the handler's from now on
-            writer.close()
-
-        server = await asyncio.start_server(connected, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        await reader.read()
+    def connected(reader, writer):
+        accepted = fair_share.serving()
+        before = accepted._spent  # the setup's callbacks before this one
+        fair_share.adopt(handler, accepted)
+        adopted.append((accepted, before))
+        _busy(0.002)  # the rest of this callback: the handler's from now on
         writer.close()
-        server.close()
-        await server.wait_closed()
 
-    asyncio.run(main())
+    asyncio.run(_one_connection(connected))
     (accepted, before), = adopted
     assert accepted.owner is handler and accepted._spent == 0.0
     assert handler._egress_spent >= before + 0.002
