@@ -22,25 +22,33 @@ from __future__ import annotations
 import asyncio
 
 
-# Seconds a closed connection's socket may go on sending what was queued before it is aborted. The
-# close waits for the transport's buffer to drain, with no deadline of its own: a peer that never
-# reads kept the socket (and a file descriptor, and its kernel send buffer) for as long as it
-# liked, after the connection had been released from its sandbox's counts (review 38: one sandbox
-# held 246 of a worker's 256 descriptors while its count said 0; every 2 minutes it could add its
-# whole connection cap). What a reading peer still needs at a close is at most a write or two.
+# A closed connection's socket goes on sending what was queued, for as long as its peer reads: at
+# least MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, else it is aborted. The close waits for the
+# transport's buffer to drain with no deadline of its own: a peer that never reads kept the socket
+# (a descriptor and its kernel send buffer) for as long as it liked, after the connection had been
+# released from its sandbox's counts (review 38: one sandbox held 246 of a worker's 256
+# descriptors while its count said 0). A flat 5 s deadline cut a WebSocket client reading a 12 MB
+# message at 1 MB/s at 8.2 MB (review 39): what a relay has queued at its close can be megabytes.
 CLOSE_DRAIN_SECONDS = 5.0
+MIN_DRAIN_BYTES = 64 * 1024
 
 
 def _abort_if_still_draining(writer) -> None:
     transport = getattr(writer, "transport", None)
     if transport is None or not transport.get_write_buffer_size():
         return  # (closed at once)
+    loop = asyncio.get_running_loop()
 
-    def abort() -> None:
-        if transport.get_write_buffer_size():
-            transport.abort()
+    def check(queued: int) -> None:
+        left = transport.get_write_buffer_size()
+        if not left:
+            return
+        if queued - left < MIN_DRAIN_BYTES:
+            transport.abort()  # (what the kernel already holds is still sent)
+        else:
+            loop.call_later(CLOSE_DRAIN_SECONDS, check, left)
 
-    asyncio.get_running_loop().call_later(CLOSE_DRAIN_SECONDS, abort)
+    loop.call_later(CLOSE_DRAIN_SECONDS, check, transport.get_write_buffer_size())
 
 
 def install() -> None:

@@ -59,3 +59,59 @@ def test_a_close_whose_delivery_waits_is_delivered_though_the_reader_is_cancelle
 
     delivered, state = asyncio.run(main())
     assert delivered == ["ConnectionClosed"] and state is ConnectionState.CLOSED
+
+
+class _Transport:
+    """A closed transport's send buffer, drained by its peer at `rate` bytes a second (of the loop's
+    clock) from the close on, until `stop_after` seconds."""
+
+    def __init__(self, queued: int, rate: float, stop_after: float = float("inf")) -> None:
+        self.start_queued, self.rate, self.stop_after, self.aborted = queued, rate, stop_after, False
+        self.closed_at = asyncio.get_running_loop().time()
+
+    def get_write_buffer_size(self) -> int:
+        elapsed = min(asyncio.get_running_loop().time() - self.closed_at, self.stop_after)
+        return max(0, int(self.start_queued - self.rate * elapsed))
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _closing(queued: int, rate: float, stop_after: float = float("inf")) -> bool:
+    """The drain check on a transport closed with `queued` bytes; whether it was aborted (waits
+    until the buffer is empty or it is)."""
+    async def main():
+        transport = _Transport(queued, rate, stop_after)
+        conn_close._abort_if_still_draining(SimpleNamespace(transport=transport))
+        while transport.get_write_buffer_size() and not transport.aborted:
+            await asyncio.sleep(conn_close.CLOSE_DRAIN_SECONDS / 4)
+        return transport.aborted
+
+    return asyncio.run(main())
+
+
+def test_a_closed_connection_whose_peer_reads_keeps_its_socket_until_drained(monkeypatch):
+    """A WebSocket client reading a 12 MB message at 1 MB/s after the gateway closed its side was
+    cut at 8.2 MB by a flat 5 s deadline (review 39): while the peer reads, the socket stays."""
+    monkeypatch.setattr(conn_close, "CLOSE_DRAIN_SECONDS", 0.02)
+    per_period = conn_close.MIN_DRAIN_BYTES * 4
+    assert not _closing(per_period * 10, per_period / 0.02)  # ten periods' worth, read all along
+
+
+def test_a_closed_connection_whose_peer_stops_reading_is_aborted(monkeypatch):
+    """A peer that never reads (or stops, or trickles) kept the socket, uncounted, for as long as it
+    liked (review 38): a period without MIN_DRAIN_BYTES taken aborts it."""
+    monkeypatch.setattr(conn_close, "CLOSE_DRAIN_SECONDS", 0.02)
+    per_period = conn_close.MIN_DRAIN_BYTES * 4
+    assert _closing(10 << 20, 0)
+    assert _closing(10 << 20, per_period / 0.02, stop_after=0.05)  # read a while, then stopped
+    assert _closing(10 << 20, conn_close.MIN_DRAIN_BYTES / 0.02 / 100)  # a trickle
+
+
+def test_a_closed_connection_with_nothing_queued_is_left_alone(monkeypatch):
+    async def main():
+        transport = _Transport(0, 0)
+        conn_close._abort_if_still_draining(SimpleNamespace(transport=transport))
+        return transport
+
+    assert not asyncio.run(main()).aborted
