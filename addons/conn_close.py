@@ -22,33 +22,39 @@ from __future__ import annotations
 import asyncio
 
 
-# A closed connection's socket goes on sending what was queued, for as long as its peer reads: at
-# least MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, else it is aborted. The close waits for the
-# transport's buffer to drain with no deadline of its own: a peer that never reads kept the socket
-# (a descriptor and its kernel send buffer) for as long as it liked, after the connection had been
-# released from its sandbox's counts (review 38: one sandbox held 246 of a worker's 256
-# descriptors while its count said 0). A flat 5 s deadline cut a WebSocket client reading a 12 MB
-# message at 1 MB/s at 8.2 MB (review 39): what a relay has queued at its close can be megabytes.
+# A closed connection's socket goes on sending what was queued while its peer reads: at least
+# MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, and all of it within CLOSE_DRAIN_SECONDS plus what was
+# queued at MIN_DRAIN_RATE; else it is aborted (what the kernel already holds is still sent). The
+# close waits for the transport's buffer to drain with no deadline of its own: a peer that never
+# reads kept the socket (a descriptor and the queued bytes) for as long as it liked, after the
+# connection had been released from its sandbox's counts and buffer budget (review 38: one sandbox
+# held 246 of a worker's 256 descriptors while its count said 0). A flat 5 s deadline cut a
+# WebSocket client reading a 12 MB message at 1 MB/s at 8.2 MB (review 39): what a relay has queued
+# at its close can be megabytes. (Those bytes are held uncounted meanwhile: review 39 saw a worker
+# at 376-503 MiB with a sandbox closing 8 MB WebSocket messages it never read, 116-121 without.)
 CLOSE_DRAIN_SECONDS = 5.0
 MIN_DRAIN_BYTES = 64 * 1024
+MIN_DRAIN_RATE = 1024 * 1024  # bytes a second
 
 
 def _abort_if_still_draining(writer) -> None:
     transport = getattr(writer, "transport", None)
-    if transport is None or not transport.get_write_buffer_size():
+    queued = transport.get_write_buffer_size() if transport is not None else 0
+    if not queued:
         return  # (closed at once)
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + CLOSE_DRAIN_SECONDS + queued / MIN_DRAIN_RATE
 
-    def check(queued: int) -> None:
+    def check(before: int) -> None:
         left = transport.get_write_buffer_size()
         if not left:
             return
-        if queued - left < MIN_DRAIN_BYTES:
-            transport.abort()  # (what the kernel already holds is still sent)
+        if before - left < MIN_DRAIN_BYTES or loop.time() >= deadline:
+            transport.abort()
         else:
             loop.call_later(CLOSE_DRAIN_SECONDS, check, left)
 
-    loop.call_later(CLOSE_DRAIN_SECONDS, check, transport.get_write_buffer_size())
+    loop.call_later(CLOSE_DRAIN_SECONDS, check, queued)
 
 
 def install() -> None:

@@ -94,6 +94,7 @@ def test_a_closed_connection_whose_peer_reads_keeps_its_socket_until_drained(mon
     """A WebSocket client reading a 12 MB message at 1 MB/s after the gateway closed its side was
     cut at 8.2 MB by a flat 5 s deadline (review 39): while the peer reads, the socket stays."""
     monkeypatch.setattr(conn_close, "CLOSE_DRAIN_SECONDS", 0.02)
+    monkeypatch.setattr(conn_close, "MIN_DRAIN_RATE", 1 << 20)  # (10 periods' worth: 0.25 s more, ample)
     per_period = conn_close.MIN_DRAIN_BYTES * 4
     assert not _closing(per_period * 10, per_period / 0.02)  # ten periods' worth, read all along
 
@@ -106,6 +107,15 @@ def test_a_closed_connection_whose_peer_stops_reading_is_aborted(monkeypatch):
     assert _closing(10 << 20, 0)
     assert _closing(10 << 20, per_period / 0.02, stop_after=0.05)  # read a while, then stopped
     assert _closing(10 << 20, conn_close.MIN_DRAIN_BYTES / 0.02 / 100)  # a trickle
+
+
+def test_a_closed_connection_is_aborted_once_its_peer_reads_slower_than_the_least_rate(monkeypatch):
+    """Reading just enough each period would hold the queued bytes (uncounted) for as long as the
+    peer liked: all of it must go within CLOSE_DRAIN_SECONDS plus the queue at MIN_DRAIN_RATE."""
+    monkeypatch.setattr(conn_close, "CLOSE_DRAIN_SECONDS", 0.02)
+    monkeypatch.setattr(conn_close, "MIN_DRAIN_RATE", 100 << 20)  # 10 MiB queued: 0.1 s more
+    per_period = conn_close.MIN_DRAIN_BYTES * 2
+    assert _closing(10 << 20, per_period / 0.02)  # enough each period, too slow in all
 
 
 def test_a_closed_connection_with_nothing_queued_is_left_alone(monkeypatch):
