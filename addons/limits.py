@@ -110,7 +110,7 @@ class ConnectionLimiter:
             return
         refusal = self.sockets.upstream_refusal(key)
         if refusal is not None:
-            data.server.error = UPSTREAM_REFUSED
+            data.server.error = f"{UPSTREAM_REFUSED}: {refusal}"  # (the stream's audit line says which budget)
             if _relays(conn):
                 # A relay (passthrough, raw TCP) has no stream to answer and audit the refusal: its
                 # client only saw the connection end, and only the gateway log said why (review 38).

@@ -42,9 +42,11 @@ def protocol_error_decision(event) -> Decision:
     """The gateway's words for an error mitmproxy raised on a stream: the reason by error code, and
     its text with every byte it quotes withheld (gateway/failure.py). An upstream connection the
     socket budget did not dial is the sandbox's `too_many_connections` (503), not a failed upstream."""
-    if event.code == ErrorCode.CONNECT_FAILED and UPSTREAM_OVER_BUDGET in (event.message or ""):
-        return Decision.deny("too_many_connections", "the sandbox holds too many upstream connections, or its "
-                                                     "share of the worker's sockets")
+    message = event.message or ""
+    if event.code == ErrorCode.CONNECT_FAILED and UPSTREAM_OVER_BUDGET in message:
+        _, _, which = message.partition(UPSTREAM_OVER_BUDGET + ": ")
+        return Decision.deny("too_many_connections", "no upstream connection: " + (
+            which or "the sandbox holds its cap of them, or its share of the worker's sockets"))
     reason, what = _ERROR_REASONS[event.code]
     return Decision.deny(reason, f"{what}: {failure_detail(event.message)}")
 

@@ -16,7 +16,7 @@ and in time (entries expire), and the bound is shared fairly between sandboxes:
   long as it was refreshed (720,000 names, 117 MiB, after an hour at 200 answers a second, and every
   raw TCP decision to that address walked them all: 28 ms).
 - What is shared out is weight, not entries: an entry weighs one plus its names, and the memory
-  holds at most DEFAULT_MAX_WEIGHT (~45 MiB). Bounded by entries only, 100,000 entries of 64 names
+  holds at most DEFAULT_MAX_WEIGHT (29-96 MiB, by how long and how shared the names are; review 39). Bounded by entries only, 100,000 entries of 64 names
   were 194-250 MiB, and one sandbox whose resolver answers 4,000 addresses a name filled it in ~8 s
   (review 38).
 """

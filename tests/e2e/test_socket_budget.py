@@ -50,6 +50,7 @@ def test_a_sandbox_at_its_upstream_cap_is_refused_503_nothing_dialled_and_freed_
         assert upstreams.plain[names[2]].connections == 0  # nothing dialled
         line, = gateway.audit_lines(since=gateway.audit_mark, count=1, reason="too_many_connections")
         assert line["decision"] == "deny" and line["status"] == 503
+        assert "egress_max_upstream_connections_per_sandbox" in line["message"]  # which budget
         with _connect(gateway, other) as theirs:  # another sandbox's cap is its own
             assert get(theirs, f"http://{names[2]}/theirs", names[2]).status == 200
     wait_for(lambda: upstreams.plain[names[0]].ended and upstreams.plain[names[1]].ended, 10,
