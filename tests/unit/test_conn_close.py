@@ -84,7 +84,7 @@ def _closing(queued: int, rate: float, stop_after: float = float("inf")) -> bool
         transport = _Transport(queued, rate, stop_after)
         conn_close._abort_if_still_draining(SimpleNamespace(transport=transport))
         while transport.get_write_buffer_size() and not transport.aborted:
-            await asyncio.sleep(conn_close.CLOSE_DRAIN_SECONDS / 4)
+            await asyncio.sleep(conn_close.CLOSE_DRAIN_SECONDS / 4)  # the loop clock moves on: not synchronisation
         return transport.aborted
 
     return asyncio.run(main())
