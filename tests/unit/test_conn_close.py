@@ -68,13 +68,18 @@ class _Transport:
     def __init__(self, queued: int, rate: float, stop_after: float = float("inf")) -> None:
         self.start_queued, self.rate, self.stop_after, self.aborted = queued, rate, stop_after, False
         self.closed_at = asyncio.get_running_loop().time()
+        self.ended = asyncio.Event()  # seen empty by the check, or aborted
 
     def get_write_buffer_size(self) -> int:
         elapsed = min(asyncio.get_running_loop().time() - self.closed_at, self.stop_after)
-        return max(0, int(self.start_queued - self.rate * elapsed))
+        left = max(0, int(self.start_queued - self.rate * elapsed))
+        if not left:
+            self.ended.set()
+        return left
 
     def abort(self) -> None:
         self.aborted = True
+        self.ended.set()
 
 
 def _closing(queued: int, rate: float, stop_after: float = float("inf")) -> bool:
@@ -83,8 +88,7 @@ def _closing(queued: int, rate: float, stop_after: float = float("inf")) -> bool
     async def main():
         transport = _Transport(queued, rate, stop_after)
         conn_close._abort_if_still_draining(SimpleNamespace(transport=transport))
-        while transport.get_write_buffer_size() and not transport.aborted:
-            await asyncio.sleep(conn_close.CLOSE_DRAIN_SECONDS / 4)  # the loop clock moves on: not synchronisation
+        await asyncio.wait_for(transport.ended.wait(), 30)
         return transport.aborted
 
     return asyncio.run(main())
