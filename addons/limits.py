@@ -30,11 +30,6 @@ from .refusals import UPSTREAM_OVER_BUDGET
 from .state import GatewayState
 
 
-# The error an upstream connection over a socket budget gets at `server_connect` (mitmproxy reports
-# it on the stream; addons/refusals.py words it as `too_many_connections`).
-UPSTREAM_REFUSED = UPSTREAM_OVER_BUDGET
-
-
 def _open_files() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
@@ -76,10 +71,7 @@ class ConnectionLimiter:
             client.error = "egress gateway: too many connections"
             refusal = Decision.deny("too_many_connections", over_share or
                                     f"{self.open[key]} connections already open for {key} (limit {limit})")
-            # Closed at accept: no HTTP status is sent.
-            sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None  # None: null
-            self.state.record(event="connection", **connection_fields(conn, sandbox),
-                              **verdict_fields(refusal, status_sent=False))
+            self._record_refusal(conn, refusal)  # closed at accept: no HTTP status is sent
             return
         self.open[key] += 1
         self._keys[client.id] = key
@@ -110,17 +102,22 @@ class ConnectionLimiter:
             return
         refusal = self.sockets.upstream_refusal(key)
         if refusal is not None:
-            data.server.error = f"{UPSTREAM_REFUSED}: {refusal}"  # (the stream's audit line says which budget)
+            # mitmproxy reports it on the stream (addons/refusals.py: 503, its line says which budget).
+            data.server.error = f"{UPSTREAM_OVER_BUDGET}: {refusal}"
             if _relays(conn):
                 # A relay (passthrough, raw TCP) has no stream to answer and audit the refusal: its
                 # client only saw the connection end, and only the gateway log said why (review 38).
-                sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None
-                self.state.record(event="connection", **connection_fields(conn, sandbox),
-                                  **verdict_fields(Decision.deny("too_many_connections", refusal), status_sent=False))
+                self._record_refusal(conn, Decision.deny("too_many_connections", refusal))
             return
         self.sockets.opened(key, upstream=True)
         self._upstreams[data.server.id] = (key, data.client.id)
         self._client_upstreams.setdefault(data.client.id, set()).add(data.server.id)
+
+    def _record_refusal(self, conn, refusal: Decision) -> None:
+        """A `connection` line for a refusal no HTTP status reports."""
+        sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None  # None: null
+        self.state.record(event="connection", **connection_fields(conn, sandbox),
+                          **verdict_fields(refusal, status_sent=False))
 
     def server_connect_error(self, data) -> None:
         self._release(data.server.id)
