@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import asyncio
 
+from . import write_backlog
+
 
 # A closed connection's socket goes on sending what was queued while its peer reads: at least
 # MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, and all of it within CLOSE_DRAIN_SECONDS plus what was
 # queued at MIN_DRAIN_RATE; else it is aborted (what the kernel already holds is still sent). The
 # close waits for the transport's buffer to drain with no deadline of its own: a peer that never
 # reads kept the socket (a descriptor and the queued bytes) for as long as it liked, after the
-# connection had been released from its sandbox's counts and buffer budget (review 38: one sandbox
-# held 246 of a worker's 256 descriptors while its count said 0). A flat 5 s deadline cut a
-# WebSocket client reading a 12 MB message at 1 MB/s at 8.2 MB (review 39): what a relay has queued
-# at its close can be megabytes. (Those bytes are held uncounted meanwhile: review 39 saw a worker
-# at 376-503 MiB with a sandbox closing 8 MB WebSocket messages it never read, 116-121 without.)
+# connection had been released from its sandbox's counts (review 38: one sandbox held 246 of a
+# worker's 256 descriptors while its count said 0). A flat 5 s deadline cut a WebSocket client
+# reading a 12 MB message at 1 MB/s at 8.2 MB (review 39): what a relay has queued at its close can
+# be megabytes. Meanwhile those bytes stay charged to the sandbox's buffer budget
+# (addons/write_backlog.py `closing`).
 CLOSE_DRAIN_SECONDS = 5.0
 MIN_DRAIN_BYTES = 64 * 1024
 MIN_DRAIN_RATE = 1024 * 1024  # bytes a second
@@ -125,6 +127,7 @@ def install() -> None:
                     if transport is not None:
                         transport.abort()
                 else:
+                    write_backlog.closing(self, writer)
                     _abort_if_still_draining(writer)
         if cancelled is not None:
             raise cancelled

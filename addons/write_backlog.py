@@ -16,6 +16,13 @@ stay charged until the connection's next event; the connection's close releases 
 The connection's upstream transports are summed in too: a WebSocket (or a streamed body) relayed
 to an upstream that does not read sat in its transport uncharged (10 connections of 8 MiB
 messages: RSS +207 MB, and the same sandbox's reassemblies were still admitted; review 6).
+
+A transport closed with bytes still queued goes on sending them while its peer reads
+(addons/conn_close.py aborts it once its peer stops reading): `closing` moves their charge from the
+connection's account, which its close drops, to one of their own, given back as they go out and
+closed with the socket. Released at the close, they were held uncounted: a sandbox whose clients
+closed 8 MB WebSocket messages they never read kept a worker at 376-503 MiB against 116-121
+(review 39), its next messages admitted as if its budget were free.
 """
 
 from __future__ import annotations
@@ -40,8 +47,19 @@ def _writers(handler) -> list:
 
 
 def _size(writer) -> int:
+    """The memory the writer's transport holds: what it has still to send, and the rest of the
+    object its first queued piece is part of. asyncio keeps a partly sent write as a memoryview of
+    it (`_buffer`, Python 3.12), so the whole object lives until its last byte is sent: with 5.2 MB
+    of an 8 MB message left, 8 MB are held (review 39's churn held 1.5x what was charged). Only the
+    first piece can be such a slice (one made at a partial send), so this stays O(1)."""
     try:
-        return writer.transport.get_write_buffer_size()
+        transport = writer.transport
+        queued = transport.get_write_buffer_size()
+        buffer = getattr(transport, "_buffer", None) if queued else None
+        first = buffer[0] if buffer else None
+        if isinstance(first, memoryview) and isinstance(first.obj, (bytes, bytearray)):
+            queued += len(first.obj) - first.nbytes
+        return queued
     except Exception:  # a transport being torn down
         return 0
 
@@ -142,6 +160,43 @@ async def _drained(handler, account) -> None:
         pass
     finally:
         setattr(handler, ATTR + "_task", None)
+
+
+CLOSING_UPDATE_SECONDS = 0.5  # how often a closing transport's charge follows what it still holds
+_closing_tasks: set[asyncio.Task] = set()  # (the loop keeps only weak references to tasks)
+
+
+def closing(handler, writer) -> None:
+    """`writer`, one of the handler's transports, was just closed with bytes queued: they stay
+    charged to the client's sandbox until they are sent or the socket is gone."""
+    state = _state
+    queued = _size(writer) if getattr(writer, "transport", None) is not None else 0
+    if state is None or not queued:
+        return
+    backlog = getattr(handler, ATTR, None)
+    if backlog is not None and not backlog.closed:
+        backlog.release(min(queued, backlog.held), freed=False)  # (now charged here instead)
+        sandbox = backlog.sandbox
+    else:
+        sandbox = state.sandbox_key(state.connections.get(handler.client.id))
+    account = state.buffers.account(f"{handler.client.id}/closing", sandbox)
+    account.hold(queued)
+    task = asyncio.ensure_future(_closing_drained(writer, account))
+    _closing_tasks.add(task)
+    task.add_done_callback(_closing_tasks.discard)
+
+
+async def _closing_drained(writer, account) -> None:
+    """Follow what the closed transport still holds until its socket is gone."""
+    closed = asyncio.ensure_future(writer.wait_closed())
+    closed.add_done_callback(lambda done: done.cancelled() or done.exception())  # (a reset: retrieved)
+    try:
+        while not closed.done():
+            await asyncio.wait({closed}, timeout=CLOSING_UPDATE_SECONDS)
+            account.release(max(account.held - _size(writer), 0), freed=False)
+    finally:
+        account.release(freed=False)  # (freed by reference counting: no collection needed)
+        account.close()
 
 
 def install(state) -> None:

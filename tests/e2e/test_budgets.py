@@ -20,7 +20,7 @@ import time
 import h2.exceptions
 import pytest
 
-from tests.e2e.helpers import H2Client, audit_for, connect_proxy, extra_static_hosts, get, new_entry, start_tls, tunnel
+from tests.e2e.helpers import Conn, H2Client, audit_for, connect_proxy, extra_static_hosts, get, new_entry, start_tls, tunnel
 from tests.support.tcp_origin import start_accepting
 from tests.support.waiting import wait_for
 
@@ -514,6 +514,68 @@ def test_websocket_messages_under_the_budget_are_relayed_and_not_kept(gateway_wi
     rss = int(next(line.split()[1] for line in open(f"/proc/{gateway.process.pid}/status")
                    if line.startswith("VmRSS:")))
     assert rss < 150 * 1024, rss  # KiB: it held all 200 MiB before
+
+
+def _upgrade(gateway, rcvbuf: int | None = None):
+    """A proxy connection that asked stall.test for a WebSocket and has read nothing yet. `rcvbuf`
+    (set before the connect, so the window it offers stays small): a client that barely reads."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(10)
+    sock.connect((gateway.host, gateway.port))
+    conn = Conn(sock)
+    conn.send(b"GET http://stall.test/ws HTTP/1.1\r\nHost: stall.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    return conn
+
+
+def _read_all(conn) -> bytes:
+    data = b""
+    try:
+        while chunk := conn.sock.recv(1 << 20):
+            data += chunk
+    except OSError:
+        pass
+    return data
+
+
+def _close_code(data: bytes) -> int | None:
+    """The status code of the close frame that ends what a client read (a short frame: its length
+    in the byte after the opcode)."""
+    for start in range(len(data) - 4, max(len(data) - 130, -1), -1):
+        if data[start] == 0x88 and start + 2 + data[start + 1] == len(data):
+            return int.from_bytes(data[start + 2:start + 4], "big")
+    return None
+
+
+def test_what_a_closed_connection_still_has_to_send_stays_charged_until_it_is_sent(gateway_with, origin):
+    """A WebSocket whose server sends one big message and closes: the gateway closes the client's
+    connection with the message still queued for a client that does not read. Those bytes left the
+    sandbox's buffer budget at the close and stayed in the worker until sent or aborted: a sandbox
+    closing 8 MB messages it never read kept a worker at 376-503 MiB against 116-121 (review 39).
+    Now they stay charged until the socket is gone: the same sandbox's next message finds no room
+    (1009, `buffer_budget`); once the first client is gone, the next one is relayed whole."""
+    size = 6_000_000
+    message = b"\x82\x7f" + size.to_bytes(8, "big") + b"M" * size
+    upstream = origin(answer=b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + _WS_ACCEPT + b"\r\n\r\n" + message
+                             + b"\x88\x02" + (1000).to_bytes(2, "big"))
+    gateway = gateway_with("egress_max_buffered_bytes_per_sandbox=8388608")
+    unread = _upgrade(gateway, rcvbuf=4096)
+    assert upstream.closed.wait(10)  # the gateway relayed the message and the close, and closed both sides
+    with _upgrade(gateway) as second:  # the same sandbox (its address), reading
+        data = _read_all(second)
+    assert len(data) < size and _close_code(data) == 1009, (len(data), data[-40:])
+    lines = [a for a in audit_for(gateway, second.client, 2) if a["event"] == "websocket"]
+    assert lines and lines[-1]["reason"] == "buffer_budget", lines
+    unread.sock.close()  # unread bytes: a reset, and the gateway's socket is gone
+
+    def relayed_whole() -> bool:
+        with _upgrade(gateway) as third:
+            data = _read_all(third)
+        return len(data) > size and _close_code(data) == 1000
+    wait_for(relayed_whole, 20, "the next message relayed whole once the unread one is gone")
 
 
 def test_an_endless_upstream_response_head_is_502(gateway_with, origin):
