@@ -139,6 +139,7 @@ SANDBOXES = {
     "revoke": (6, 18085, 15357, "80 443 22", "revoke"),
     "limited": (7, 18086, 15358, "80 443 22", "limited"),
     "neighbour": (8, 18086, 15358, "80 443 22", "limited"),
+    "capped": (9, 18087, 15359, "80 443 22", "capped"),
 }
 # The limited gateway's buckets: a burst of 4 new connections and 2 requests per sandbox, refilled
 # at one token per 1,000 s (the least the options take), so a test can count them out exactly.
@@ -148,7 +149,8 @@ LIMITED_ARGS = ["--set", "egress_max_new_connections_per_second_per_sandbox=0.00
                 "--set", "egress_request_burst_per_sandbox=2"]
 GATEWAYS = {"main": (MAIN_POLICY, 18181, []), "strict": (STRICT_POLICY, 18182, []),
             "multi": (MULTI_POLICY, 18183, []), "report": (REPORT_POLICY, 18184, []),
-            "revoke": (REVOKE_POLICY, 18185, []), "limited": (MAIN_POLICY, 18186, LIMITED_ARGS)}
+            "revoke": (REVOKE_POLICY, 18185, []), "limited": (MAIN_POLICY, 18186, LIMITED_ARGS),
+            "capped": (MAIN_POLICY, 18187, ["--set", "egress_max_upstream_connections_per_sandbox=1"])}
 
 
 @dataclass

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .clients import client_hello, read_tls_record, wait_closed
+from .clients import client_hello, http_exchange, http_request, read_tls_record, wait_closed
 from tests.support.topology import ALLOWED, OTHER, TCP_HOST, TCP_NAMED, dns_query
 
 pytestmark = pytest.mark.netns
@@ -141,3 +141,18 @@ def test_client_first_text_protocols_under_a_tcp_rule(topology, main, payload):
     assert lines, f"the gateway handled the connection without an audit line (got back {echoed!r})"
     assert echoed == payload, f"not relayed: got back {echoed!r}; audit: {lines}"
     assert topology.touched() == [f"{TCP_HOST}:22"]
+
+
+def test_a_raw_tcp_dial_over_the_sandbox_s_upstream_cap_is_refused_and_audited(topology, capped):
+    """The `capped` gateway allows each sandbox one upstream connection. With it held by a kept-alive
+    HTTP connection, a relay's dial is refused: nothing is dialled, the client's connection just
+    ends, and the audit line says why (a relay has no HTTP stream to answer with a 503)."""
+    mark = capped.audit_mark()
+    with topology.connect(capped.sandbox, ALLOWED, 80) as held:
+        (reply,) = http_exchange(held, [http_request("allowed.test", "/held")])
+        assert reply.status == 200  # its upstream stays open for the next request: the sandbox's one
+        assert_closed_promptly(topology, capped.sandbox, TCP_HOST, 22)
+    assert topology.server(f"{TCP_HOST}:22").connections == 0
+    lines = capped.audit_since(mark, reason="too_many_connections")
+    assert [(e["event"], e["decision"], e["original_destination"]) for e in lines] == [
+        ("connection", "deny", f"{TCP_HOST}:22")], lines
