@@ -14,29 +14,54 @@ fds held for > 30 s).
 `install()` replaces handle_connection with the same loop in which every await may be cancelled
 and the writer is closed, and the transport forgotten, in a `finally`. The writer's close flushes
 what was queued (an alert, a 400) and then closes the socket; the client handler ends (and
-`client_disconnected` releases the sandbox's count) only after this has run.
+`client_disconnected` releases the sandbox's count) only after this has run. A socket that lingers
+to send what was queued stays counted (`on_linger`) until it is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-
-from . import write_backlog
+import logging
+from collections.abc import Callable
 
 
 # A closed connection's socket goes on sending what was queued while its peer reads: at least
-# MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, and all of it within CLOSE_DRAIN_SECONDS plus what was
-# queued at MIN_DRAIN_RATE; else it is aborted (what the kernel already holds is still sent). The
-# close waits for the transport's buffer to drain with no deadline of its own: a peer that never
-# reads kept the socket (a descriptor and the queued bytes) for as long as it liked, after the
-# connection had been released from its sandbox's counts (review 38: one sandbox held 246 of a
-# worker's 256 descriptors while its count said 0). A flat 5 s deadline cut a WebSocket client
-# reading a 12 MB message at 1 MB/s at 8.2 MB (review 39): what a relay has queued at its close can
-# be megabytes. Meanwhile those bytes stay charged to the sandbox's buffer budget
-# (addons/write_backlog.py `closing`).
+# MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, else it is aborted (what the kernel already holds is
+# still sent). The close waits for the transport's buffer to drain with no deadline of its own: a
+# peer that never reads kept the socket (a descriptor and the queued bytes) for as long as it liked,
+# uncounted (review 38: one sandbox held 246 of a worker's 256 descriptors while its count said 0).
+# While it lingers, the socket stays counted against its sandbox: its descriptor (addons/limits.py)
+# and its bytes (addons/write_backlog.py), each told by a listener (`on_linger`). So a peer that
+# reads, however slowly, is not cut: a flat 5 s deadline cut a WebSocket client reading a 12 MB
+# message at 1 MB/s at 8.2 MB (review 39), an overall one at 5 s plus the queue at 1 MiB/s one
+# reading at 500 KB/s (review 40); the sandbox's budgets bound what its lingering sockets hold.
 CLOSE_DRAIN_SECONDS = 5.0
 MIN_DRAIN_BYTES = 64 * 1024
-MIN_DRAIN_RATE = 1024 * 1024  # bytes a second
+
+# name -> listener(handler, writer, gone): told that one of the handler's sockets lingers after its
+# close to send what was queued; `gone` is a future done once the socket is closed or aborted.
+_linger_listeners: dict[str, Callable] = {}
+
+
+def on_linger(name: str, listener: Callable) -> None:
+    """Register (or replace) what is told of lingering sockets."""
+    _linger_listeners[name] = listener
+
+
+def _lingers(handler, writer) -> None:
+    """The writer was just closed: if its socket lingers with bytes queued, tell the listeners and
+    abort it once its peer stops reading."""
+    transport = getattr(writer, "transport", None)
+    if transport is None or not transport.get_write_buffer_size():
+        return  # (closed at once)
+    gone = asyncio.ensure_future(writer.wait_closed())
+    gone.add_done_callback(lambda done: done.cancelled() or done.exception())  # (a reset: retrieved)
+    for name, listener in list(_linger_listeners.items()):
+        try:
+            listener(handler, writer, gone)
+        except Exception:
+            logging.getLogger("egress").exception("egress gateway: %s could not count a lingering socket", name)
+    _abort_if_still_draining(writer)
 
 
 def _abort_if_still_draining(writer) -> None:
@@ -45,13 +70,12 @@ def _abort_if_still_draining(writer) -> None:
     if not queued:
         return  # (closed at once)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + CLOSE_DRAIN_SECONDS + queued / MIN_DRAIN_RATE
 
     def check(before: int) -> None:
         left = transport.get_write_buffer_size()
         if not left:
             return
-        if before - left < MIN_DRAIN_BYTES or loop.time() >= deadline:
+        if before - left < MIN_DRAIN_BYTES:
             transport.abort()
         else:
             loop.call_later(CLOSE_DRAIN_SECONDS, check, left)
@@ -127,8 +151,7 @@ def install() -> None:
                     if transport is not None:
                         transport.abort()
                 else:
-                    write_backlog.closing(self, writer)
-                    _abort_if_still_draining(writer)
+                    _lingers(self, writer)
         if cancelled is not None:
             raise cancelled
 

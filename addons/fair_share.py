@@ -45,6 +45,7 @@ from mitmproxy.proxy import commands
 
 from gateway.fairshare import MAX_WAIT, LoopShare, ReadyOrder, yields_to
 
+from . import accept_gate
 from .options import declare
 
 ATTR = "_egress_share_key"
@@ -76,7 +77,7 @@ YIELDING_READ = 16384
 # it waits, goes back to its end.
 READY_SCAN = 64
 _order = ReadyOrder()
-_ACCEPT = selector_events.BaseSelectorEventLoop._accept_connection  # the listening socket's callback
+_ACCEPT = accept_gate.ACCEPT_CALLBACKS  # the listening socket's callback (asyncio's, or the gated one)
 _SETUP_CODE: list = [None]  # the code of keyed_accept_connection (install)
 _light: list = [-1.0, None]  # when a callback of a sandbox within its share last ended, and that sandbox
 _serving: contextvars.ContextVar = contextvars.ContextVar("egress_serving", default=None)  # a _Serving
@@ -211,7 +212,7 @@ def _setting_up(handle) -> bool:
     the callbacks of a connection already closed; the gateway's timers) went first too, uncharged
     and unbounded but by MAX_SET_ASIDE, the heavy sandbox's own decodes among them (a review)."""
     callback = handle._callback
-    if getattr(callback, "__func__", None) is _ACCEPT:
+    if getattr(callback, "__func__", None) in _ACCEPT:
         return True
     task = getattr(callback, "__self__", None)
     if isinstance(task, asyncio.Task):
@@ -223,7 +224,7 @@ def _setting_up(handle) -> bool:
 def _is_accept(handle) -> bool:
     """Whether a selector's reader callback is a listening socket's accept (not cancelled)."""
     return (handle is not None and not handle._cancelled
-            and getattr(handle._callback, "__func__", None) is _ACCEPT)
+            and getattr(handle._callback, "__func__", None) in _ACCEPT)
 
 
 def _lighter_ready(ready, handler, key, load: float) -> bool:

@@ -23,7 +23,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.session import PASSTHROUGH
 from gateway.sockets import SocketLedger, worker_limit_for
 
-from . import conn_close, gc_freeze
+from . import accept_gate, conn_close, gc_freeze
 from .audit_fields import connection_fields
 from .options import declare
 from .refusals import UPSTREAM_OVER_BUDGET
@@ -31,7 +31,16 @@ from .state import GatewayState
 
 
 def _open_files() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """The worker's open-file limit, its soft limit raised to the hard one first (as Go's runtime
+    and nginx's `worker_rlimit_nofile` do): a shell's default soft limit of 1,024 would leave a
+    worker 760 sockets to share out while the system allows many more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # (an infinite hard limit the kernel caps lower: keep the soft one)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
@@ -44,12 +53,16 @@ def _relays(conn) -> bool:
 class ConnectionLimiter:
     def __init__(self, state: GatewayState):
         conn_close.install()  # a connection is released only after its socket is closed
+        conn_close.on_linger("socket budget", self._lingers)
+        accept_gate.install()  # ...and counted, or refused, as soon as it is accepted
         self.state = state
         self.open: Counter[str] = Counter()
         self._keys: dict[str, str] = {}
         self.sockets = SocketLedger(worker_limit_for(_open_files()))
         self._upstreams: dict[str, tuple[str, str]] = {}  # server connection id -> (sandbox key, client id)
         self._client_upstreams: dict[str, set[str]] = {}  # client id -> its server connections counted
+        accept_gate.set_gate(accept_gate.Gate(self._accept_refusal, self._counted_ahead, self._uncounted,
+                                              self._refused_at_accept))
 
     def load(self, loader):
         declare(loader, "egress_max_connections_per_sandbox", "egress_max_idle_upstreams_per_connection",
@@ -62,7 +75,22 @@ class ConnectionLimiter:
     def _key(self, conn) -> str:
         return self.state.sandbox_key(conn)
 
+    def _accept_refusal(self, peername: tuple) -> tuple[str, str | None]:
+        """(the sandbox, why it may not hold another socket now) for a connection being accepted."""
+        key = self.state.sandbox_key_of_peer(peername)
+        return key, self.sockets.client_refusal(key)
+
+    def _counted_ahead(self, key: str) -> None:
+        self.sockets.opened(key, upstream=False)
+
+    def _uncounted(self, key: str) -> None:
+        self.sockets.closed(key, upstream=False)
+
+    def _refused_at_accept(self, peername: tuple, refusal: str) -> None:
+        self._record_refusal(self.state.session_of_peer(peername), Decision.deny("too_many_connections", refusal))
+
     def client_connected(self, client):
+        accept_gate.claim(client.peername)  # (counted since its accept: counted here from now on)
         conn = self.state.connection(client.id, client.peername)
         key = self._key(conn)
         limit = ctx.options.egress_max_connections_per_sandbox
@@ -118,6 +146,20 @@ class ConnectionLimiter:
         sandbox = self.state.scope(conn).sandbox if self.state.engine is not None else None  # None: null
         self.state.record(event="connection", **connection_fields(conn, sandbox),
                           **verdict_fields(refusal, status_sent=False))
+
+    def _lingers(self, handler, writer, gone) -> None:
+        """One of the connection's sockets, closed, still sends what was queued (addons/conn_close.py):
+        its descriptor stays counted against the sandbox until it is gone. Released with its
+        connection, four sandboxes whose clients never read took a worker to EMFILE (review 40)."""
+        client = handler.client
+        key = self._keys.get(client.id)
+        if key is None:
+            conn = self.state.connections.get(client.id)
+            if conn is None:
+                return
+            key = self._key(conn)
+        self.sockets.lingers(key)
+        gone.add_done_callback(lambda _: self.sockets.gone(key))
 
     def server_connect_error(self, data) -> None:
         self._release(data.server.id)

@@ -64,6 +64,8 @@ PATCHES: tuple[Patch, ...] = (
           "time every callback the loop runs, to charge it to a sandbox"),
     Patch("asyncio.selector_events:BaseSelectorEventLoop._process_events", "addons.fair_share",
           "count the loop's turns for the share's clock"),
+    Patch("asyncio.selector_events:BaseSelectorEventLoop._accept_connection", "addons.accept_gate",
+          "count each accepted connection against its sandbox's sockets at once, or refuse it there (EMFILE)"),
     Patch("asyncio.selector_events:BaseSelectorEventLoop._accept_connection2", "addons.fair_share",
           "an accepted connection's setup is charged to its sandbox"),
     Patch("mitmproxy.proxy.layer:Layer.__init__", "addons.layer_memory",

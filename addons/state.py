@@ -242,7 +242,14 @@ class GatewayState:
 
     def sandbox_key_of_peer(self, peername: tuple | None) -> str:
         """`sandbox_key` for a client known only by its peer address (a connection being accepted)."""
-        return self.sandbox_key(ClientSession("?", "regular", _peer_address(peername)))
+        return self.sandbox_key(self.session_of_peer(peername))
+
+    @staticmethod
+    def session_of_peer(peername: tuple | None) -> ClientSession:
+        """A session for a connection known only by its peer address, not registered (one refused
+        as it is accepted, before mitmproxy has a client for it)."""
+        peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+        return ClientSession(peer, "regular", _peer_address(peername))
 
     def scope(self, conn: ClientSession | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a

@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from . import conn_close
+
 _state = None  # the GatewayState of the running gateway (install)
 ATTR = "_egress_write_backlog"
 
@@ -46,19 +48,26 @@ def _writers(handler) -> list:
     return found
 
 
+PIECE_COST = 64  # what one queued write costs besides its bytes: the object's header, its deque slot
+
+
 def _size(writer) -> int:
-    """The memory the writer's transport holds: what it has still to send, and the rest of the
-    object its first queued piece is part of. asyncio keeps a partly sent write as a memoryview of
-    it (`_buffer`, Python 3.12), so the whole object lives until its last byte is sent: with 5.2 MB
-    of an 8 MB message left, 8 MB are held (review 39's churn held 1.5x what was charged). Only the
-    first piece can be such a slice (one made at a partial send), so this stays O(1)."""
+    """The memory the writer's transport holds: what it has still to send, each queued write's own
+    cost, and the rest of the object its first queued piece is part of. asyncio keeps a partly sent
+    write as a memoryview of it (`_buffer`, Python 3.12), so the whole object lives until its last
+    byte is sent: with 5.2 MB of an 8 MB message left, 8 MB are held (review 39's churn held 1.5x
+    what was charged). Only the first piece can be such a slice (one made at a partial send), so
+    this stays O(1) beyond asyncio's own sum. Empty WebSocket messages were charged 2 bytes each for
+    ~56 held (review 40)."""
     try:
         transport = writer.transport
         queued = transport.get_write_buffer_size()
         buffer = getattr(transport, "_buffer", None) if queued else None
-        first = buffer[0] if buffer else None
-        if isinstance(first, memoryview) and isinstance(first.obj, (bytes, bytearray)):
-            queued += len(first.obj) - first.nbytes
+        if buffer:
+            queued += PIECE_COST * len(buffer)
+            first = buffer[0]
+            if isinstance(first, memoryview) and isinstance(first.obj, (bytes, bytearray)):
+                queued += len(first.obj) - first.nbytes
         return queued
     except Exception:  # a transport being torn down
         return 0
@@ -162,15 +171,15 @@ async def _drained(handler, account) -> None:
         setattr(handler, ATTR + "_task", None)
 
 
-CLOSING_UPDATE_SECONDS = 0.5  # how often a closing transport's charge follows what it still holds
+CLOSING_UPDATE_SECONDS = 0.5  # how often a lingering socket's charge follows what it still holds
 _closing_tasks: set[asyncio.Task] = set()  # (the loop keeps only weak references to tasks)
 
 
-def closing(handler, writer) -> None:
-    """`writer`, one of the handler's transports, was just closed with bytes queued: they stay
-    charged to the client's sandbox until they are sent or the socket is gone."""
+def closing(handler, writer, gone: asyncio.Future) -> None:
+    """`writer`, one of the handler's transports, was closed with bytes queued (addons/conn_close.py
+    tells, `on_linger`): they stay charged to the client's sandbox until the socket is `gone`."""
     state = _state
-    queued = _size(writer) if getattr(writer, "transport", None) is not None else 0
+    queued = _size(writer)
     if state is None or not queued:
         return
     backlog = getattr(handler, ATTR, None)
@@ -181,18 +190,16 @@ def closing(handler, writer) -> None:
         sandbox = state.sandbox_key(state.connections.get(handler.client.id))
     account = state.buffers.account(f"{handler.client.id}/closing", sandbox)
     account.hold(queued)
-    task = asyncio.ensure_future(_closing_drained(writer, account))
+    task = asyncio.ensure_future(_closing_drained(writer, account, gone))
     _closing_tasks.add(task)
     task.add_done_callback(_closing_tasks.discard)
 
 
-async def _closing_drained(writer, account) -> None:
-    """Follow what the closed transport still holds until its socket is gone."""
-    closed = asyncio.ensure_future(writer.wait_closed())
-    closed.add_done_callback(lambda done: done.cancelled() or done.exception())  # (a reset: retrieved)
+async def _closing_drained(writer, account, gone: asyncio.Future) -> None:
+    """Follow what the lingering socket still holds until it is gone."""
     try:
-        while not closed.done():
-            await asyncio.wait({closed}, timeout=CLOSING_UPDATE_SECONDS)
+        while not gone.done():
+            await asyncio.wait({gone}, timeout=CLOSING_UPDATE_SECONDS)
             account.release(max(account.held - _size(writer), 0), freed=False)
     finally:
         account.release(freed=False)  # (freed by reference counting: no collection needed)
@@ -203,6 +210,7 @@ def install(state) -> None:
     """Wrap ConnectionHandler.server_event once; `state` is the gateway whose ledger is charged."""
     global _state
     _state = state
+    conn_close.on_linger("buffer budget", closing)
     from mitmproxy.proxy import server
 
     original = server.ConnectionHandler.server_event

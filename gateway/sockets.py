@@ -1,5 +1,6 @@
-"""The sockets each sandbox holds on a worker: its client connections and the upstream connections
-made for them, against the worker's open-file limit.
+"""The sockets each sandbox holds on a worker: its client connections, the upstream connections
+made for them, and their closed sockets still sending what was queued, against the worker's
+open-file limit.
 
 Every connection is a file descriptor, and a worker has a fixed number of them (RLIMIT_NOFILE).
 When they ran out, `accept()` failed for every sandbox (asyncio then stops accepting on that
@@ -11,9 +12,9 @@ So:
 - a sandbox's upstream connections have a cap of their own (`upstream_limit`), like its client
   connections;
 - a worker shares out its open-file limit less a reserve for its own files (audit log, listeners,
-  the event loop's: `hard`). From SHARE_FROM of that on (`soft`), a sandbox holding at least its even
-  share of `soft` (`soft` / the sandboxes holding any) opens no more, so the sandbox holding the most
-  is refused first; at `hard` nobody opens another. A first version had no `hard`: sandboxes under
+  the event loop's: `hard`). From SHARE_FROM of that on (`soft`), a sandbox holding at least its
+  even share of `soft` (`soft` / the sandboxes holding any) opens no more, so the sandbox holding
+  the most is refused first; at `hard` nobody opens another. A first version had no `hard`: sandboxes under
   their share went on opening past the limit, and with two sandboxes at 1,024 open files (three
   at 4,096) the worker hit EMFILE and served nobody (review 38). What it cannot do is make room:
   sandboxes that together hold `hard` keep the rest out (refused, not failed) until they let go, so
@@ -28,7 +29,7 @@ from collections import Counter
 from collections.abc import Hashable
 
 # Of the open-file limit, what is kept back for the worker's own files (audit log, listeners, the
-# event loop's, a refused connection's accept).
+# event loop's, a connection being refused as it is accepted: addons/accept_gate.py).
 RESERVE_FRACTION = 0.05
 MIN_RESERVE = 64
 SHARE_FROM = 0.8  # of what is shared out: from there on, a sandbox over its even share opens no more
@@ -47,6 +48,7 @@ class SocketLedger:
         self.upstream_limit = max(0, int(upstream_limit))  # per sandbox; 0: none
         self.clients: Counter[Hashable] = Counter()
         self.upstreams: Counter[Hashable] = Counter()
+        self.lingering: Counter[Hashable] = Counter()  # closed, still sending what was queued
         self._held: Counter[Hashable] = Counter()  # clients + upstreams, only sandboxes holding any
         self.total = 0
 
@@ -82,12 +84,26 @@ class SocketLedger:
                 f"holds {self.held(key)}, at least its share of them")
 
     def opened(self, key: Hashable, upstream: bool) -> None:
-        (self.upstreams if upstream else self.clients)[key] += 1
+        self._add(self.upstreams if upstream else self.clients, key)
+
+    def closed(self, key: Hashable, upstream: bool) -> None:
+        self._remove(self.upstreams if upstream else self.clients, key)
+
+    def lingers(self, key: Hashable) -> None:
+        """A closed socket of the sandbox still sends what was queued: it holds its descriptor until
+        it is gone (`gone`). Counted apart from its connections: it is one no more, yet it is a file
+        (review 40: four sandboxes' lingering sockets took a worker to EMFILE, none counted)."""
+        self._add(self.lingering, key)
+
+    def gone(self, key: Hashable) -> None:
+        self._remove(self.lingering, key)
+
+    def _add(self, counter: Counter, key: Hashable) -> None:
+        counter[key] += 1
         self._held[key] += 1
         self.total += 1
 
-    def closed(self, key: Hashable, upstream: bool) -> None:
-        counter = self.upstreams if upstream else self.clients
+    def _remove(self, counter: Counter, key: Hashable) -> None:
         if counter.get(key, 0) <= 0:
             return
         counter[key] -= 1

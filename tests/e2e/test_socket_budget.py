@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import socket
 
-from tests.e2e.helpers import Conn, H2Client, get, start_tls, tls_tunnel
+from tests.e2e.helpers import Conn, H2Client, extra_static_hosts, get, start_tls, tls_tunnel
+from tests.support.tcp_origin import start_accepting
 from tests.support.gateway import GatewayProcess
 from tests.support.waiting import wait_for
 from tests.conftest import policy_text
@@ -146,3 +147,108 @@ def test_a_closed_connection_whose_peer_never_reads_lets_go_of_its_socket(start_
         wait_for(lambda: _open_files(pid) <= before, 30, "the gateway's sockets of the cut connection closed")
     finally:
         sock.close()
+
+
+class _OneMessageWebSocket:
+    """An origin that answers every upgrade with 101, one `size`-byte binary message and a close
+    frame, then waits for the gateway to close its side."""
+
+    ACCEPT = b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo="  # for the sample key of RFC 6455
+
+    def __init__(self, address: str, size: int) -> None:
+        self.answer = (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                       b"Sec-WebSocket-Accept: " + self.ACCEPT + b"\r\n\r\n"
+                       + b"\x82\x7f" + size.to_bytes(8, "big") + b"W" * size + b"\x88\x02" + (1000).to_bytes(2, "big"))
+        self._stopped = False
+        self._sock = socket.create_server((address, 0))
+        self.port = self._sock.getsockname()[1]
+        start_accepting(self._sock, self._serve, lambda: self._stopped)
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                head = b""
+                while b"\r\n\r\n" not in head and (piece := conn.recv(4096)):
+                    head += piece
+                conn.sendall(self.answer)
+                while conn.recv(65536):
+                    pass
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._sock.close()
+
+
+def _upgrade(gateway, source: str, origin: _OneMessageWebSocket, rcvbuf: int | None = None) -> socket.socket:
+    """A connection from `source` that asked the origin for a WebSocket; `rcvbuf` (set before the
+    connect, so the window it offers stays small): a client that barely reads."""
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect((gateway.host, gateway.port))
+    sock.sendall(f"GET http://ws.test:{origin.port}/ws HTTP/1.1\r\nHost: ws.test:{origin.port}\r\n"
+                 "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                 "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+    return sock
+
+
+def _disconnected(gateway, source: str) -> int:
+    """How many of `source`'s connections the gateway's log shows closed (the handler ended: its
+    counts released)."""
+    return sum(1 for line in gateway.log().splitlines() if f"[{source}:" in line and line.endswith("] client disconnect"))
+
+
+def _upgraded(sock: socket.socket) -> bool:
+    with sock:
+        try:
+            return sock.recv(12) == b"HTTP/1.1 101"
+        except OSError:
+            return False
+
+
+def test_a_closed_socket_still_sending_counts_against_its_sandbox_s_share_until_it_is_gone(tmp_path, pki, upstreams):
+    """A socket the gateway closed with bytes still queued lingers until its peer has read them (or
+    stops reading for CLOSE_DRAIN_SECONDS): it was released from its sandbox's count at the close,
+    and four sandboxes whose clients never read took a worker to EMFILE (review 40: accept() failed
+    for everyone, a neighbour's p99 0.1 -> 1 s). A worker with 80 open files shares out 16 sockets,
+    from 12 on only to sandboxes under their share: sandbox A leaves 4 WebSockets lingering (a
+    server's 8 MB message it never reads), so its 10 idle connections pass the 12 and the last ones
+    are closed at accept (uncounted, the lingering sockets let all 10 in); B, holding none, is
+    still served; once A's clients are gone, A is served again. (The steps after
+    the WebSockets' close take well under CLOSE_DRAIN_SECONDS, 5 s, after which the lingering
+    sockets are aborted.)"""
+    origin = _OneMessageWebSocket(f"{upstreams.block}.214", 8_000_000)
+    rules = f"- id: ws\n  hosts: [ws.test]\n  schemes: [http]\n  ports: [{origin.port}]\n"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_text(upstreams, rules, extra_static_hosts({"ws.test": f"{upstreams.block}.214"})))
+    gateway = GatewayProcess(policy, tmp_path / "gw", upstream_ca=pki.ca_cert,
+                             command_prefix=["prlimit", "--nofile=80:80", "--"])
+    gateway.start()
+    hog, light = f"{upstreams.block}.204", f"{upstreams.block}.205"
+    lingering = [_upgrade(gateway, hog, origin, rcvbuf=4096) for _ in range(4)]
+    held: list[Conn] = []
+    try:
+        wait_for(lambda: _disconnected(gateway, hog) == 4, 10, "the gateway closed the four WebSockets (released them)")
+        gateway.mark()
+        for _ in range(10):
+            held.append(_connect(gateway, hog))
+        lines = gateway.audit_lines(since=gateway.audit_mark, count=2, reason="too_many_connections")
+        assert all(line["client"].startswith(hog + ":") and "share" in line["message"] for line in lines), lines
+        assert _closed_without_a_byte(held[9])
+        assert _upgraded(_upgrade(gateway, light, origin))
+    finally:
+        for sock in lingering:
+            sock.close()  # unread bytes: a reset, and the lingering sockets are gone
+        for conn in held:
+            conn.sock.close()
+    try:
+        wait_for(lambda: _upgraded(_upgrade(gateway, hog, origin)), 20,
+                 "A served again once its lingering sockets are gone")
+        assert "Too many open files" not in gateway.log()
+    finally:
+        gateway.stop()
+        origin.stop()

@@ -65,3 +65,24 @@ def test_the_worker_never_holds_more_than_it_shares_out_and_one_under_its_share_
         assert ledger.total <= limit
         assert ledger.total == sum(ledger.held(k) for k in "abcd")
         assert ledger.total == sum(ledger.clients.values()) + sum(ledger.upstreams.values())
+
+
+def test_a_lingering_socket_counts_against_its_sandbox_s_share_until_it_is_gone():
+    """A closed socket still sending what was queued is a file until it is gone: released with its
+    connection, four sandboxes whose clients never read took a worker to EMFILE (review 40). It
+    counts towards the worker's share, not towards the sandbox's upstream cap (it is no connection)."""
+    ledger = SocketLedger(worker_limit=10, upstream_limit=1)
+    for _ in range(8):
+        ledger.opened("reader-never", upstream=False)
+        ledger.lingers("reader-never")  # its connection's close: the socket lingers...
+        ledger.closed("reader-never", upstream=False)  # ...after the connection is released
+    assert ledger.total == 8 and ledger.held("reader-never") == 8 and not ledger.clients
+    assert "share" in ledger.client_refusal("reader-never")
+    assert ledger.upstream_refusal("other") is None
+    ledger.opened("other", upstream=True)
+    ledger.opened("other", upstream=False)
+    assert "all taken" in ledger.client_refusal("third")
+    for _ in range(8):
+        ledger.gone("reader-never")
+    ledger.gone("reader-never")  # (one too many changes nothing)
+    assert ledger.total == 2 and ledger.held("reader-never") == 0 and ledger.client_refusal("third") is None

@@ -1,0 +1,122 @@
+"""A connection is counted against its sandbox's sockets the moment it is accepted, and refused there.
+
+asyncio's listening socket accepts up to 100 connections at each poll (selector_events 3.12,
+`_accept_connection`), and a connection was counted in the worker's socket ledger (gateway/sockets.py)
+only once its setup reached `client_connected`, a poll or more later. Sandboxes opening connections as
+fast as they were refused kept hundreds accepted ahead of the count: eight sandboxes took a worker with
+1,024 open files to EMFILE (review 40: accept() then fails and asyncio stops accepting for a second,
+for every sandbox; 240 tracebacks in 15 s, a neighbour's p99 1.9 s), whatever reserve was kept.
+
+`install()` replaces the accept loop with the same loop that asks `gate(peername)` for every socket
+it accepts: None counts it at once (the connection's setup, `claim`, takes the count over), a reason
+closes it before anything else is made for it (no transport, no task, no handler), and `refused`
+writes its audit line. A count whose connection never reaches `claim` (its setup failed) is given
+back when its socket object goes. Only the proxy's own listeners are asyncio's in the gateway (the
+metrics and control servers are threads'), so every asyncio accept is gated once a gate is set.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import weakref
+from asyncio import constants, selector_events
+from collections.abc import Callable
+
+_ORIGINAL = selector_events.BaseSelectorEventLoop._accept_connection
+
+
+class Gate:
+    """What the accept loop asks (`admit`) and what a connection's setup tells (`claim`)."""
+
+    def __init__(self, refusal: Callable[[tuple], tuple[str, str | None]],
+                 count: Callable[[str], None], uncount: Callable[[str], None],
+                 refused: Callable[[tuple, str], None]):
+        self._refusal = refusal  # peername -> (sandbox key, why it may not connect now or None)
+        self._count, self._uncount, self._refused = count, uncount, refused
+        self._ahead: dict[tuple, tuple[str, object]] = {}  # peername -> (key, token): counted, not claimed
+
+    def admit(self, conn, addr) -> bool:
+        peer = tuple(addr[:2])
+        key, refusal = self._refusal(peer)
+        if refusal is not None:
+            self._refused(peer, refusal)
+            return False
+        token = object()
+        self._ahead[peer] = (key, token)
+        self._count(key)
+        weakref.finalize(conn, self._never_claimed, peer, token)
+        return True
+
+    def claim(self, peername) -> None:
+        """The connection from `peername` reached its setup: its count is the setup's now."""
+        if peername:
+            entry = self._ahead.pop(tuple(peername[:2]), None)
+            if entry is not None:
+                self._uncount(entry[0])
+
+    def _never_claimed(self, peer: tuple, token: object) -> None:
+        entry = self._ahead.get(peer)
+        if entry is not None and entry[1] is token:
+            del self._ahead[peer]
+            self._uncount(entry[0])
+
+    @property
+    def ahead(self) -> int:
+        return len(self._ahead)
+
+
+_gate: Gate | None = None
+
+
+def set_gate(gate: Gate | None) -> None:
+    global _gate
+    _gate = gate
+
+
+def claim(peername) -> None:
+    if _gate is not None:
+        _gate.claim(peername)
+
+
+def gated_accept_connection(self, protocol_factory, sock, sslcontext=None, server=None, backlog=100,
+                            ssl_handshake_timeout=constants.SSL_HANDSHAKE_TIMEOUT,
+                            ssl_shutdown_timeout=constants.SSL_SHUTDOWN_TIMEOUT):
+    """asyncio 3.12's `_accept_connection`, each accepted socket admitted by the gate first."""
+    gate = _gate
+    if gate is None:
+        return _ORIGINAL(self, protocol_factory, sock, sslcontext, server, backlog,
+                         ssl_handshake_timeout, ssl_shutdown_timeout)
+    for _ in range(backlog):
+        try:
+            conn, addr = sock.accept()
+            conn.setblocking(False)
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise  # the event loop logs and ignores it
+            logging.getLogger("egress").warning("egress gateway: accept() failed (%s); accepting again in %ss",
+                                                exc, constants.ACCEPT_RETRY_DELAY)
+            self._remove_reader(sock.fileno())
+            self.call_later(constants.ACCEPT_RETRY_DELAY, self._start_serving, protocol_factory, sock, sslcontext,
+                            server, backlog, ssl_handshake_timeout, ssl_shutdown_timeout)
+            return None
+        try:
+            admitted = gate.admit(conn, addr)
+        except Exception:  # fail closed: a connection the gate could not decide is not served
+            logging.getLogger("egress").exception("egress gateway: could not decide an accepted connection")
+            admitted = False
+        if not admitted:
+            conn.close()
+            continue
+        self.create_task(self._accept_connection2(protocol_factory, conn, {"peername": addr}, sslcontext, server,
+                                                  ssl_handshake_timeout, ssl_shutdown_timeout))
+    return None
+
+
+ACCEPT_CALLBACKS = frozenset({_ORIGINAL, gated_accept_connection})  # a listening socket's callback
+
+
+def install() -> None:
+    selector_events.BaseSelectorEventLoop._accept_connection = gated_accept_connection
