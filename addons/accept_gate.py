@@ -11,7 +11,7 @@ for every sandbox; 240 tracebacks in 15 s, a neighbour's p99 1.9 s), whatever re
 it accepts: None counts it at once (the connection's setup, `claim`, takes the count over), a reason
 closes it before anything else is made for it (no transport, no task, no handler), and `refused`
 writes its audit line. A count whose connection never reaches `claim` (its setup failed) is given
-back when its socket object goes. Only the proxy's own listeners are asyncio's in the gateway (the
+back when its socket object goes, or when the kernel gives its descriptor to another socket. Only the proxy's own listeners are asyncio's in the gateway (the
 metrics and control servers are threads'), so every asyncio accept is gated once a gate is set.
 """
 
@@ -34,31 +34,38 @@ class Gate:
                  refused: Callable[[tuple, str], None]):
         self._refusal = refusal  # peername -> (sandbox key, why it may not connect now or None)
         self._count, self._uncount, self._refused = count, uncount, refused
-        self._ahead: dict[tuple, tuple[str, object]] = {}  # peername -> (key, token): counted, not claimed
+        # The sockets counted and not claimed yet, by file descriptor: the one thing two of them open
+        # at once cannot share. By peer address, a sandbox reconnecting from the same port before
+        # the first connection's setup claimed it made the two share one entry, and one count was
+        # never given back (review 41: 340 of a worker's 448 held for good, by no socket).
+        self._ahead: dict[int, tuple[str, object]] = {}  # fd -> (sandbox key, token)
 
     def admit(self, conn, addr) -> bool:
-        peer = tuple(addr[:2])
-        key, refusal = self._refusal(peer)
+        fd = conn.fileno()
+        stale = self._ahead.pop(fd, None)
+        if stale is not None:  # the kernel gave its number again: that socket is closed, never claimed
+            self._uncount(stale[0])
+        key, refusal = self._refusal(tuple(addr[:2]))
         if refusal is not None:
-            self._refused(peer, refusal)
+            self._refused(tuple(addr[:2]), refusal)
             return False
         token = object()
-        self._ahead[peer] = (key, token)
+        self._ahead[fd] = (key, token)
         self._count(key)
-        weakref.finalize(conn, self._never_claimed, peer, token)
+        weakref.finalize(conn, self._never_claimed, fd, token)
         return True
 
-    def claim(self, peername) -> None:
-        """The connection from `peername` reached its setup: its count is the setup's now."""
-        if peername:
-            entry = self._ahead.pop(tuple(peername[:2]), None)
-            if entry is not None:
-                self._uncount(entry[0])
+    def claim(self, fd: int | None) -> None:
+        """The connection on socket `fd` reached its setup: its count is the setup's now."""
+        entry = self._ahead.pop(fd, None) if fd is not None else None
+        if entry is not None:
+            self._uncount(entry[0])
 
-    def _never_claimed(self, peer: tuple, token: object) -> None:
-        entry = self._ahead.get(peer)
+    def _never_claimed(self, fd: int, token: object) -> None:
+        """The socket object is gone, never claimed (its setup failed): its count goes with it."""
+        entry = self._ahead.get(fd)
         if entry is not None and entry[1] is token:
-            del self._ahead[peer]
+            del self._ahead[fd]
             self._uncount(entry[0])
 
     @property
@@ -74,9 +81,15 @@ def set_gate(gate: Gate | None) -> None:
     _gate = gate
 
 
-def claim(peername) -> None:
-    if _gate is not None:
-        _gate.claim(peername)
+def claim(handler) -> None:
+    """`handler`'s client connection reached its setup (addons/limits.py `client_connected`)."""
+    if _gate is None or handler is None:
+        return
+    io = handler.transports.get(handler.client)
+    writer = getattr(io, "writer", None)
+    sock = writer.get_extra_info("socket") if hasattr(writer, "get_extra_info") else None
+    if sock is not None:  # (a transparent client is mitmproxy_rs's stream: never gated)
+        _gate.claim(sock.fileno())
 
 
 def gated_accept_connection(self, protocol_factory, sock, sslcontext=None, server=None, backlog=100,

@@ -23,7 +23,7 @@ from gateway.decision import Decision, verdict_fields
 from gateway.session import PASSTHROUGH
 from gateway.sockets import SocketLedger, worker_limit_for
 
-from . import accept_gate, conn_close, gc_freeze
+from . import accept_gate, conn_close, fair_share, gc_freeze
 from .audit_fields import connection_fields
 from .options import declare
 from .refusals import UPSTREAM_OVER_BUDGET
@@ -90,7 +90,7 @@ class ConnectionLimiter:
         self._record_refusal(self.state.session_of_peer(peername), Decision.deny("too_many_connections", refusal))
 
     def client_connected(self, client):
-        accept_gate.claim(client.peername)  # (counted since its accept: counted here from now on)
+        accept_gate.claim(fair_share.serving())  # (counted since its accept: counted here from now on)
         conn = self.state.connection(client.id, client.peername)
         key = self._key(conn)
         limit = ctx.options.egress_max_connections_per_sandbox
