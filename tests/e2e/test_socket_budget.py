@@ -83,11 +83,9 @@ def test_a_refused_dial_does_not_stick_to_its_destination_on_an_http2_connection
         waiting.conn.close()
 
 
-def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no_more(tmp_path, pki, upstreams):
-    """A worker with 200 open files shares out 136 sockets (less a reserve of 64), and from 108
-    (80%) on only to sandboxes under their share: sandbox A holds 108 idle connections; its next
-    ones are closed at accept, while B, holding none, is still served (a connection and its
-    upstream dial)."""
+def _worker_with_200_files(tmp_path, pki, upstreams) -> tuple[str, GatewayProcess]:
+    """(the one allowed name, a started gateway whose worker has 200 open files: 136 shared out,
+    from 108 on only to sandboxes under their share), with connection rates that never refuse."""
     name = next(iter(upstreams.plain))
     policy = tmp_path / "policy.yaml"
     policy.write_text(policy_text(upstreams, _rules([name])))
@@ -95,7 +93,15 @@ def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no
                              command_prefix=["prlimit", "--nofile=200:200", "--"],
                              extra_args=["--set", "egress_new_connection_burst_per_sandbox=1000",
                                          "--set", "egress_max_new_connections_per_second_per_sandbox=1000"])
-    gateway.start()
+    return name, gateway.start()
+
+
+def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no_more(tmp_path, pki, upstreams):
+    """A worker with 200 open files shares out 136 sockets (less a reserve of 64), and from 108
+    (80%) on only to sandboxes under their share: sandbox A holds 108 idle connections; its next
+    ones are closed at accept, while B, holding none, is still served (a connection and its
+    upstream dial)."""
+    name, gateway = _worker_with_200_files(tmp_path, pki, upstreams)
     held: list[Conn] = []
     try:
         hog, light = f"{upstreams.block}.202", f"{upstreams.block}.203"
@@ -261,14 +267,7 @@ def test_connections_accepted_in_one_burst_are_counted_as_they_are_accepted(tmp_
     Now each is counted, or refused and closed, as it is accepted: four sandboxes opening 400
     connections, 100 at once (what the listening socket queues), against a worker with 200 open
     files (136 shared out) leave it short of none, and a fifth sandbox is served."""
-    name = next(iter(upstreams.plain))
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(policy_text(upstreams, _rules([name])))
-    gateway = GatewayProcess(policy, tmp_path / "gw", upstream_ca=pki.ca_cert,
-                             command_prefix=["prlimit", "--nofile=200:200", "--"],
-                             extra_args=["--set", "egress_new_connection_burst_per_sandbox=1000",
-                                         "--set", "egress_max_new_connections_per_second_per_sandbox=1000"])
-    gateway.start()
+    name, gateway = _worker_with_200_files(tmp_path, pki, upstreams)
     sources = [f"{upstreams.block}.{206 + i}" for i in range(4)]
 
     def refusals() -> int:
