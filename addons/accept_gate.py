@@ -88,7 +88,7 @@ def claim(handler) -> None:
     io = handler.transports.get(handler.client)
     writer = getattr(io, "writer", None)
     sock = writer.get_extra_info("socket") if hasattr(writer, "get_extra_info") else None
-    if sock is not None:  # (a transparent client is mitmproxy_rs's stream: never gated)
+    if sock is not None:  # (a client of mitmproxy_rs's modes has no socket here: never gated)
         _gate.claim(sock.fileno())
 
 
