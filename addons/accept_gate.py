@@ -86,9 +86,11 @@ def claim(handler) -> None:
     if _gate is None or handler is None:
         return
     io = handler.transports.get(handler.client)
-    writer = getattr(io, "writer", None)
-    sock = writer.get_extra_info("socket") if hasattr(writer, "get_extra_info") else None
-    if sock is not None:  # (a client of mitmproxy_rs's modes has no socket here: never gated)
+    try:
+        sock = io.writer.get_extra_info("socket")
+    except (AttributeError, KeyError):  # a mitmproxy_rs stream (DNS, WireGuard, local modes): never gated
+        return
+    if sock is not None:
         _gate.claim(sock.fileno())
 
 

@@ -84,3 +84,25 @@ def test_a_refused_socket_is_neither_counted_nor_kept():
     for a, b in pairs:
         a.close()
         b.close()
+
+
+def test_a_client_of_a_mode_without_an_asyncio_socket_is_not_claimed_and_nothing_fails(monkeypatch):
+    """mitmproxy_rs's streams (DNS mode's connections, WireGuard, local) raise KeyError for an extra
+    they do not have: the claim raised in client_connected, and at start-up that stopped the gateway
+    (every DNS-mode test in a CI rehearsal)."""
+    from types import SimpleNamespace
+
+    from addons import accept_gate
+
+    class _RustStream:
+        def get_extra_info(self, name):
+            raise KeyError(name)
+
+    ledger = _Ledger()
+    monkeypatch.setattr(accept_gate, "_gate", ledger.gate())
+    client = object()
+    handler = SimpleNamespace(client=client, transports={client: SimpleNamespace(writer=_RustStream())})
+    accept_gate.claim(handler)
+    accept_gate.claim(SimpleNamespace(client=client, transports={}))  # (no transport any more)
+    accept_gate.claim(None)
+    assert not ledger.counts
