@@ -7,12 +7,13 @@ fast as they were refused kept hundreds accepted ahead of the count: eight sandb
 1,024 open files to EMFILE (review 40: accept() then fails and asyncio stops accepting for a second,
 for every sandbox; 240 tracebacks in 15 s, a neighbour's p99 1.9 s), whatever reserve was kept.
 
-`install()` replaces the accept loop with the same loop that asks `gate(peername)` for every socket
-it accepts: None counts it at once (the connection's setup, `claim`, takes the count over), a reason
-closes it before anything else is made for it (no transport, no task, no handler), and `refused`
-writes its audit line. A count whose connection never reaches `claim` (its setup failed) is given
-back when its socket object goes, or when the kernel gives its descriptor to another socket. Only the proxy's own listeners are asyncio's in the gateway (the
-metrics and control servers are threads'), so every asyncio accept is gated once a gate is set.
+`install()` replaces the accept loop with the same loop that asks the gate (`Gate.admit`) for every
+socket it accepts: admitted, it is counted at once (the connection's setup, `claim`, takes the count
+over); refused, it is closed before anything else is made for it (no transport, no task, no handler)
+and its audit line written. A count whose connection never reaches `claim` (its setup failed) is
+given back when its socket object goes, or when the kernel gives its descriptor to another socket.
+Only the proxy's own listeners are asyncio's in the gateway (the metrics and control servers are
+threads'), so every asyncio accept is gated once a gate is set.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class Gate:
         stale = self._ahead.pop(fd, None)
         if stale is not None:  # the kernel gave its number again: that socket is closed, never claimed
             self._uncount(stale[0])
-        key, refusal = self._refusal(tuple(addr[:2]))
+        peer = tuple(addr[:2])
+        key, refusal = self._refusal(peer)
         if refusal is not None:
-            self._refused(tuple(addr[:2]), refusal)
+            self._refused(peer, refusal)
             return False
         token = object()
         self._ahead[fd] = (key, token)
