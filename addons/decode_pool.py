@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 from mitmproxy.proxy import commands
 
+from gateway.steps import Finished, resume
+
 from . import fair_share
 
 THREADS = 2
@@ -148,19 +150,15 @@ async def pieces(pieces: Iterator[bytes]):
 async def drive(steps: Generator):
     """Run a sans-I/O steps generator (gateway/methods/scanner.py `BodyScanner.feed_steps`): each call it
     yields on the pool, its result (or exception) sent back, the sandbox's turn after each; its
-    result. (gateway/steps.py `run_steps` is the same, inline.)"""
-    value, error = None, None
-    while True:
-        try:
-            work = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            value = await run(work)
-        except Exception as exc:
-            error = exc
+    result. (gateway/steps.py `run_steps` is the same loop, inline.)"""
+    work = resume(steps)
+    while not isinstance(work, Finished):
+        value, error = await _one_step(fair_share.current_key(), work)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # (a pool thread's BaseException is not the decoder's to handle)
         await fair_share.current_turn()
+        work = resume(steps, value, error)
+    return work.result
 
 
 class DecodeSteps:
