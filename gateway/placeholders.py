@@ -176,10 +176,7 @@ def plan(headers: Sequence[tuple[str, str]], target: str, tokens: Mapping[str, s
         parts: list[Part] = []
         hit = False
         for piece in _HEADER_SPLIT.split(value):
-            secret = tokens.get(piece) if piece else None
-            if secret is not None:
-                parts.append(("secret", secret))
-                swapped.append(secret)
+            if _swap(piece, tokens, parts, swapped):
                 hit = True
             elif looks_like_placeholder(piece):
                 return Misuse(f"header {name[:64]}", _why(piece, tokens, rule))
@@ -196,6 +193,16 @@ def plan(headers: Sequence[tuple[str, str]], target: str, tokens: Mapping[str, s
     return Swaps(header_swaps, tuple(target_parts) if target_hit else None, tuple(dict.fromkeys(swapped)))
 
 
+def _swap(token: str, tokens: Mapping[str, str], parts: list[Part], swapped: list[str]) -> bool:
+    """Is this whole token one of the sandbox's placeholders? If so, its secret goes in its place."""
+    secret = tokens.get(token) if token else None
+    if secret is None:
+        return False
+    parts.append(("secret", secret))
+    swapped.append(secret)
+    return True
+
+
 def _plan_target(target: str, tokens: Mapping[str, str], positions: Positions, rule: str,
                  replaced_query: frozenset[str], swapped: list[str]) -> tuple[list[Part], bool, Misuse | None]:
     before_fragment, hash_mark, fragment = target.partition("#")
@@ -207,10 +214,7 @@ def _plan_target(target: str, tokens: Mapping[str, str], positions: Positions, r
         for i, segment in enumerate(path.split("/")):
             if i:
                 parts.append(("text", "/"))
-            secret = tokens.get(segment) if segment else None
-            if secret is not None:
-                parts.append(("secret", secret))
-                swapped.append(secret)
+            if _swap(segment, tokens, parts, swapped):
                 hit = True
             elif looks_like_placeholder(segment):
                 return parts, hit, Misuse("path", _why(segment, tokens, rule))

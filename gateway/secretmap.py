@@ -452,21 +452,29 @@ def _secrets_of(group: list[Binding]) -> tuple[str, ...]:
     return tuple(b.secret for b in group)
 
 
+def _opt_in(group: list[Binding], wide: list[str], allowed: bool, name: str, covers: str, flag: str,
+            refusal: str, cost: str, findings: list, exceptions: list) -> None:
+    """A rule that injects secrets and reaches `wide` (plain schemes, broad hosts): a finding unless
+    its `flag` opts in, else an exception the report names."""
+    rule = group[0].rule
+    secrets = ", ".join(_secrets_of(group))
+    if wide and not allowed:
+        findings.append(Finding(
+            name, _secrets_of(group), rule.id, rule.location,
+            f"rule {rule.id} injects {secrets} and {covers} {', '.join(wide)} without {flag} (the loader "
+            f"refuses this policy; the engine would refuse such requests with {refusal})"))
+    elif wide:
+        exceptions.append(f"rule {rule.id} ({_short(rule.location)}): {', '.join(wide)} allowed by {flag}{cost}")
+
+
 def _https_only(bindings: list[Binding]) -> Property:
     findings, exceptions = [], []
-    for rule_id, group in _by_rule(bindings).items():
+    for group in _by_rule(bindings).values():
         b = group[0]
         rule = b.rule
         plain = sorted(s for s in rule.schemes if s != "https")
-        if plain and not rule.allow_plaintext_credentials:
-            findings.append(Finding(
-                "https-only", _secrets_of(group), rule.id, rule.location,
-                f"rule {rule.id} injects {', '.join(_secrets_of(group))} and allows {', '.join(plain)} without "
-                f"allow_plaintext_credentials (the loader refuses this policy; the engine would refuse such "
-                f"requests with plaintext_credentials)"))
-        elif plain:
-            exceptions.append(f"rule {rule.id} ({_short(rule.location)}): {', '.join(plain)} allowed by "
-                              f"allow_plaintext_credentials: {', '.join(_secrets_of(group))} sent in the clear")
+        _opt_in(group, plain, rule.allow_plaintext_credentials, "https-only", "allows", "allow_plaintext_credentials",
+                "plaintext_credentials", f": {', '.join(_secrets_of(group))} sent in the clear", findings, exceptions)
         beyond = [s for s in b.schemes if s != "https" and not rule.allow_plaintext_credentials]
         assert not beyond, (rule.id, beyond)  # credential_refusal refuses these whatever the loader did
     return Property("https-only", PROPERTIES["https-only"], ENFORCED_BY["https-only"], tuple(findings),
@@ -475,19 +483,12 @@ def _https_only(bindings: list[Binding]) -> Property:
 
 def _exact_hosts_only(bindings: list[Binding]) -> Property:
     findings, exceptions = [], []
-    for rule_id, group in _by_rule(bindings).items():
+    for group in _by_rule(bindings).values():
         b = group[0]
         rule = b.rule
         broad = [str(p) for p in rule.hosts if p.kind != "exact"]
-        if broad and not rule.allow_wildcard_credentials:
-            findings.append(Finding(
-                "exact-hosts-only", _secrets_of(group), rule.id, rule.location,
-                f"rule {rule.id} injects {', '.join(_secrets_of(group))} and covers {', '.join(broad)} without "
-                f"allow_wildcard_credentials (the loader refuses this policy; the engine would refuse such "
-                f"requests with credential_host)"))
-        elif broad:
-            exceptions.append(f"rule {rule.id} ({_short(rule.location)}): {', '.join(broad)} allowed by "
-                              f"allow_wildcard_credentials")
+        _opt_in(group, broad, rule.allow_wildcard_credentials, "exact-hosts-only", "covers",
+                "allow_wildcard_credentials", "credential_host", "", findings, exceptions)
         beyond = [h.host for h in b.hosts if h.kind in ("wildcard", "cidr") and not rule.allow_wildcard_credentials]
         assert not beyond, (rule.id, beyond)  # credential_refusal refuses these whatever the loader did
     return Property("exact-hosts-only", PROPERTIES["exact-hosts-only"], ENFORCED_BY["exact-hosts-only"],
