@@ -526,6 +526,15 @@ class GatewayHttpStream(HttpStream):
         yield EgressDecodeStepsHook(step)
         return check.settle(step.result or _NOT_SCANNED, last=data is None)
 
+    def _stream_from_here(self, buf: bytearray, message) -> bytes:
+        """A body over the buffer budget goes on as a stream: what it buffered so far (no longer
+        charged), for the stream's first piece."""
+        buffered = bytes(buf)
+        buf.clear()
+        self._release(done=False)
+        message.stream = True
+        return buffered
+
     def _request_over_budget(self, event: RequestData) -> layer.CommandGenerator[None]:
         """A buffered request body over the budget: streamed on from here (its check goes on chunk
         by chunk), or, when it must stay buffered, refused before anything went upstream."""
@@ -533,10 +542,7 @@ class GatewayHttpStream(HttpStream):
         if HOLD_BODY in self.flow.metadata or decision is None or not decision.allowed:
             yield from self._abort(self._over_budget(), upstream=False)
             return
-        buffered = bytes(self.request_body_buf)
-        self.request_body_buf.clear()
-        self._release(done=False)
-        self.flow.request.stream = True
+        buffered = self._stream_from_here(self.request_body_buf, self.flow.request)
         yield from self.start_request_stream()
         if self.client_state != self.state_stream_request_body:
             return  # the upstream connection failed: already answered
@@ -648,10 +654,7 @@ class GatewayHttpStream(HttpStream):
                 # Buffered to be decoded and redacted whole: it cannot stream as it is.
                 yield from self._abort(self._over_budget(), upstream=True)
                 return
-            buffered = bytes(self.response_body_buf)
-            self.response_body_buf.clear()
-            self._release(done=False)
-            self.flow.response.stream = True
+            buffered = self._stream_from_here(self.response_body_buf, self.flow.response)
             yield from self.start_response_stream()
             yield from self.state_stream_response_body(ResponseData(event.stream_id, buffered + event.data))
             return

@@ -198,13 +198,9 @@ class LayerGuard:
             self._wait(nextlayer)
         elif kind == TLS:
             self._hold_client_hello(nextlayer, data, self._tunnel_tls)
-        elif kind == H2C:
-            self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused in tunnels")
-        elif kind == HTTP:
-            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
-                                               page_for=self._page)
         else:
-            self._refuse(nextlayer, "non_http", "the tunnel carries neither TLS nor HTTP")
+            self._http_only(nextlayer, kind, "cleartext HTTP/2 (prior knowledge) is refused in tunnels",
+                            "the tunnel carries neither TLS nor HTTP")
 
     def _tunnel_tls(self, hold: HoldLayer, hello: ClientHello) -> None:
         if self._relayed_unread(hold, hello):
@@ -282,21 +278,30 @@ class LayerGuard:
         alpn = nextlayer.context.client.alpn
         if alpn == b"h2":
             if data.startswith(H2_PREFACE[: len(data)]):
-                nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
-                                                   page_for=self._page)
+                self._http(nextlayer)
             else:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
             self._refuse(nextlayer, "non_http", "only HTTP is allowed inside TLS", speak_http=False)
         elif (kind := _no_wait_for_http(classify(data), data)) == WAIT:
             self._wait(nextlayer)
-        elif kind == H2C:
-            self._refuse(nextlayer, "h2c_refused", "HTTP/2 without ALPN negotiation is refused")
-        elif kind == HTTP:
-            nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
-                                               page_for=self._page)
         else:
-            self._refuse(nextlayer, "non_http", "the TLS stream carries something other than HTTP")
+            self._http_only(nextlayer, kind, "HTTP/2 without ALPN negotiation is refused",
+                            "the TLS stream carries something other than HTTP")
+
+    def _http_only(self, nextlayer: layer.NextLayer, kind: str, h2c_refused: str, non_http: str) -> None:
+        """Cleartext bytes where only HTTP/1 may follow (in a tunnel, inside TLS without h2): the HTTP
+        layer, or the refusal that says why not."""
+        if kind == H2C:
+            self._refuse(nextlayer, "h2c_refused", h2c_refused)
+        elif kind == HTTP:
+            self._http(nextlayer)
+        else:
+            self._refuse(nextlayer, "non_http", non_http)
+
+    def _http(self, nextlayer: layer.NextLayer) -> None:
+        nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal,
+                                           *self._head_limits(), page_for=self._page)
 
     def _head_limits(self) -> tuple[int, float, BodyLimits]:
         """The limits of an HTTP layer: head size and time (its HTTP/1 server), and the bodies'
