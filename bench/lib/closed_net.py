@@ -144,6 +144,18 @@ class Sandbox:
 # -- the whole network -----------------------------------------------------------------------------
 
 
+def link_pair(*ends: tuple[str, str, str, str]) -> None:
+    """Two namespaces joined by one veth and nothing else: each end (namespace, interface, IPv4 of
+    a /30, IPv6 of a /64) gets its address and its loopback up. tests/netns/lab.py builds on it too."""
+    (ns_a, if_a, _, _), (ns_b, if_b, _, _) = ends
+    ip("link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b)
+    for ns, ifname, v4, v6 in ends:
+        ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", ns, "link", "set", ifname, "up")
+        ip("-n", ns, "addr", "add", f"{v4}/30", "dev", ifname)
+        ip("-n", ns, "-6", "addr", "add", f"{v6}/64", "dev", ifname, "nodad")
+
+
 class ClosedNetwork:
     def __init__(self):
         self.tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
@@ -158,13 +170,7 @@ class ClosedNetwork:
         for ns in (self.gw, self.inet):
             ip("netns", "add", ns)
             self._namespaces.append(ns)
-        ip("link", "add", self.gw_if, "netns", self.gw, "type", "veth", "peer", "name", self.in_if,
-           "netns", self.inet)
-        for ns, ifname, v4, v6 in ((self.gw, self.gw_if, GW_V4, GW_V6), (self.inet, self.in_if, IN_V4, IN_V6)):
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("-n", ns, "link", "set", ifname, "up")
-            ip("-n", ns, "addr", "add", f"{v4}/30", "dev", ifname)
-            ip("-n", ns, "-6", "addr", "add", f"{v6}/64", "dev", ifname, "nodad")
+        link_pair((self.gw, self.gw_if, GW_V4, GW_V6), (self.inet, self.in_if, IN_V4, IN_V6))
         # The internet knows its way back to the sandboxes (only through the gateway namespace):
         # if the gateway ever forwarded a sandbox packet, TCP handshakes would complete.
         ip("-n", self.inet, "route", "add", "10.203.0.0/16", "via", GW_V4)

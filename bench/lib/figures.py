@@ -33,16 +33,23 @@ def _each(meta: RunMeta, rnd: int, figure: str, keys, measure, line, pause: floa
     return results
 
 
-def throughput(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
-    for figure, keepalive in (("keepalive", True), ("newconn", False)):
+def _rates(setup: Setup, args, measured: Figures, meta: RunMeta, rnd: int, keys, figures, width: int,
+           more=lambda res: "") -> None:
+    """Requests (keep-alive) and new TLS connections a second through each configuration in `keys`."""
+    for figure, keepalive in figures:
         results = _each(
-            meta, rnd, figure, rotated(plan.configs, rnd),
+            meta, rnd, figure, rotated(keys, rnd),
             lambda key: run_hey(setup, setup.proxies[key], args.duration, args.concurrency, keepalive),
-            lambda key, res: f"  {figure:9s} {key:22s} {res['rps']:9.1f}/s  cpu {fmtn(res.get('cpu_us_per_req'), 0)} "
-                             f"µs/req  load-generator CPU {fmtn(res['loadgen_cpu_fraction'], 2)}",
+            lambda key, res: f"  {figure:{width}s} {key:22s} {res['rps']:9.1f}/s  cpu "
+                             f"{fmtn(res.get('cpu_us_per_req'), 0)} µs/req{more(res)}",
             0.3)
         if results:
             measured.raw.setdefault(figure, []).append(results)
+
+
+def throughput(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
+    _rates(setup, args, measured, meta, rnd, plan.configs, (("keepalive", True), ("newconn", False)), 9,
+           lambda res: f"  load-generator CPU {fmtn(res['loadgen_cpu_fraction'], 2)}")
 
 
 def latency(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
@@ -75,14 +82,8 @@ def scaling(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rn
 
 
 def transparent(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:
-    for figure, keepalive in (("transparent_keepalive", True), ("transparent_newconn", False)):
-        results = _each(
-            meta, rnd, figure, rotated(plan.transparent_keys, rnd),
-            lambda key: run_hey(setup, setup.proxies[key], args.duration, args.concurrency, keepalive),
-            lambda key, res: f"  {figure:21s} {key:22s} {res['rps']:9.1f}/s  cpu "
-                             f"{fmtn(res.get('cpu_us_per_req'), 0)} µs/req",
-            0.3)
-        measured.raw.setdefault(figure, []).append(results)
+    _rates(setup, args, measured, meta, rnd, plan.transparent_keys,
+           (("transparent_keepalive", True), ("transparent_newconn", False)), 21)
 
 
 def bulk(setup: Setup, args, meta: RunMeta, measured: Figures, plan: Plan, rnd: int) -> None:

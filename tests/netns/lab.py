@@ -29,6 +29,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.lib.closed_net import link_pair
 from tests.support.fence import AcceptFence
 from tests.support.netns import thread_inside
 from tests.support.tcp_origin import start_accepting
@@ -137,13 +138,7 @@ class Lab:
         for ns in (self.gw, self.up):
             run_ip("netns", "add", ns)
             self._created.append(ns)
-        run_ip("link", "add", self.gw_if, "netns", self.gw, "type", "veth", "peer", "name", self.up_if,
-               "netns", self.up)
-        for ns, ifname, v4, v6 in ((self.gw, self.gw_if, GW_V4, GW_V6), (self.up, self.up_if, UP_V4, UP_V6)):
-            run_ip("-n", ns, "link", "set", "lo", "up")
-            run_ip("-n", ns, "link", "set", ifname, "up")
-            run_ip("-n", ns, "addr", "add", f"{v4}/30", "dev", ifname)
-            run_ip("-n", ns, "-6", "addr", "add", f"{v6}/64", "dev", ifname, "nodad")
+        link_pair((self.gw, self.gw_if, GW_V4, GW_V6), (self.up, self.up_if, UP_V4, UP_V6))
         run_ip("-n", self.gw, "addr", "add", f"{GATEWAY_OWN}/32", "dev", "lo")
         self.check_closed()
         # Name resolution inside the gateway namespace: `ip netns exec` bind-mounts these over

@@ -1,19 +1,7 @@
 """The transparent- and DNS-mode tests' world: the closed three-namespace network of
 bench/lib/closed_net.py (`ClosedNetwork`, shared with bench/'s transparent group), with the
-recorders, the test CA's upstreams and the package index in it.
-
-    [sandbox ns SB*]  built by docker/sandbox-net.sh (the documented script, run with GATEWAY_NS set)
-        eth0 10.203.K.2/24, default route via 10.203.K.1, resolv.conf -> 10.203.K.1, IPv6 off
-            |  veth made by the script
-        HOST_IF 10.203.K.1/24
-    [gateway ns GW]  the gateway processes run here; iptables REDIRECT/DROP rules from the script;
-        ip_forward=1 (as on a typical Docker host), so only the script's FORWARD drops stop the
-        sandbox from routing around the gateway
-        veth GW_IF 10.210.0.1/30, fd99::1/64      /etc/netns/GW/resolv.conf -> TRAP_RESOLVER
-            |  veth between the two test namespaces, nothing else
-        veth IN_IF 10.210.0.2/30, fd99::2/64
-    [internet ns IN]  lo: every upstream address; recorders on them; routes back to the sandboxes
-        (so that a packet the gateway wrongly forwarded would arrive and be counted)
+recorders, the test CA's upstreams and the package index in it (the diagram of the namespaces,
+their links and addresses is in closed_net's docstring).
 
 None of the namespaces has a link to the host namespace or a route off the machine (checked by
 `check_closed` before any traffic). Python sockets are created inside a namespace by switching
