@@ -8,40 +8,35 @@ In transparent mode, other bytes are relayed only when a `protocol: tcp` rule al
 destination. Anything else gets a 400 (or a close) at once, without waiting for a request head
 that will never come, and without an upstream connection.
 
-Bytes that cannot be judged yet (a partial first line, record header or HTTP/2 preface) are held
-by a HoldLayer with a deadline (egress_head_timeout), and a TLS ClientHello is read whole, within
-egress_max_client_hello_bytes and egress_client_hello_timeout, before mitmproxy's TLS layer or the
-TLS guard (and so any rule lookup) sees it.
+Bytes that cannot be judged yet are held by addons/first_bytes.py (a TLS ClientHello read whole,
+within its budgets, before any rule lookup sees it); the HTTP layers, their limits and the audit
+of their own refusals are made by addons/http_layer_maker.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
-from collections.abc import Callable
 
 from mitmproxy import ctx
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer
 from mitmproxy.proxy.layers import ClientTLSLayer, HttpLayer, ServerTLSLayer, TCPLayer, modes
-from mitmproxy.proxy.layers.http import HTTPMode, HttpStream
+from mitmproxy.proxy.layers.http import HttpStream
 from mitmproxy.tls import ClientHello
 
-from gateway.clienthello import COMPLETE, NEED_MORE, TOO_LARGE, ClientHelloReader
 from gateway.decision import Decision, verdict_fields
-from gateway.options import DEFAULT_BODY_IDLE_TIMEOUT
 from gateway.session import PASSTHROUGH, ClientSession
 
 from . import instance_layout, layer_memory, passthrough, stream_memory
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
+from .first_bytes import FirstBytes
 from .http1_server import MAX_EMPTY_LINES
-from .http_stream import BodyLimits
-from .layers import GatewayHttpLayer, GatewayTcpLayer, TargetFormHttpLayer
+from .http_layer_maker import HttpLayerMaker
+from .layers import GatewayTcpLayer
 from .options import declare
-from .refusal_layers import TLS_ALERT_HANDSHAKE_FAILURE, HoldLayer, RefusalLayer
-from .respond import page_for
+from .refusal_layers import HoldLayer, RefusalLayer
 from .state import GatewayState
 
 logger = logging.getLogger("egress")
@@ -143,6 +138,8 @@ class LayerGuard:
         stream_memory.install()  # every connection's list of drain waiters made only when a writer waits
         instance_layout.install()  # per-connection objects keep their attributes inline, without dicts
         self.state = state
+        self.http = HttpLayerMaker(state)
+        self.first_bytes = FirstBytes(self._decide, self._refuse)
 
     def load(self, loader):
         declare(loader, "egress_max_client_hello_bytes", "egress_client_hello_timeout")
@@ -181,7 +178,7 @@ class LayerGuard:
     def _proxy_port(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         kind = _no_wait_for_http(classify(data), data)
         if kind == WAIT:
-            self._wait(nextlayer)
+            self.first_bytes.wait(nextlayer)
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "HTTP/2 prior knowledge is refused on the proxy port")
         elif kind == TLS:
@@ -189,15 +186,14 @@ class LayerGuard:
         elif kind == OTHER:
             self._refuse(nextlayer, "non_http", "the proxy port speaks HTTP/1 only")
         else:
-            nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal, *self._head_limits(),
-                                                  page_for=self._page)
+            self.http.proxy_port(nextlayer)
 
     def _tunnel_start(self, nextlayer: layer.NextLayer, data: bytes) -> None:
         kind = _no_wait_for_http(classify(data), data)
         if kind == WAIT:
-            self._wait(nextlayer)
+            self.first_bytes.wait(nextlayer)
         elif kind == TLS:
-            self._hold_client_hello(nextlayer, data, self._tunnel_tls)
+            self.first_bytes.client_hello(nextlayer, data, self._tunnel_tls)
         else:
             self._http_only(nextlayer, kind, "cleartext HTTP/2 (prior knowledge) is refused in tunnels",
                             "the tunnel carries neither TLS nor HTTP")
@@ -238,15 +234,14 @@ class LayerGuard:
             conn.set_original((str(context.server.address[0]), int(context.server.address[1])))
         kind = classify(data)
         if kind == WAIT:
-            self._wait(nextlayer)
+            self.first_bytes.wait(nextlayer)
         elif kind == TLS:
             # The whole ClientHello, within its budget, before the TLS guard looks up any rule.
-            self._hold_client_hello(nextlayer, data, lambda hold, hello: self._tls_layers(hold))
+            self.first_bytes.client_hello(nextlayer, data, lambda hold, hello: self._tls_layers(hold))
         elif kind == H2C:
             self._refuse(nextlayer, "h2c_refused", "cleartext HTTP/2 (prior knowledge) is refused")
         elif kind == HTTP:
-            nextlayer.layer = GatewayHttpLayer(context, HTTPMode.transparent, self._on_refusal, *self._head_limits(),
-                                               page_for=self._page)
+            self.http.inspected(nextlayer)
         else:
             self._raw_tcp(nextlayer, conn)
 
@@ -278,13 +273,13 @@ class LayerGuard:
         alpn = nextlayer.context.client.alpn
         if alpn == b"h2":
             if data.startswith(H2_PREFACE[: len(data)]):
-                self._http(nextlayer)
+                self.http.inspected(nextlayer)
             else:
                 self._refuse(nextlayer, "non_http", "ALPN said h2 but the bytes are not HTTP/2", speak_http=False)
         elif alpn not in (None, b"", b"http/1.1", b"http/1.0"):
             self._refuse(nextlayer, "non_http", "only HTTP is allowed inside TLS", speak_http=False)
         elif (kind := _no_wait_for_http(classify(data), data)) == WAIT:
-            self._wait(nextlayer)
+            self.first_bytes.wait(nextlayer)
         else:
             self._http_only(nextlayer, kind, "HTTP/2 without ALPN negotiation is refused",
                             "the TLS stream carries something other than HTTP")
@@ -295,124 +290,9 @@ class LayerGuard:
         if kind == H2C:
             self._refuse(nextlayer, "h2c_refused", h2c_refused)
         elif kind == HTTP:
-            self._http(nextlayer)
+            self.http.inspected(nextlayer)
         else:
             self._refuse(nextlayer, "non_http", non_http)
-
-    def _http(self, nextlayer: layer.NextLayer) -> None:
-        nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal,
-                                           *self._head_limits(), page_for=self._page)
-
-    def _head_limits(self) -> tuple[int, float, BodyLimits]:
-        """The limits of an HTTP layer: head size and time (its HTTP/1 server), and the bodies'
-        buffer budget and idle timeout (its streams)."""
-        idle = float(getattr(ctx.options, "egress_body_idle_timeout", DEFAULT_BODY_IDLE_TIMEOUT))
-        return (ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout),
-                BodyLimits(self.state.buffer_account, idle, self._sandbox_key))
-
-    def _sandbox_key(self, context) -> str:
-        return self.state.sandbox_key(self.state.connections.get(context.client.id))
-
-    def _page(self, context, decision: Decision, accept: str | None = None):
-        """How the current policy words a refusal on this client connection (addons/respond.py
-        `page_for`): what the gateway's HTTP servers and refusal layers send."""
-        return page_for(self.state, context.client.id, decision, accept)
-
-    def _on_refusal(self, context, decision: Decision, request, method: str | None = None,
-                    status_sent: bool = True, **fields) -> Decision:
-        """A request mitmproxy's HTTP server refused or failed itself (parse errors, upstream
-        failures): one audit line, in the same shape as the guards' lines. Returns the decision to
-        send, its message redacted: a page the gateway writes never carries a secret, whatever
-        text it was built from. `fields` add to (or replace) the line's keys, e.g. the HTTP/2
-        server's `event` and `repeated` count; `status_sent=False`: no HTTP status went out."""
-        conn = self.state.connections.get(context.client.id)
-        pin = conn.tunnel if conn else None
-        upstream = decision.reason in ("upstream_failed", "response_too_large", "response_body_timeout")
-        method = method or getattr(request, "method", None)
-        line = dict(
-            event="error" if upstream else "connect" if method == "CONNECT" else "request",
-            **connection_fields(conn, self.state.scope(conn).sandbox if self.state.engine else None),
-            **verdict_fields(decision, status_sent),
-            host=pin.host.value if pin else None, port=pin.port if pin else None,
-            address=pin.address.compressed if pin else None, sni=context.client.sni,
-            method=method, path=getattr(request, "path", None),
-            host_header=request.headers.get("host") if request is not None else None,
-        )
-        line.update(fields)
-        self.state.record(**line)
-        redactor = self.state.redactor()
-        if redactor is not None:
-            message, hits = redactor.redact_text(decision.message)
-            if hits:
-                return dataclasses.replace(decision, message=message)
-        return decision
-
-    def _wait(self, nextlayer: layer.NextLayer | HoldLayer) -> None:
-        """No decision yet: the first bytes are held (at most MAX_FIRST_LINE: `classify` decides
-        past that) and judged again as more arrive. A client that takes longer than
-        egress_head_timeout to send its first line is refused (slowloris), by a timer: also when
-        it has gone silent."""
-        if isinstance(nextlayer, HoldLayer):
-            return
-        tls_like = nextlayer.data_client()[:1] == b"\x16"  # a TLS record header in pieces: the hello's clock
-        timeout = ctx.options.egress_client_hello_timeout if tls_like else ctx.options.egress_head_timeout
-        nextlayer.layer = HoldLayer(nextlayer.context, self._feed_first_bytes, self._first_bytes_expired,
-                                    float(timeout), data_follows=bool(nextlayer.data_client()))
-
-    def _feed_first_bytes(self, hold: HoldLayer, chunk: bytes) -> None:
-        hold.held += chunk
-        self._decide(hold)
-
-    def _first_bytes_expired(self, hold: HoldLayer) -> None:
-        if hold.held[:1] == b"\x16":
-            self._refuse(hold, "client_hello_timeout", f"the TLS ClientHello took more than {hold.timeout:g}s "
-                         "to arrive", speak_http=False, farewell=TLS_ALERT_HANDSHAKE_FAILURE)
-        else:
-            self._refuse(hold, "request_head_timeout", f"the first line took more than {hold.timeout:g}s to arrive")
-
-    def _hold_client_hello(self, nextlayer: layer.NextLayer | HoldLayer, data: bytes,
-                           then: Callable[[HoldLayer, ClientHello], None]) -> None:
-        """TLS: nothing above this sees the ClientHello until it is whole, within
-        egress_max_client_hello_bytes and egress_client_hello_timeout (gateway/clienthello.py reads
-        it in linear time and refuses a declared length over the budget from its header, before
-        buffering it). Then mitmproxy's TLS layers get it at once, in as few records as TLS allows,
-        and parse it once; `then` picks those layers (or a passthrough relay)."""
-        reader = ClientHelloReader(ctx.options.egress_max_client_hello_bytes)
-        timeout = float(ctx.options.egress_client_hello_timeout)
-
-        def feed(hold: HoldLayer, chunk: bytes) -> None:
-            verdict = reader.feed(chunk)
-            if verdict == NEED_MORE:
-                return
-            if verdict == COMPLETE:
-                try:
-                    hello = ClientHello(reader.hello[4:])
-                    hello.sni, hello.alpn_protocols, list(hello.extensions)  # parsed lazily: fail here, if at all
-                except Exception:
-                    self._refuse(hold, "bad_client_hello", "the TLS ClientHello cannot be parsed", speak_http=False,
-                                 farewell=TLS_ALERT_HANDSHAKE_FAILURE)
-                    return
-                hold.replay = reader.canonical()
-                then(hold, hello)
-            elif verdict == TOO_LARGE:
-                self._refuse(hold, "client_hello_too_large", reader.error, speak_http=False,
-                             farewell=TLS_ALERT_HANDSHAKE_FAILURE)
-            else:
-                self._refuse(hold, "bad_client_hello", f"malformed TLS ClientHello: {reader.error}",
-                             speak_http=False, farewell=TLS_ALERT_HANDSHAKE_FAILURE)
-
-        def expire(hold: HoldLayer) -> None:
-            self._refuse(hold, "client_hello_timeout", f"the TLS ClientHello took more than {timeout:g}s "
-                         "to arrive", speak_http=False, farewell=TLS_ALERT_HANDSHAKE_FAILURE)
-
-        if isinstance(nextlayer, HoldLayer):  # held as a first line so far (a TLS record header in pieces)
-            hold = nextlayer
-            hold.feed, hold.expire = feed, expire
-            hold.held = bytearray()
-            hold.deadline(timeout)
-            feed(hold, data)
-        else:  # mitmproxy's NextLayer replays what it holds (data included) into the new layer
-            nextlayer.layer = HoldLayer(nextlayer.context, feed, expire, timeout, data_follows=bool(data))
 
     def running(self):
         # The decisions here are the only ones: mitmproxy's own next_layer would decide on too few
@@ -437,5 +317,5 @@ class LayerGuard:
             port=pin.port if pin else None,
             sni=context.client.sni,
         )
-        page = self._page(context, decision) if speak_http and not farewell else None
+        page = self.http.page(context, decision) if speak_http and not farewell else None
         nextlayer.layer = RefusalLayer(context, decision, speak_http, farewell, page)

@@ -21,7 +21,7 @@ from gateway.refusal_page import DEFAULT_STYLE, TEXT_TYPE, Page
 from .state import GatewayState
 
 # (layer context, decision, the request's Accept header or None) -> the page to send: what the
-# gateway's own HTTP layers are given to word their refusals (addons/layer_guard.py LayerGuard._page).
+# gateway's own HTTP layers are given to word their refusals (addons/http_layer_maker.py HttpLayerMaker.page).
 PageFor = Callable[[object, Decision, "str | None"], Page]
 
 
