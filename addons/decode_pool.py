@@ -153,11 +153,14 @@ async def drive(steps: Generator):
     result. (gateway/steps.py `run_steps` is the same loop, inline.)"""
     work = resume(steps)
     while not isinstance(work, Finished):
-        value, error = await _one_step(fair_share.current_key(), work)
-        if error is not None and not isinstance(error, Exception):
-            raise error  # (a pool thread's BaseException is not the decoder's to handle)
+        value, error = None, None
+        try:  # (also a step the pool could not take: the generator fails closed on it, as on any)
+            value = await run(work)
+        except Exception as exc:
+            error = exc
         await fair_share.current_turn()
         work = resume(steps, value, error)
+        value = error = None  # (nothing of the step kept while the next one runs)
     return work.result
 
 

@@ -111,6 +111,24 @@ def test_a_decode_error_on_the_pool_is_raised_to_the_caller():
         asyncio.run(_collect(decode_pieces("br", bomb, 64 << 20)))
 
 
+def test_a_step_the_pool_cannot_take_is_thrown_into_the_steps_like_a_step_that_failed(monkeypatch):
+    """Review 43: a pool that cannot start a thread raises while the step is scheduled. The steps
+    generator must see that exception (and refuse with its own reason), not have `drive` raise past it."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(decode_pool, "_executor", lambda: type("Full", (), {"submit": refuse})())
+
+    def steps():
+        try:
+            yield lambda: b"never"
+        except RuntimeError as exc:
+            return f"refused: {exc}"
+        return "ran"
+
+    assert asyncio.run(decode_pool.drive(steps())) == "refused: can't start new thread"
+
+
 def test_a_buffered_body_redacted_in_slices_equals_its_redaction_whole():
     """addons/body_redaction.py redacts a large buffered body a slice at a time, with a turn between:
     a secret across a slice boundary (and one at either end) is still redacted, as whole."""
