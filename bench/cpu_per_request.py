@@ -138,12 +138,12 @@ class CpuRun(Run):
         return found
 
 
-def _first_free(args) -> CpuRun:
+def _first_free(args, configs: list[str]) -> CpuRun:
     """A run on --port-base or, when one of its ports is taken (a client's ephemeral port, on a shared
     machine), on the next ten ports up, up to --port-last."""
     while True:
         try:
-            return CpuRun(args)
+            return CpuRun(args, configs)
         except RuntimeError as exc:
             if "is taken" not in str(exc) or args.port_base + 14 > args.port_last:
                 raise
@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--keep-workdir", action="store_true")
     args = p.parse_args(argv)
-    args.details = False
+    args.details, args.sse = False, False  # (what tunnel_memory's Run reads that this run does not set)
     tunnel_memory._raise_nofile(20000)
     configs = [c for c in args.configs.split(",") if c]
-    run = _first_free(args)
+    run = _first_free(args, configs)
     _pin(run.origin.pid, LOAD_CPU)
     results: dict = {"rounds": [], "seconds": args.seconds, "concurrency": args.concurrency,
                      "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -95,7 +95,7 @@ def main() -> int:
                    "of its own to the gateway's per-sandbox rates (200 requests/s and 50 new connections/s)")
     p.add_argument("kind", choices=("keepalive", "newconn"))
     args = p.parse_args()
-    args.connect = None
+    args.connect, args.sse = None, False  # (what idle_tunnels.open_tunnel reads that this load does not set)
     args.sources = args.sources.split(",")
     return asyncio.run(main_async(args))
 
