@@ -44,6 +44,7 @@ from addons.revocation import Revoker  # noqa: E402
 from addons.state import GatewayState  # noqa: E402
 from addons.streaming import BodyStreaming, Http2Preference  # noqa: E402
 from addons.tls_guard import TlsGuard  # noqa: E402
+from addons.leaf_keys import LeafKeys  # noqa: E402
 from addons.tls_memory import ReleaseTlsBuffers  # noqa: E402
 from addons.upstream_guard import UpstreamGuard  # noqa: E402
 from addons.websocket_limits import WebsocketLimits  # noqa: E402
@@ -75,6 +76,7 @@ def make_addons(state: GatewayState | None = None) -> list:
         TlsGuard(state),
         Http2Preference(),  # after TlsGuard: a refused or relayed ClientHello is left alone
         ReleaseTlsBuffers(),  # idle TLS connections give their buffers back
+        LeafKeys(),  # sandboxes' certificates carry a P-256 key of their own (wraps CertStore: any place)
         RequestGuard(state),
         UpgradeGuard(state),  # an upstream's 101 to anything but the WebSocket asked for
         DecodePool(),  # a compressed request body's check: its decoder calls on the decode pool

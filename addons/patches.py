@@ -83,6 +83,10 @@ PATCHES: tuple[Patch, ...] = (
           "copy of its leaf certificate and key (32 KiB and 11 KiB per idle tunnel)"),
     Patch("mitmproxy.addons.tlsconfig:TlsConfig.tls_start_server", "addons.tls_memory",
           "the upstream TLS connection releases idle buffers from its first record"),
+    Patch("mitmproxy.certs:CertStore.get_cert", "addons.leaf_keys",
+          "a new entry gets the store's own P-256 leaf key instead of the CA's"),
+    Patch("mitmproxy.certs:dummy_cert", "addons.leaf_keys",
+          "inside get_cert: the certificate is for the leaf key, signed with the CA key"),
     Patch("mitmproxy.addonmanager:AddonManager.trigger_event", "addons.hook_dispatch",
           "each event calls the addons that implement its hook from a plan made once, instead of walking "
           "every addon for every event (~31% of the CPU per keep-alive request)"),
