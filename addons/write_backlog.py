@@ -99,28 +99,37 @@ def _reader_held(io, full: bool) -> int:
     return max(len(buffered), 2 * getattr(reader, "_limit", 0) + getattr(transport, "max_size", READ_SIZE))
 
 
-def _read_ahead(handler) -> int:
-    """What the connection's stream readers hold or may come to hold. An upstream's reader fills
-    while the client's writer is backed up (and the client's while an upstream's is), with no
-    event to charge it at: 990 tunnels of one sandbox, each a download it never read, held ~430 KiB
-    each while ~100 KiB was charged (review 32: RSS 83 -> 501 MiB past a 128 MiB sandbox budget).
-    While the writer they feed is backed up, readers are charged what they may come to hold.
-    (`_buffer`, `_limit`: asyncio's StreamReader, Python 3.12.)"""
-    client_io = handler.transports.get(handler.client)
-    client_backed = client_io is not None and _backed_up(getattr(client_io, "writer", None))
-    upstream_backed = any(_backed_up(getattr(io, "writer", None))
-                          for conn, io in list(handler.transports.items()) if io is not client_io)
-    held = 0
-    for io in list(handler.transports.values()):
-        held += _reader_held(io, upstream_backed if io is client_io else client_backed)
-    return held
-
-
 def _backlog(handler) -> int | None:
-    writers = _writers(handler)
-    if not writers:
+    """What the connection's writers hold (`_size` of each with a transport) and its stream readers
+    hold or may come to hold; None if no transport has a writer to ask.
+
+    An upstream's reader fills while the client's writer is backed up (and the client's while an
+    upstream's is), with no event to charge it at: 990 tunnels of one sandbox, each a download it
+    never read, held ~430 KiB each while ~100 KiB was charged (review 32: RSS 83 -> 501 MiB past a
+    128 MiB sandbox budget). So while the writer they feed is backed up, readers are charged what
+    they may come to hold (`_reader_held`). One walk over the transports for the writers, one for
+    the readers: this runs after every event of every connection (synchronous, so the transports
+    cannot change under it)."""
+    transports = handler.transports
+    client_io = transports.get(handler.client)
+    size, any_writer, client_backed, upstream_backed = 0, False, False, False
+    for io in transports.values():
+        writer = getattr(io, "writer", None)
+        transport = getattr(writer, "transport", None)
+        if transport is None:
+            continue
+        any_writer = True
+        size += _size(writer)
+        if _backed_up(writer):
+            if io is client_io:
+                client_backed = True
+            else:
+                upstream_backed = True
+    if not any_writer:
         return None
-    return sum(_size(writer) for writer in writers) + _read_ahead(handler)
+    for io in transports.values():
+        size += _reader_held(io, upstream_backed if io is client_io else client_backed)
+    return size
 
 
 def settle(handler) -> None:
