@@ -186,7 +186,10 @@ class EchoUpstream:
                 seen = Seen(self.command, self.path, list(self.headers.items()), body,
                             getattr(self.connection, "egress_sni", None))
                 with upstream._changed:
-                    upstream.requests.append(seen)
+                    # Only a connection accepted since reset() records: a request an earlier test's
+                    # connection sends late (a streamed head, parsed after the reset) is that test's.
+                    if getattr(self.connection, "egress_token", None) in upstream._in_flight:
+                        upstream.requests.append(seen)
                     upstream._changed.notify_all()
                 route = urlsplit(self.path).path
                 for prefix, handler in (("/v1/anything", self.anything), ("/v1/error", self.error),
