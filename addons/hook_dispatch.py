@@ -34,6 +34,7 @@ in addons/patches.py.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import inspect
 import sys
 import types
@@ -59,11 +60,11 @@ class _Plans:
         self.by_event = {}
 
     def get(self, name: str) -> tuple:
-        chain = tuple(self.manager.chain)
-        if len(chain) != len(self.chain) or any(a is not b for a, b in zip(chain, self.chain)):
+        chain = self.manager.chain
+        if len(chain) != len(self.chain) or not all(map(operator.is_, chain, self.chain)):
             # (by identity: an addon replaced by an equal one is another addon; and an `__eq__`
-            # that raised made every event raise)
-            self.chain, self.by_event = chain, {}
+            # that raised made every event raise. Compared in C: this runs for every event.)
+            self.chain, self.by_event = tuple(chain), {}
         plan = self.by_event.get(name)
         if plan is None:
             plan = self.by_event[name] = tuple(_entry for a in chain if (_entry := _plan_entry(a, name)) is not None)
