@@ -32,7 +32,7 @@ class Gate:
 
     def __init__(self, refusal: Callable[[tuple], tuple[str, str | None]],
                  count: Callable[[str], None], uncount: Callable[[str], None],
-                 refused: Callable[[tuple, str], None]):
+                 refused: Callable[[tuple, str, tuple | None], None]):
         self._refusal = refusal  # peername -> (sandbox key, why it may not connect now or None)
         self._count, self._uncount, self._refused = count, uncount, refused
         # The sockets counted and not claimed yet, by file descriptor: the one thing two of them open
@@ -41,7 +41,8 @@ class Gate:
         # never given back (review 41: 340 of a worker's 448 held for good, by no socket).
         self._ahead: dict[int, tuple[str, object]] = {}  # fd -> (sandbox key, token)
 
-    def admit(self, conn, addr) -> bool:
+    def admit(self, conn, addr, listening: tuple | None = None) -> bool:
+        """`listening`: the address of the socket that accepted it (which listener: its mode)."""
         fd = conn.fileno()
         stale = self._ahead.pop(fd, None)
         if stale is not None:  # the kernel gave its number again: that socket is closed, never claimed
@@ -49,7 +50,7 @@ class Gate:
         peer = tuple(addr[:2])
         key, refusal = self._refusal(peer)
         if refusal is not None:
-            self._refused(peer, refusal)
+            self._refused(peer, refusal, listening)
             return False
         token = object()
         self._ahead[fd] = (key, token)
@@ -120,7 +121,7 @@ def gated_accept_connection(self, protocol_factory, sock, sslcontext=None, serve
                             server, backlog, ssl_handshake_timeout, ssl_shutdown_timeout)
             return None
         try:
-            admitted = gate.admit(conn, addr)
+            admitted = gate.admit(conn, addr, sock.getsockname())
         except Exception:  # fail closed: a connection the gate could not decide is not served
             logging.getLogger("egress").exception("egress gateway: could not decide an accepted connection")
             admitted = False

@@ -44,6 +44,28 @@ def _open_files() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+def mode_of_listener(listeners, listening: tuple | None) -> str:
+    """The mode of the listener (mode name, its addresses) whose address is `listening`, as the
+    audit spells it for a connection (addons/core.py); "regular" if none matches."""
+    if listening:
+        for mode, addresses in listeners:
+            if any(tuple(a[:2]) == tuple(listening[:2]) for a in addresses):
+                return mode
+    return "regular"
+
+
+def _listeners():
+    """(mode name, listening addresses) of mitmproxy's running proxy servers; only read when a
+    connection is refused at accept."""
+    master = getattr(ctx, "master", None)
+    proxyserver = master.addons.get("proxyserver") if master is not None else None
+    found = []
+    for instance in getattr(proxyserver, "servers", ()) or ():
+        mode = type(instance.mode).__name__.removesuffix("Mode").lower()
+        found.append((mode, list(instance.listen_addrs)))
+    return found
+
+
 def _relays(conn) -> bool:
     """Whether the connection relays bytes unread (a passthrough tunnel, raw TCP): no HTTP stream of
     its own reports a refused dial."""
@@ -86,8 +108,10 @@ class ConnectionLimiter:
     def _uncounted(self, key: str) -> None:
         self.sockets.closed(key, upstream=False)
 
-    def _refused_at_accept(self, peername: tuple, refusal: str) -> None:
-        self._record_refusal(self.state.session_of_peer(peername), Decision.deny("too_many_connections", refusal))
+    def _refused_at_accept(self, peername: tuple, refusal: str, listening: tuple | None = None) -> None:
+        mode = mode_of_listener(_listeners(), listening)
+        self._record_refusal(self.state.session_of_peer(peername, mode),
+                             Decision.deny("too_many_connections", refusal))
 
     def client_connected(self, client):
         accept_gate.claim(fair_share.serving())  # (counted since its accept: counted here from now on)

@@ -245,11 +245,11 @@ class GatewayState:
         return self.sandbox_key(self.session_of_peer(peername))
 
     @staticmethod
-    def session_of_peer(peername: tuple | None) -> ClientSession:
+    def session_of_peer(peername: tuple | None, mode: str = "regular") -> ClientSession:
         """A session for a connection known only by its peer address, not registered (one refused
         as it is accepted, before mitmproxy has a client for it)."""
         peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-        return ClientSession(peer, "regular", _peer_address(peername))
+        return ClientSession(peer, mode, _peer_address(peername))
 
     def scope(self, conn: ClientSession | None) -> Scope:
         """The rules this client may use under the current policy (looked up per decision, so a

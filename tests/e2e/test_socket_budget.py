@@ -126,6 +126,35 @@ def test_once_a_worker_s_sockets_are_taken_the_sandbox_holding_the_most_opens_no
         gateway.stop()
 
 
+def test_a_connection_refused_as_it_is_accepted_names_its_listener_s_mode(tmp_path, pki, upstreams):
+    """The audit line of a connection closed at accept (addons/accept_gate.py) says which listener
+    took it: a sandbox holding its share of a transparent listener's sockets is refused with mode
+    `transparent`, as every other line of that listener says (it said `regular`)."""
+    name = next(iter(upstreams.plain))
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_text(upstreams, _rules([name])))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        transparent_port = probe.getsockname()[1]
+    gateway = GatewayProcess(policy, tmp_path / "gw", upstream_ca=pki.ca_cert,
+                             command_prefix=["prlimit", "--nofile=200:200", "--"],
+                             extra_args=["--mode", f"transparent@127.0.0.1:{transparent_port}",
+                                         "--set", "egress_new_connection_burst_per_sandbox=1000",
+                                         "--set", "egress_max_new_connections_per_second_per_sandbox=1000"]).start()
+    held: list[socket.socket] = []
+    try:
+        hog = f"{upstreams.block}.211"
+        for _ in range(120):
+            held.append(socket.create_connection(("127.0.0.1", transparent_port), timeout=5, source_address=(hog, 0)))
+        lines = gateway.audit_lines(count=12, reason="too_many_connections")
+        assert len(lines) >= 12 and all(line["client"].startswith(hog + ":") for line in lines)
+        assert {line["mode"] for line in lines} == {"transparent"}, [line["mode"] for line in lines]
+    finally:
+        for sock in held:
+            sock.close()
+        gateway.stop()
+
+
 def _open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

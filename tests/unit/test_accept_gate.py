@@ -9,6 +9,7 @@ import socket
 from collections import Counter
 
 from addons.accept_gate import Gate
+from addons.limits import mode_of_listener
 
 
 class _Ledger:
@@ -18,7 +19,8 @@ class _Ledger:
         self.refuse_over = refuse_over
 
     def gate(self) -> Gate:
-        return Gate(self.refusal, self.count, self.uncount, lambda peer, why: self.refused.append(peer))
+        return Gate(self.refusal, self.count, self.uncount,
+                    lambda peer, why, listening: self.refused.append((peer, listening)))
 
     def refusal(self, peer):
         key = f"address:{peer[0]}"
@@ -106,3 +108,21 @@ def test_a_client_of_a_mode_without_an_asyncio_socket_is_not_claimed_and_nothing
     accept_gate.claim(SimpleNamespace(client=client, transports={}))  # (no transport any more)
     accept_gate.claim(None)
     assert not ledger.counts
+
+
+def test_a_refusal_names_the_listener_that_accepted_it():
+    ledger = _Ledger(refuse_over=0)
+    gate = ledger.gate()
+    a, b = socket.socketpair()
+    with a, b:
+        assert not gate.admit(a, ("10.0.0.4", 7000), ("127.0.0.1", 8081))
+    assert ledger.refused == [(("10.0.0.4", 7000), ("127.0.0.1", 8081))]
+
+
+def test_the_mode_of_a_listener_is_found_by_its_address():
+    listeners = [("regular", [("127.0.0.1", 8080)]), ("transparent", [("0.0.0.0", 8081), ("::", 8081, 0, 0)])]
+    assert mode_of_listener(listeners, ("0.0.0.0", 8081)) == "transparent"
+    assert mode_of_listener(listeners, ("::", 8081, 0, 0)) == "transparent"
+    assert mode_of_listener(listeners, ("127.0.0.1", 8080)) == "regular"
+    assert mode_of_listener(listeners, ("127.0.0.1", 9999)) == "regular"  # (none matches)
+    assert mode_of_listener(listeners, None) == "regular"
