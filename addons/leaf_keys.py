@@ -24,6 +24,8 @@ be computed from the wrong key.
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 
 from cryptography import x509
@@ -35,7 +37,14 @@ from .options import declare
 MODES = ("ecdsa-p256", "ca")
 _mode = ["ecdsa-p256"]
 _signing: list = [None]  # (CA key, leaf key) while CertStore.get_cert makes an entry
-_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CertStore -> its leaf key, or None
+_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CertStore -> (its CA key, leaf key or None)
+# One get_cert at a time in the leaf path: it swaps the store's default key for the call, and two
+# threads interleaved would leave the leaf key in the CA key's place for good (review 44; nothing
+# in the gateway calls get_cert from a thread, but a host of the addon might).
+_issuing = threading.Lock()
+# Hostile input and failed handshakes are the sandbox's to repeat: the hint is logged once.
+_HANDSHAKE_HINTS = ("no shared cipher", "no suitable signature algorithm", "no suitable sigalg")
+logger = logging.getLogger("egress")
 ORIGINALS: dict = {}  # mitmproxy's get_cert and dummy_cert, as found (tests pin their source)
 
 
@@ -52,19 +61,20 @@ class _Issuer:
         return self._public
 
 
-def _leaf_key(store: certs.CertStore):
-    """The store's leaf key (made once), or None where its CA has no Subject Key Identifier."""
+def _keys_of(store: certs.CertStore) -> tuple:
+    """(the store's CA key, its leaf key or None), made once: None where its CA has no Subject Key
+    Identifier. The CA key is the one the store had when first asked, what every call restores."""
     try:
         return _keys[store]
     except KeyError:
         pass
     try:
         store.default_ca._cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
-        key = ec.generate_private_key(ec.SECP256R1())
+        leaf = ec.generate_private_key(ec.SECP256R1())
     except x509.ExtensionNotFound:
-        key = None
-    _keys[store] = key
-    return key
+        leaf = None
+    keys = _keys[store] = (store.default_privatekey, leaf)
+    return keys
 
 
 def install() -> None:
@@ -75,17 +85,19 @@ def install() -> None:
     ORIGINALS.update(get_cert=get_cert, dummy_cert=dummy_cert)
 
     def leaf_get_cert(self, commonname, sans, organization=None, crl_url=None):
-        leaf = _leaf_key(self) if _mode[0] == "ecdsa-p256" else None
-        if leaf is None:
+        if _mode[0] != "ecdsa-p256":
             return get_cert(self, commonname, sans, organization, crl_url)
-        ca_key = self.default_privatekey
-        _signing[0] = (ca_key, leaf)
-        self.default_privatekey = leaf  # (what a new entry is given as its key; nothing else reads it here)
-        try:
-            return get_cert(self, commonname, sans, organization, crl_url)
-        finally:
-            self.default_privatekey = ca_key
-            _signing[0] = None
+        with _issuing:
+            ca_key, leaf = _keys_of(self)
+            if leaf is None:
+                return get_cert(self, commonname, sans, organization, crl_url)
+            _signing[0] = (ca_key, leaf)
+            self.default_privatekey = leaf  # (what a new entry is given as its key; nothing else reads it here)
+            try:
+                return get_cert(self, commonname, sans, organization, crl_url)
+            finally:
+                self.default_privatekey = ca_key
+                _signing[0] = None
 
     def leaf_dummy_cert(privkey, cacert, *args, **kwargs):
         signing = _signing[0]
@@ -111,4 +123,34 @@ class LeafKeys:
             mode = ctx.options.egress_leaf_key
             if mode not in MODES:
                 raise exceptions.OptionsError(f"egress_leaf_key: {mode!r} is not one of {', '.join(MODES)}")
-            _mode[0] = mode
+            if mode != _mode[0]:
+                _mode[0] = mode
+                tlsconfig = ctx.master.addons.get("tlsconfig") if getattr(ctx, "master", None) is not None else None
+                store = getattr(tlsconfig, "certstore", None)
+                if store is not None:
+                    forget_issued(store)
+
+    def tls_failed_client(self, data) -> None:
+        """A client that cannot use an ECDSA certificate fails with "no shared cipher", which reads
+        like a trust problem: say once what to change (review 44)."""
+        global _hinted
+        error = str(getattr(data.conn, "error", "") or "")
+        if _hinted or _mode[0] != "ecdsa-p256" or not any(hint in error for hint in _HANDSHAKE_HINTS):
+            return
+        _hinted = True
+        logger.warning("egress gateway: a client's TLS handshake failed (%s); it may not accept the ECDSA "
+                       "certificates the gateway issues: --set egress_leaf_key=ca issues them for the CA's "
+                       "own key (this hint is logged once)", error[:200])
+
+
+_hinted = False
+
+
+def forget_issued(store: certs.CertStore) -> None:
+    """The mode changed while running: the certificates issued for the other key go from the
+    store, so that every name gets one for the key now asked for (an operator's own `certs`,
+    with keys of their own, stay)."""
+    ca_key, leaf = _keys.get(store, (store.default_privatekey, None))
+    issued = {id(ca_key), id(leaf)} if leaf is not None else {id(ca_key)}
+    store.certs = {name: entry for name, entry in store.certs.items() if id(entry.privatekey) not in issued}
+    store.expire_queue = [entry for entry in store.expire_queue if id(entry.privatekey) not in issued]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from tests.support.waiting import value_when
 from tests.e2e.helpers import (  # noqa: F401  (fixtures are used by name)
     curl,
     gateway,
@@ -31,3 +32,18 @@ def test_the_sandbox_gets_an_ecdsa_certificate_issued_by_the_gateway_ca(gateway,
 def test_curl_verifies_the_ecdsa_certificate_against_the_gateway_ca(gateway, upstreams):
     result = curl(gateway, "https://allowed.test/leaf-curl")
     assert result.status == 200, result
+
+
+def test_a_client_without_ecdsa_fails_and_the_log_says_what_to_change_once(gateway, upstreams):
+    """An RSA-only client cannot use the P-256 certificate ("no shared cipher" in mitmproxy's log,
+    which reads like a trust problem): the gateway logs once that `egress_leaf_key=ca` is the fix."""
+    import subprocess
+
+    command = ["openssl", "s_client", "-proxy", f"{gateway.host}:{gateway.port}", "-connect", "allowed.test:443",
+               "-servername", "allowed.test", "-tls1_3", "-sigalgs", "rsa_pss_rsae_sha256:rsa_pss_pss_sha256"]
+    for _ in range(2):
+        done = subprocess.run(command, input=b"", capture_output=True, timeout=20)
+        assert b"no peer certificate available" in done.stdout, done.stdout[-500:]
+    hint = "--set egress_leaf_key=ca"
+    value_when(lambda: gateway.log().count(hint), lambda n: n >= 1, 5)
+    assert gateway.log().count(hint) == 1, gateway.log()[-2000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import threading
 
 import pytest
 from cryptography import x509
@@ -137,3 +138,46 @@ def test_the_mitmproxy_code_leant_on_is_the_tested_one(name):
     leaf_keys.install()
     digest = hashlib.sha256(inspect.getsource(leaf_keys.ORIGINALS[name]).encode()).hexdigest()
     assert digest == PINNED_SHA256[name], f"{name} changed in this mitmproxy: check addons/leaf_keys.py, then re-pin"
+
+
+def test_threads_issuing_at_once_never_leave_the_ca_key_swapped_out(store):
+    """Review 44: two threads in get_cert at once made one restore the leaf key as the CA key, and
+    every later certificate was signed with the leaf key. One issues at a time now."""
+    ca_key = store.default_privatekey
+    errors: list[BaseException] = []
+
+    def issue(n: int) -> None:
+        try:
+            for i in range(40):
+                store.get_cert(f"t{n}-{i}.test", _dns(f"t{n}-{i}.test"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=issue, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert store.default_privatekey is ca_key
+    ca = store.default_ca.to_cryptography()
+    for entry in store.certs.values():
+        leaf = entry.cert.to_cryptography()
+        assert leaf.public_key().public_numbers() == entry.privatekey.public_key().public_numbers()
+        ca.public_key().verify(leaf.signature, leaf.tbs_certificate_bytes, padding.PKCS1v15(),
+                               leaf.signature_hash_algorithm)
+
+
+def test_a_mode_changed_while_running_reissues_every_name_for_the_new_key(store):
+    """Review 44: names cached under the old mode kept their old key until pushed out."""
+    before = store.get_cert("cached.test", _dns("cached.test"))
+    assert isinstance(before.privatekey, ec.EllipticCurvePrivateKey)
+    leaf_keys._mode[0] = "ca"
+    leaf_keys.forget_issued(store)
+    after = store.get_cert("cached.test", _dns("cached.test"))
+    assert after.privatekey is store.default_privatekey and after is not before
+    assert before not in store.expire_queue
+    leaf_keys._mode[0] = "ecdsa-p256"
+    leaf_keys.forget_issued(store)
+    again = store.get_cert("cached.test", _dns("cached.test"))
+    assert isinstance(again.privatekey, ec.EllipticCurvePrivateKey)
