@@ -112,6 +112,9 @@ def install() -> None:
 
 
 class LeafKeys:
+    """The addon: the wrappers installed as it is made, `egress_leaf_key` declared and followed,
+    and the hint for a client that cannot use an ECDSA certificate."""
+
     def __init__(self) -> None:
         install()
 
