@@ -116,9 +116,11 @@ def test_a_key_that_does_not_match_the_certificate_is_refused(tlsconfig):
     addon.tls_start_client(start)
     entry = addon.get_cert(start.context)
 
-    class Mismatched:  # the certificate, and another key of its type
-        cert = entry.cert
-        privatekey = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    class Mismatched:  # the certificate, and another key of its type (P-256 once addons/leaf_keys.py is
+        cert = entry.cert  # installed: OpenSSL puts a key of another type in another slot, no error)
+        privatekey = (ec.generate_private_key(entry.privatekey.curve)
+                      if isinstance(entry.privatekey, ec.EllipticCurvePrivateKey)
+                      else rsa.generate_private_key(public_exponent=65537, key_size=2048))
 
     with pytest.raises(SSL.Error):
         SharedIdentities().apply(start.ssl_conn, Mismatched)
