@@ -15,10 +15,12 @@ and in time (entries expire), and the bound is shared fairly between sandboxes:
   one address), its expired ones pruned as it is answered again: before, such an entry grew for as
   long as it was refreshed (720,000 names, 117 MiB, after an hour at 200 answers a second, and every
   raw TCP decision to that address walked them all: 28 ms).
-- What is shared out is weight, not entries: an entry weighs one plus its names, and the memory
+- What is shared out is weight as well as entries: an entry weighs one plus its names, and the memory
   holds at most DEFAULT_MAX_WEIGHT (29-96 MiB, by how long and how shared the names are; review 39). Bounded by entries only, 100,000 entries of 64 names
   were 194-250 MiB, and one sandbox whose resolver answers 4,000 addresses a name filled it in ~8 s
-  (review 38).
+  (review 38). Whichever bound is over, the owner holding the most of *that* gives an entry back:
+  chosen by weight while the entries bound was over, an owner within its share of the entries lost
+  answers because its few entries carried more names (a hypothesis find).
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ class DnsMemory:
         self._size = 0  # entries
         self._weight = 0  # entries and their names
         self._weights: dict[Hashable, int] = {}  # each owner's
-        # The owners by weight, and the most any holds: a weight moves by at most an entry's at a
-        # time, so the heaviest owner is found in constant time, however many there are.
-        self._by_size: dict[int, dict[Hashable, None]] = {}
-        self._top = 0
+        # The owners ranked by weight and by entries: the bound that is over decides which owner
+        # gives an entry back (by weight alone, an owner holding few entries of many names lost
+        # them to another's flood of entries, although it held less than its share of the entries).
+        self._by_weight = _Ranking()
+        self._by_entries = _Ranking()
 
     def __len__(self) -> int:
         return self._size
@@ -130,28 +133,52 @@ class DnsMemory:
         old = self._weights.get(owner, 0)
         new = old + change
         self._weight += change
-        if old:
-            bucket = self._by_size[old]
-            del bucket[owner]
-            if not bucket:
-                del self._by_size[old]
         if new:
             self._weights[owner] = new
-            self._by_size.setdefault(new, {})[owner] = None
-            self._top = max(self._top, new)
         else:
             self._weights.pop(owner, None)
-        while self._top and self._top not in self._by_size:
-            self._top -= 1
+        self._by_weight.move(owner, old, new)
+        entries = len(self._parts.get(owner, ()))
+        self._by_entries.move(owner, entries - (1 if change > 0 else -1), entries)
 
     def _evict(self, inserting: Hashable) -> None:
-        """One entry out: the least recently answered of the heaviest owner (another than `inserting`
-        where several weigh as much). An owner within its even share of the memory is never the
-        one: the memory is over full, so some owner holds more."""
-        victim = None
-        for owner in self._by_size[self._top]:
-            victim = owner
-            if owner != inserting:
-                break
+        """One entry out: the least recently answered of the owner that holds the most of what is
+        over its bound (entries, else weight), another than `inserting` where several hold as much.
+        An owner within its even share of that bound is never the one: the memory is over it, so
+        some owner holds more."""
+        ranking = self._by_entries if self._size > self.max_entries else self._by_weight
+        victim = ranking.heaviest(inserting)
         part = self._parts[victim]
         self._take(next(iter(part)))
+
+
+class _Ranking:
+    """Owners by a count that moves by a bounded step at a time (an entry, or its weight): the
+    owner holding the most is found in constant time, however many there are."""
+
+    __slots__ = ("_buckets", "_top")
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, dict[Hashable, None]] = {}
+        self._top = 0
+
+    def move(self, owner: Hashable, old: int, new: int) -> None:
+        if old:
+            bucket = self._buckets[old]
+            del bucket[owner]
+            if not bucket:
+                del self._buckets[old]
+        if new:
+            self._buckets.setdefault(new, {})[owner] = None
+            self._top = max(self._top, new)
+        while self._top and self._top not in self._buckets:
+            self._top -= 1
+
+    def heaviest(self, besides: Hashable) -> Hashable:
+        """The owner holding the most; another than `besides` where several hold as much."""
+        victim = None
+        for owner in self._buckets[self._top]:
+            victim = owner
+            if owner != besides:
+                break
+        return victim

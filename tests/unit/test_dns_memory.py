@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from gateway.dnsmemory import MAX_NAMES_PER_ENTRY, DnsMemory
 
@@ -78,6 +78,10 @@ _OWNERS = ["a", "b", "c", "d"]
 
 
 @settings(max_examples=200, deadline=None)
+@example(max_entries=32, steps=[  # the entries bound was over, and the victim chosen by weight: owner a, 7
+    ("b", 0, 1, 2.0), ("a", 9, 6, 0.0), ("b", 6, 4, 0.0), ("c", 14, 6, 4.0),  # entries of two names each,
+    ("a", 8, 6, 0.0), ("b", 2, 3, 5.0), ("c", 5, 6, 5.0), ("a", 9, 6, 5.0),  # lost one though within its
+    ("d", 13, 6, 5.0), ("d", 5, 6, 5.0), ("d", 9, 6, 5.0)])  # share of 8 entries (a hypothesis find)
 @given(st.integers(2, 40), st.lists(st.tuples(st.sampled_from(_OWNERS), st.integers(0, 30), st.integers(1, 6),
                                               st.floats(0, 5)), max_size=80))
 def test_the_memory_never_exceeds_its_bound_and_an_owner_within_its_even_share_loses_nothing(max_entries, steps):
