@@ -12,6 +12,11 @@ from gateway.engine import Pin
 from .state import ClientSession
 
 
+def mode_name(proxy_mode) -> str:
+    """A mitmproxy proxy mode as the audit's `mode` spells it ("regular", "transparent", "dns"...)."""
+    return type(proxy_mode).__name__.removesuffix("Mode").lower() if proxy_mode else "?"
+
+
 def connection_fields(conn: ClientSession | None, sandbox: str | None = None) -> dict:
     original = conn.original_destination if conn else None
     fields = {

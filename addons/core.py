@@ -20,6 +20,7 @@ from gateway.localaddrs import local_addresses
 from gateway.policy import Policy, PolicyError, load_default_policy, load_policy
 from gateway.resolver import Resolver
 
+from .audit_fields import mode_name
 from .options import declare
 from .state import GatewayState
 
@@ -157,8 +158,7 @@ class EgressCore:
         logger.info("egress gateway: CA certificate for sandboxes: %s", os.path.join(confdir, "mitmproxy-ca-cert.pem"))
 
     def client_connected(self, client):
-        mode = type(client.proxy_mode).__name__.removesuffix("Mode").lower() if client.proxy_mode else "?"
-        self.state.connection(client.id, client.peername, mode)
+        self.state.connection(client.id, client.peername, mode_name(client.proxy_mode))
 
     def client_disconnected(self, client):
         self.state.forget(client.id)

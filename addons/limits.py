@@ -24,7 +24,7 @@ from gateway.session import PASSTHROUGH
 from gateway.sockets import SocketLedger, worker_limit_for
 
 from . import accept_gate, conn_close, fair_share, gc_freeze
-from .audit_fields import connection_fields
+from .audit_fields import connection_fields, mode_name
 from .options import declare
 from .refusals import UPSTREAM_OVER_BUDGET
 from .state import GatewayState
@@ -61,8 +61,7 @@ def _listeners():
     proxyserver = master.addons.get("proxyserver") if master is not None else None
     found = []
     for instance in getattr(proxyserver, "servers", ()) or ():
-        mode = type(instance.mode).__name__.removesuffix("Mode").lower()
-        found.append((mode, list(instance.listen_addrs)))
+        found.append((mode_name(instance.mode), list(instance.listen_addrs)))
     return found
 
 
