@@ -45,8 +45,9 @@ class DnsMemory:
                  max_weight: int = DEFAULT_MAX_WEIGHT):
         self.ttl = ttl
         self.max_entries = max(1, int(max_entries))
-        self.max_weight = max(2, int(max_weight))
         self.max_names = max(1, int(max_names))
+        # At least one full entry: below it, a lone owner's newest answer was evicted as it was given.
+        self.max_weight = max(1 + self.max_names, int(max_weight))
         self.clock = clock
         # Each owner's entries, least recently answered first; each entry's names, oldest first.
         self._parts: dict[Hashable, OrderedDict[_Key, dict[str, float]]] = {}
@@ -154,7 +155,9 @@ class DnsMemory:
 
 class _Ranking:
     """Owners by a count that moves by a bounded step at a time (an entry, or its weight): the
-    owner holding the most is found in constant time, however many there are."""
+    owner holding the most is found without sorting. Not quite constant time: a count's dict keeps
+    the slots of owners that left it until it is resized, and `heaviest` walks them (review 45:
+    ~4 us with 10,000 owners, ~85 us with 100,000, which `max_entries` bounds)."""
 
     __slots__ = ("_buckets", "_top")
 

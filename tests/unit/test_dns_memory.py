@@ -122,3 +122,13 @@ def test_the_memory_is_bounded_by_weight_entries_and_their_names():
         assert memory.weight() <= 20_000
     assert memory.names_for(victim, ip("192.0.2.22")) == {"git.internal"}
     assert memory.weight("b") == 2
+
+
+def test_a_weight_bound_below_one_full_entry_is_raised_to_it():
+    """Review 45: with max_weight under 1 + max_names, a lone owner's entry of many names was
+    evicted whole as its last name was given."""
+    memory = DnsMemory(max_entries=10, max_weight=5, max_names=64)
+    client = ip("10.0.0.9")
+    for i in range(5):
+        memory.remember(client, f"n{i}.test", [ip("192.0.2.9")])
+    assert memory.names_for(client, ip("192.0.2.9")) == {f"n{i}.test" for i in range(5)}
