@@ -134,6 +134,8 @@ if os.environ.get("EGRESS_BENCH_TRACEMALLOC"):
                     out["~cell (empty)"] += 1
             elif k is functools.partial:
                 out["~partial " + getattr(o.func, "__qualname__", "?")] += 1
+            elif k is tuple:  # by length and the types of the first two items
+                out[f"~tuple {len(o)}: " + ", ".join(name(x) for x in o[:2])] += 1
         return out
 
     def _guarded(name):
@@ -318,7 +320,7 @@ class Run:
         self.origin_port = args.port_base
         self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3,
                       "baseline": args.port_base + 4, "gateway_bound": args.port_base + 5,
-                      "baseline_bound": args.port_base + 6}
+                      "baseline_bound": args.port_base + 6, "gateway_w2": args.port_base + 7}
         for port in (self.origin_port, self.ports["gateway_tm"], *(self.ports[c] for c in configs)):
             if not port_free(port):  # (only the ports this run listens on: the others may be clients' now)
                 raise RuntimeError(f"port {port} is taken (use --port-base)")
@@ -404,7 +406,8 @@ rules:
         env.pop("EGRESS_BENCH_TRACEMALLOC", None)
         root = Path(self.args.baseline) if key.startswith("baseline") else PROJECT_ROOT
         if key.startswith(("gateway", "baseline")):
-            cmd = [self.python, "-m", "gateway", "run", "-q", "--workers", "1", "--policy", str(self.policy),
+            workers = "2" if key.endswith("_w2") else "1"  # (bench/worker_scaling.py)
+            cmd = [self.python, "-m", "gateway", "run", "-q", "--workers", workers, "--policy", str(self.policy),
                    "--mode", f"regular@127.0.0.1:{port}", "--confdir", str(confdir),
                    "--set", f"ssl_verify_upstream_trusted_ca={self.ca}"]
             env["PYTHONPATH"] = str(root)

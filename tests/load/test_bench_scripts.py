@@ -61,3 +61,18 @@ def test_tunnel_memory_completes_a_round(sse):
     out = _run(str(BENCH / "tunnel_memory.py"), "--count", "20", "--rounds", "1", "--warmup", "2", "--settle", "0.2",
                "--configs", "gateway", "--port-base", str(base), *(["--sse"] if sse else []))
     assert "median KiB per" in out, out
+
+
+def test_worker_scaling_completes_a_round():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from cpuquota import CpuQuota
+    finally:
+        sys.path.remove(str(BENCH))
+    quota = CpuQuota()
+    if not quota.available:
+        pytest.skip(f"CPU quotas are {quota.describe()}")
+    base = _free_block()
+    out = _run(str(BENCH / "worker_scaling.py"), "--rounds", "1", "--seconds", "1", "--warmup-seconds", "0.5",
+               "--concurrency", "8", "--port-base", str(base), "--port-last", str(base + 11))
+    assert "| new TLS connections |" in out and "| keep-alive requests |" in out, out
