@@ -12,9 +12,10 @@ callback. The time is summed on the handler and charged at its next turn.
 
 A turn (`turn`) comes before each read of one of its connections is handled (addons/conn_close.py's
 read loop), before each blocking hook (the requests a client pipelined, or opened as HTTP/2
-streams, go on from hook to hook with no read in between) and before each timer's event. It waits
-for its slot (`LoopShare.reserve`) while the sandbox is over its share on a contended loop, and,
-over its share whether contended or not, yields while a sandbox within its share is being served.
+streams, go on from hook to hook with no read in between) and before each timer's event
+(addons/conn_timers.py). It waits for its slot (`LoopShare.reserve`) while the sandbox is over its
+share on a contended loop, and, over its share whether contended or not, yields while a sandbox
+within its share is being served.
 Its sockets' buffers fill and TCP slows it down; nothing is refused, and a sandbox alone on a
 worker, or next to an idle loop, is never slowed.
 
@@ -683,15 +684,6 @@ def install(state) -> None:
         if hook.blocking:
             await self.server_event(events.HookCompleted(hook))
 
-    async def shared_wakeup(self, request) -> None:
-        """mitmproxy's wakeup (12.3), with the sandbox's turn before the timer's event."""
-        await asyncio.sleep(request.delay)
-        await turn(self)  # (still in wakeup_timer meanwhile: a close cancels it, no Wakeup after the close)
-        task = asyncio.current_task()
-        assert task is not None
-        self.wakeup_timer.discard(task)
-        await self.server_event(events.Wakeup(request))
-
     if _not_charged not in gc.callbacks:
         gc.callbacks.append(_not_charged)
     perf_counter = time.perf_counter
@@ -703,7 +695,6 @@ def install(state) -> None:
     handler_class.egress_read_size = read_size  # (addons/conn_close.py)
     handler_class._egress_small_reads = False  # its reads were cut to YIELDING_READ at its last read
     handler_class.hook_task = shared_hook_task
-    handler_class.wakeup = shared_wakeup
     asyncio.Handle._run = timed_run
     selector_events.BaseSelectorEventLoop._process_events = counted_process_events
     selector_events.BaseSelectorEventLoop._accept_connection2 = keyed_accept_connection

@@ -28,7 +28,7 @@ from mitmproxy.tls import ClientHello
 from gateway.decision import Decision, verdict_fields
 from gateway.session import PASSTHROUGH, ClientSession
 
-from . import instance_layout, layer_memory, passthrough, stream_memory
+from . import conn_timers, instance_layout, layer_memory, passthrough, stream_memory
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .first_bytes import FirstBytes
@@ -136,6 +136,7 @@ class LayerGuard:
     def __init__(self, state: GatewayState):
         layer_memory.install()  # every layer's queue of paused events made only when first used
         stream_memory.install()  # every connection's list of drain waiters made only when a writer waits
+        conn_timers.install()  # a connection's watchdog and wakeups are loop timers, not sleeping tasks
         instance_layout.install()  # per-connection objects keep their attributes inline, without dicts
         self.state = state
         self.http = HttpLayerMaker(state)

@@ -1,0 +1,141 @@
+"""A connection's timers are event-loop timers, not tasks that sleep.
+
+mitmproxy 12.3 keeps two kinds of timer per connection, each a task asleep in `asyncio.sleep`: the
+client's inactivity watchdog (`TimeoutWatchdog.watch`, for `tcp_timeout`, for the connection's whole
+life) and every `RequestWakeup` a layer asks for (`ConnectionHandler.wakeup`: the gateway's body-idle
+deadline of an open stream, a head's deadline, HTTP/2 pings). A sleeping task is a Task with its
+debug attributes, two coroutines, a Future, a timer handle and a weak reference, and the watchdog
+adds an asyncio.Event with its own 760-byte deque of waiters: ~3.5 KB for every open stream, most
+of it to wait (bench/tunnel_memory.py --sse --details; docs/performance.md, "Memory per open SSE
+stream"). Here each is one `loop.call_later` handle:
+
+- `TimerWatchdog` takes TimeoutWatchdog's place (same attributes and methods). `watch()` arms the
+  timer and returns at once. When the timer runs out it looks again: disarmed (a hook under way) it
+  looks a full timeout later, active since it looks when the rest has run out, else the connection
+  is closed by mitmproxy's own `on_timeout`, as before. The timer is put among the handler's
+  `wakeup_timer`, all of which mitmproxy cancels when the client handler ends (the watchdog task
+  was cancelled at that same point).
+- `wakeup` (mitmproxy's, with the sandbox's turn before the event, addons/fair_share.py): the task
+  mitmproxy makes for it gives its place in `wakeup_timer` to a `_Wakeup` timer and ends after one
+  step of the loop (mitmproxy adds the task to the set only once it has made it, and its tasks run
+  eagerly: a task ended at once would stay in the set). When the timer runs out, a task takes the
+  turn and hands the `Wakeup` event on, in the set meanwhile, so that a close still cancels it
+  before the event: no Wakeup after a close.
+
+A timer's callback runs in the context of the task that armed it, so the loop time of what it does
+is charged to the connection's sandbox like any other (addons/fair_share.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import contextmanager
+
+from mitmproxy.proxy import events, server
+
+
+class TimerWatchdog:
+    """mitmproxy's TimeoutWatchdog (12.3) as one loop timer."""
+
+    __slots__ = ("timeout", "callback", "last_activity", "blocker", "_handle", "_loop", "_timers")
+
+    def __init__(self, timeout: float, callback) -> None:
+        self.timeout = timeout
+        self.callback = callback  # the handler's on_timeout
+        self.last_activity = time.time()
+        self.blocker = 0
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timers: set | None = None
+
+    def register_activity(self) -> None:
+        self.last_activity = time.time()
+
+    async def watch(self) -> None:
+        """Arm the timer among the handler's timers (cancelled with them when the client handler ends)."""
+        self._loop = asyncio.get_running_loop()
+        handler = getattr(self.callback, "__self__", None)
+        self._timers = getattr(handler, "wakeup_timer", None)
+        if self._timers is not None:
+            self._timers.add(self)
+        self._arm(self.timeout - (time.time() - self.last_activity))
+
+    def _arm(self, delay: float) -> None:
+        self._handle = self._loop.call_later(max(delay, 0.0), self._check)
+
+    def _check(self) -> None:
+        self._handle = None
+        if self.blocker:  # a hook under way: the end of the disarm counts as activity
+            self._arm(self.timeout)
+            return
+        left = self.last_activity + self.timeout - time.time()
+        if left >= 0:
+            self._arm(left)
+            return
+        if self._timers is not None:
+            self._timers.discard(self)
+        asyncio.ensure_future(self.callback())
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    @contextmanager
+    def disarm(self):
+        self.blocker += 1
+        try:
+            yield
+        finally:
+            self.blocker -= 1
+            if self.blocker == 0:
+                self.register_activity()
+
+
+class _Wakeup:
+    """One RequestWakeup's timer, in its handler's `wakeup_timer` until its event is handed on."""
+
+    __slots__ = ("handler", "request", "handle", "task")
+
+    def __init__(self, handler, request, when: float) -> None:
+        self.handler = handler
+        self.request = request
+        self.task: asyncio.Task | None = None
+        self.handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.handle = None  # (the handle refers to this object: no cycle left behind)
+        self.task = asyncio.ensure_future(self._hand_on())
+
+    async def _hand_on(self) -> None:
+        handler = self.handler
+        turn = getattr(handler, "egress_turn", None)  # the sandbox's turn (addons/fair_share.py), if installed
+        if turn is not None:
+            await turn()  # (still in wakeup_timer: a close cancels it, no Wakeup after the close)
+        handler.wakeup_timer.discard(self)
+        self.task = None
+        await handler.server_event(events.Wakeup(self.request))
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+
+async def timer_wakeup(self, request) -> None:
+    """mitmproxy's wakeup (12.3): the task gives its place in `wakeup_timer` to a timer and ends."""
+    when = asyncio.get_running_loop().time() + request.delay
+    await asyncio.sleep(0)  # (mitmproxy adds this task to wakeup_timer once it has made it)
+    self.wakeup_timer.discard(asyncio.current_task())
+    self.wakeup_timer.add(_Wakeup(self, request, when))
+
+
+def install() -> None:
+    if server.TimeoutWatchdog is TimerWatchdog:
+        return
+    server.TimeoutWatchdog = TimerWatchdog
+    server.ConnectionHandler.wakeup = timer_wakeup
