@@ -1,29 +1,100 @@
-"""asyncio's stream protocols make their list of drain waiters only when a writer first waits.
+"""asyncio's queues of a connection are made when first used: drain waiters, unsent bytes, lock waiters.
 
-mitmproxy serves every TCP connection, the sandbox's and the upstream's, through an asyncio
-StreamReaderProtocol, whose FlowControlMixin made a `collections.deque()` in its constructor for
-the writers waiting in `drain()` while the transport's buffer is over its high-water mark: 760
-bytes, two per tunnel, empty unless a peer stops reading (bench/tunnel_memory.py --details;
-docs/performance.md, "Memory per open SSE stream").
+Each of these is a `collections.deque()`, 760 bytes however empty, and nearly always empty
+(bench/tunnel_memory.py --details; docs/performance.md, "Memory per open SSE stream"):
 
-Here a protocol starts with NO_WAITERS, one empty deque shared by all that refuses writes
-(addons/empty_deque.py), gets a deque of its own where `_drain_helper` first waits, and lets it go
-once no writer waits any more. `resume_writing` and `connection_lost` only iterate the deque, and
-see the shared one as the empty deque it used to be.
+- **Drain waiters.** mitmproxy serves every TCP connection, the sandbox's and the upstream's,
+  through an asyncio StreamReaderProtocol, whose FlowControlMixin made a deque in its constructor
+  for the writers waiting in `drain()` while the transport's buffer is over its high-water mark:
+  two per tunnel, empty unless a peer stops reading.
+- **Unsent bytes.** Each of those connections' socket transport made a deque in its constructor
+  for what the socket did not take at once: two per tunnel, empty unless the kernel's buffer is
+  full.
+- **Lock waiters.** A connection handler's `_server_event_lock` makes its deque the first time two
+  events meet (a hook's completion while a read's event is handled: every stream) and keeps it for
+  the connection's life.
 
-Two wrappers, tabled in addons/patches.py: `FlowControlMixin.__init__` (asyncio's, then the shared
-deque in place of the new one) and `FlowControlMixin._drain_helper` (Python 3.12's, with the deque
-made on the first wait and dropped when empty; nothing else in it changed).
+Each starts with a shared empty deque that refuses writes (addons/empty_deque.py): a protocol gets a
+deque of its own where `_drain_helper` first waits and lets it go once no writer waits; a transport
+where `write` or `writelines` must keep bytes, and goes back to the shared one at a write that finds
+its own empty; a handler's lock (`LeanLock`) drops its deque when it is released with no one
+waiting (asyncio's Lock knows a lock with no deque). The code that only iterates or clears these
+queues (`resume_writing`, `connection_lost`, the transport's sends and close) sees the shared one as
+the empty deque it used to be.
+
+Wrappers, tabled in addons/patches.py: `FlowControlMixin.__init__` and `_SelectorSocketTransport.__init__`
+(asyncio's, then the shared deque in place of the new one), `FlowControlMixin._drain_helper` and
+`_SelectorSocketTransport.write` (Python 3.12's, with the deque made where the first item is put
+in; nothing else in them changed), `_SelectorSocketTransport.writelines` (its own deque first), and
+`ConnectionHandler.__init__` (mitmproxy's, then LeanLocks in place of its two asyncio Locks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-from asyncio import streams
+from asyncio import constants, selector_events, streams
+from asyncio.log import logger as _asyncio_logger  # (as in the copied write)
+
+from mitmproxy.proxy import server
 
 from .empty_deque import SharedEmptyDeque
 
 NO_WAITERS = SharedEmptyDeque()  # the drain waiters of every protocol no writer waits on
+NO_BYTES = SharedEmptyDeque()  # the unsent bytes of every transport whose socket took all
+
+
+class LeanLock(asyncio.Lock):
+    """asyncio.Lock that lets its deque of waiters go when it is released with none waiting."""
+
+    def release(self) -> None:
+        super().release()
+        if self._waiters is not None and not self._waiters:
+            self._waiters = None
+
+
+def _write(self, data):
+    """Python 3.12's _SelectorSocketTransport.write; only where the unsent bytes are kept differs."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f'data argument must be a bytes-like object, '
+                        f'not {type(data).__name__!r}')
+    if self._eof:
+        raise RuntimeError('Cannot call write() after write_eof()')
+    if self._empty_waiter is not None:
+        raise RuntimeError('unable to write; sendfile is in progress')
+    if not data:
+        return
+
+    if self._conn_lost:
+        if self._conn_lost >= constants.LOG_THRESHOLD_FOR_CONNLOST_WRITES:
+            _asyncio_logger.warning('socket.send() raised exception.')
+        self._conn_lost += 1
+        return
+
+    if not self._buffer:
+        self._buffer = NO_BYTES  # (its own, emptied since: let go)
+        # Optimization: try to send now.
+        try:
+            n = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal_error(exc, 'Fatal write error on socket transport')
+            return
+        else:
+            data = memoryview(data)[n:]
+            if not data:
+                return
+        # Not all was written; register write handler.
+        self._loop._add_writer(self._sock_fd, self._write_ready)
+
+    # Add it to the buffer.
+    if self._buffer is NO_BYTES:
+        self._buffer = collections.deque()
+    self._buffer.append(data)
+    self._maybe_pause_protocol()
 
 
 def install() -> None:
@@ -57,3 +128,28 @@ def install() -> None:
     _drain_helper._egress_lazy_waiters = True
     FlowControlMixin.__init__ = __init__
     FlowControlMixin._drain_helper = _drain_helper
+
+    Transport = selector_events._SelectorSocketTransport
+    transport_init, writelines = Transport.__init__, Transport.writelines
+
+    def transport_init_(self, *args, **kwargs) -> None:
+        transport_init(self, *args, **kwargs)
+        self._buffer = NO_BYTES
+
+    def writelines_(self, list_of_data):
+        if self._buffer is NO_BYTES and list_of_data:
+            self._buffer = collections.deque()
+        return writelines(self, list_of_data)
+
+    Transport.__init__ = transport_init_
+    Transport.write = _write
+    Transport.writelines = writelines_
+
+    handler_init = server.ConnectionHandler.__init__
+
+    def handler_init_(self, *args, **kwargs) -> None:
+        handler_init(self, *args, **kwargs)
+        self._server_event_lock = LeanLock()
+        self._drain_lock = LeanLock()
+
+    server.ConnectionHandler.__init__ = handler_init_

@@ -1,27 +1,33 @@
 """addons/stream_memory.py: an asyncio stream protocol makes its deque of drain waiters when a writer
 first waits, not in its constructor, and lets it go once no writer waits; until then it shares one
 empty deque that refuses writes. A writer held back by a peer that does not read still waits, and is
-released when the peer reads or when the connection is lost. The copy of Python's
-_drain_helper is of the function this Python has."""
+released when the peer reads or when the connection is lost. A socket transport makes its deque of
+unsent bytes when the socket first leaves some, every byte still arrives in order, and it lets the
+deque go at a write that finds it empty. A handler's lock drops its deque of waiters when released
+with none waiting, and still hands the lock over in order. The copies of Python's _drain_helper and
+write are of the functions this Python has."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import collections
 import hashlib
 import inspect
 import socket
-from asyncio import streams
+from asyncio import selector_events, streams
 
 import pytest
 
 from addons import stream_memory
-from addons.stream_memory import NO_WAITERS
+from addons.stream_memory import NO_BYTES, NO_WAITERS, LeanLock
 
 stream_memory.install()
 
 # sha256 of Python 3.12's FlowControlMixin._drain_helper source, which stream_memory copies
 PYTHON_DRAIN_HELPER = "3aaf494dc68cc7af023abd7b44a1f11872cd77f028748ac317ce62a89446e2f9"
+# sha256 of Python 3.12's _SelectorSocketTransport.write source, which stream_memory copies
+PYTHON_TRANSPORT_WRITE = "96f23c287e7ba63acccb59abaadf87f231e9de0c96e06f3ee9deac00ae4c85f1"
 
 
 def _with_pair(body) -> None:
@@ -87,12 +93,136 @@ def test_a_waiting_writer_is_released_when_the_connection_is_lost():
     _with_pair(body)
 
 
-def test_the_copy_is_of_this_python_s_drain_helper():
-    source = inspect.getsource(streams)
+def _python_method(module, cls: str, name: str) -> str:
+    source = inspect.getsource(module)
     for node in ast.parse(source).body:
-        if isinstance(node, ast.ClassDef) and node.name == "FlowControlMixin":
-            found = next(f for f in node.body if isinstance(f, ast.AsyncFunctionDef) and f.name == "_drain_helper")
-            text = ast.get_source_segment(source, found)
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            found = next(f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and f.name == name)
+            return ast.get_source_segment(source, found)
+    raise AssertionError(cls)
+
+
+def test_the_copy_is_of_this_python_s_drain_helper():
+    text = _python_method(streams, "FlowControlMixin", "_drain_helper")
     assert hashlib.sha256(text.encode()).hexdigest() == PYTHON_DRAIN_HELPER, (
         "Python's FlowControlMixin._drain_helper changed: copy it into addons/stream_memory.py again, then update "
         "the hash")
+
+
+def test_the_copy_is_of_this_python_s_transport_write():
+    text = _python_method(selector_events, "_SelectorSocketTransport", "write")
+    assert hashlib.sha256(text.encode()).hexdigest() == PYTHON_TRANSPORT_WRITE, (
+        "Python's _SelectorSocketTransport.write changed: copy it into addons/stream_memory.py again, then update "
+        "the hash")
+
+
+# -- unsent bytes ----------------------------------------------------------------------------------------
+
+def test_a_transport_starts_with_the_shared_deque_and_keeps_it_while_the_socket_takes_all():
+    async def body(writer, reader):
+        transport = writer.transport
+        assert transport._buffer is NO_BYTES
+        writer.write(b"hello")
+        writer.writelines([])
+        assert transport._buffer is NO_BYTES
+        assert await reader.readexactly(5) == b"hello"
+
+    _with_pair(body)
+
+
+@pytest.mark.parametrize("how", ["write", "writelines"])
+def test_bytes_the_socket_leaves_go_in_a_deque_of_its_own_and_all_arrive_in_order(how):
+    async def body(writer, reader):
+        transport = writer.transport
+        sent = bytearray()
+        piece = 0
+        while not transport.get_write_buffer_size():  # until the kernel's buffer is full (the peer does not read yet)
+            data = bytes([piece % 251]) * 65536
+            (writer.write(data) if how == "write" else writer.writelines([data[:1000], data[1000:]]))
+            sent += data
+            piece += 1
+        own = transport._buffer
+        assert own is not NO_BYTES and type(own) is collections.deque and own
+        writer.write(b"tail")
+        sent += b"tail"
+        assert transport._buffer is own  # (more bytes behind those left: the same deque)
+        got = await reader.readexactly(len(sent))  # the peer reads: the transport sends what it kept
+        assert got == bytes(sent)
+        assert not own
+        writer.write(b"next")  # a write that finds its deque empty lets it go
+        assert transport._buffer is NO_BYTES
+        assert await reader.readexactly(4) == b"next"
+
+    _with_pair(body)
+
+
+def test_a_closed_transport_with_the_shared_deque_closes_cleanly():
+    async def body(writer, reader):
+        writer.write(b"x")
+        writer.close()
+        await writer.wait_closed()
+        assert await reader.read() == b"x"
+        with pytest.raises(RuntimeError):
+            NO_BYTES.append(b"y")
+
+    _with_pair(body)
+
+
+# -- a handler's lock ------------------------------------------------------------------------------------
+
+def test_a_lock_drops_its_waiters_when_released_with_none_waiting_and_hands_over_in_order():
+    async def main():
+        lock = LeanLock()
+        order = []
+
+        async def take(name):
+            async with lock:
+                order.append(name)
+
+        await lock.acquire()
+        waiting = [asyncio.ensure_future(take(n)) for n in ("a", "b")]
+        while not lock._waiters or len(lock._waiters) < 2:
+            await asyncio.sleep(0)  # (each waiter's first step: it queues its future)
+        lock.release()  # hands over to "a": "b" still waits, the deque stays
+        assert lock._waiters is not None
+        await asyncio.gather(*waiting)
+        assert order == ["a", "b"]
+        assert lock._waiters is None and not lock.locked()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_leaves_the_lock_usable():
+    async def main():
+        lock = LeanLock()
+        await lock.acquire()
+        waiter = asyncio.ensure_future(lock.acquire())
+        while not lock._waiters:
+            await asyncio.sleep(0)  # (the waiter's first step: it queues its future)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        lock.release()
+        assert lock._waiters is None
+        async with lock:
+            assert lock.locked()
+        assert not lock.locked()
+
+    asyncio.run(main())
+
+
+def test_a_connection_handler_s_locks_are_lean():
+    from mitmproxy import connection, options
+    from mitmproxy.proxy import context, server
+
+    class Bare(server.ConnectionHandler):
+        async def handle_hook(self, hook) -> None:
+            pass
+
+        def log(self, message, level=None) -> None:
+            pass
+
+    client = connection.Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2))
+    handler = Bare(context.Context(client, options.Options()))
+    assert type(handler._server_event_lock) is LeanLock and type(handler._drain_lock) is LeanLock
