@@ -189,7 +189,63 @@ class BodyOverrideCheck:
         return None if decision.allowed else decision
 
 
-class EmptyBodyCheck:
+class CheckInFront:
+    """A check that stands in front of another in the BODY_CHECK slot (an upload budget, an empty
+    body's refusal): it decides each piece first (`_front`), and hands the rest of the interface on
+    to the check behind it (`then`), so that a body decoded to be scanned is still decoded off the
+    event loop, its decoders' windows charged to the buffer budget and dropped with the stream
+    (addons/http_stream.py `_checked`, `_drop_decoders`). Before, the checks in front had only
+    feed/finish: behind one, a compressed body was decoded on the loop, uncharged (a brotli window
+    of up to 16 MiB)."""
+
+    then = None  # the check behind it, or None
+
+    def _front(self, data: bytes | None) -> Decision | None:
+        """Its own decision on a piece of the body (None: the body's end): the refusal, or None."""
+        raise NotImplementedError
+
+    @property
+    def stopped(self) -> bool:
+        """It refused the body: nothing more is checked."""
+        raise NotImplementedError
+
+    def feed(self, data: bytes) -> Decision | None:
+        if (refusal := self._front(data)) is not None:
+            return refusal
+        if self.stopped or self.then is None:
+            return None
+        return self.then.feed(data)
+
+    @property
+    def decodes(self) -> bool:
+        return not self.stopped and bool(getattr(self.then, "decodes", False))
+
+    def windows(self, first: bytes, grow: Callable[[int], bool]) -> int:
+        return self.then.windows(first, grow)
+
+    def scan(self, data: bytes | None):
+        """BodyOverrideCheck.scan behind its own decision on the piece (made on the loop, first)."""
+        if (refusal := self._front(data)) is not None:
+            return ("refused", refusal)
+        if self.stopped or self.then is None:
+            return ("done", None)
+        return (yield from self.then.scan(data))
+
+    def settle(self, outcome: tuple[str, object], last: bool = False) -> Decision | None:
+        kind, value = outcome
+        if kind == "refused":
+            return value
+        return self.then.settle(outcome, last) if self.then is not None else None
+
+    def refuse(self, decision: Decision) -> Decision | None:
+        return self.then.refuse(decision) if self.then is not None else None
+
+    def close(self) -> None:
+        if self.then is not None and hasattr(self.then, "close"):
+            self.then.close()
+
+
+class EmptyBodyCheck(CheckInFront):
     """An HTTP/2 GET, HEAD, OPTIONS or DELETE whose head did not say whether a body follows
     (gateway/bodies.py `Framing.UNKNOWN`) and whose rule does not set allow_body: the body is held
     (never streamed) and its first byte refuses the request, 400 `unexpected_body`, before anything
@@ -202,7 +258,11 @@ class EmptyBodyCheck:
         self.then = then  # a report-mode refusal lets the body on: it is still checked for overrides
         self.seen = False
 
-    def feed(self, data: bytes) -> Decision | None:
+    @property
+    def stopped(self) -> bool:
+        return self.seen and not self.refusal.allowed  # refused already: nothing more is read
+
+    def _front(self, data: bytes | None) -> Decision | None:
         if data and not self.seen:
             self.seen = True
             try:
@@ -211,9 +271,7 @@ class EmptyBodyCheck:
                 logging.getLogger("egress").exception("egress gateway: could not record a refusal")
             if not self.refusal.allowed:
                 return self.refusal
-        if self.seen and not self.refusal.allowed:
-            return None  # refused already: nothing more is read
-        return self.then.feed(data) if self.then is not None else None
+        return None
 
     def finish(self) -> Decision | None:
         if self.seen and not self.refusal.allowed:

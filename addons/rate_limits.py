@@ -48,7 +48,7 @@ from gateway.policy import LIMIT_KEYS, Policy, Scope
 from gateway.ratelimit import BucketTable, Clock, Quotas, SlidingWindow, parse_rate
 
 from .audit_fields import connection_fields, decision_fields, flow_fields
-from .method_body import BODY_CHECK
+from .method_body import BODY_CHECK, CheckInFront
 from .options import declare
 from .respond import COUNTS_AS_RESET, flow_page, refusal_headers, replace_response
 from .revocation import close_client
@@ -338,7 +338,7 @@ def _declared_length(request: http.Request) -> int:
     return int(values[0].strip())
 
 
-class UploadCheck:
+class UploadCheck(CheckInFront):
     """Counts the request body against the upload windows as it arrives, before each chunk goes on;
     the chunk that would pass a budget refuses the body (429 upload_quota_exceeded) and nothing of it
     is sent. Then hands the chunk to the body check that was there (method overrides, empty bodies).
@@ -351,20 +351,22 @@ class UploadCheck:
         self.then = then
         self.refused = False
 
-    def feed(self, data: bytes) -> Decision | None:
-        if self.refused:
+    @property
+    def stopped(self) -> bool:
+        return self.refused
+
+    def _front(self, data: bytes | None) -> Decision | None:
+        if self.refused or not data:
             return None
         try:
-            refusal = self._count(data)
+            return self._count(data)
         except Exception:  # fail closed: a body that could not be counted does not go on
             logging.getLogger("egress").exception("egress gateway: the upload budget check failed")
             self.refused = True
             refusal = Decision.deny("internal_error", "the gateway failed while counting the request body against "
                                     "its upload budget; its end was not sent", self.charge.rule)
             self._record(refusal)
-        if refusal is not None:
             return refusal
-        return self.then.feed(data) if self.then is not None else None
 
     def _count(self, data: bytes) -> Decision | None:
         if data:
