@@ -269,6 +269,13 @@ class GatewayHttpStream(HttpStream):
         if hasattr(check, "close"):
             check.close()
 
+    def _body_checked(self) -> None:
+        """The request body passed its check to its end: the check goes now (its scanner, closures
+        and findings), not with the flow, which a response streamed for minutes keeps alive."""
+        check = self.flow.metadata.pop(BODY_CHECK, None)
+        if hasattr(check, "close"):
+            check.close()
+
     def _over_budget(self) -> Decision:
         room = self._account.room() if self._account is not None else None
         return Decision.deny("buffer_budget", "buffering this body would pass the connection's or the sandbox's "
@@ -499,6 +506,8 @@ class GatewayHttpStream(HttpStream):
                 refusal = check.trailers()  # trailers alone make an HTTP/1 body (chunked)
             else:
                 refusal = yield from self._checked(check, None)
+                if refusal is None:
+                    self._body_checked()
             if refusal is not None:
                 yield from self._refuse_body(refusal, upstream=False)
                 return
@@ -573,6 +582,7 @@ class GatewayHttpStream(HttpStream):
             if (refusal := (yield from self._checked(check, None))) is not None:
                 yield from self._refuse_body(refusal, upstream=True)
                 return
+            self._body_checked()
             if self._held:
                 held, self._held = self._held, b""
                 yield from super().state_stream_request_body(RequestData(event.stream_id, held))
