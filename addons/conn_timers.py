@@ -20,7 +20,8 @@ stream"). Here each is one `loop.call_later` handle:
   step of the loop (mitmproxy adds the task to the set only once it has made it, and its tasks run
   eagerly: a task ended at once would stay in the set). When the timer runs out, a task takes the
   turn and hands the `Wakeup` event on, in the set meanwhile, so that a close still cancels it
-  before the event: no Wakeup after a close.
+  before the event: no Wakeup after a close. A wakeup due at once (delay 0: a body's parse cut at
+  its slice goes on at the next step) is handed on by its own task, as before, not one step later.
 
 A timer's callback runs in the context of the task that armed it, so the loop time of what it does
 is charged to the connection's sandbox like any other (addons/fair_share.py).
@@ -106,16 +107,7 @@ class _Wakeup:
 
     def _fire(self) -> None:
         self.handle = None  # (the handle refers to this object: no cycle left behind)
-        self.task = asyncio.ensure_future(self._hand_on())
-
-    async def _hand_on(self) -> None:
-        handler = self.handler
-        turn = getattr(handler, "egress_turn", None)  # the sandbox's turn (addons/fair_share.py), if installed
-        if turn is not None:
-            await turn()  # (still in wakeup_timer: a close cancels it, no Wakeup after the close)
-        handler.wakeup_timer.discard(self)
-        self.task = None
-        await handler.server_event(events.Wakeup(self.request))
+        self.task = asyncio.ensure_future(_hand_on(self.handler, self.request, self))
 
     def cancel(self) -> None:
         if self.handle is not None:
@@ -126,11 +118,30 @@ class _Wakeup:
             self.task = None
 
 
+async def _hand_on(handler, request, marker) -> None:
+    """The sandbox's turn, then the Wakeup event. `marker` (the timer, or the task itself) stays in
+    `wakeup_timer` until the turn is over: a close meanwhile cancels it, no Wakeup after the close."""
+    try:
+        turn = getattr(handler, "egress_turn", None)  # the sandbox's turn (addons/fair_share.py), if installed
+        if turn is not None:
+            await turn()
+    finally:
+        handler.wakeup_timer.discard(marker)
+        if isinstance(marker, _Wakeup):
+            marker.task = None  # (whatever ended the turn: no cycle through the task left behind)
+    await handler.server_event(events.Wakeup(request))
+
+
 async def timer_wakeup(self, request) -> None:
-    """mitmproxy's wakeup (12.3): the task gives its place in `wakeup_timer` to a timer and ends."""
+    """mitmproxy's wakeup (12.3): the task gives its place in `wakeup_timer` to a timer and ends; a
+    wakeup already due (delay 0: a parse continued at the next step) is handed on from the task."""
     when = asyncio.get_running_loop().time() + request.delay
     await asyncio.sleep(0)  # (mitmproxy adds this task to wakeup_timer once it has made it)
-    self.wakeup_timer.discard(asyncio.current_task())
+    task = asyncio.current_task()
+    if request.delay <= 0:
+        await _hand_on(self, request, task)
+        return
+    self.wakeup_timer.discard(task)
     self.wakeup_timer.add(_Wakeup(self, request, when))
 
 

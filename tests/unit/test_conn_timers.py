@@ -173,18 +173,52 @@ async def _request(handler: Handler, delay: float) -> asyncio.Task:
     return task
 
 
+SOON = 1e-6  # a delay that runs out at the loop's next step (the tests wait for events, not for time)
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
 def test_a_wakeup_is_a_timer_in_the_task_s_place_then_its_event(eager):
     async def main():
         handler = Handler()
-        task = await _request(handler, 0)
+        task = await _request(handler, SOON)
         await task
         assert task not in handler.wakeup_timer  # the task ended and gave its place to the timer
         event = await handler.delivered
-        assert isinstance(event, events.Wakeup) and event.command.delay == 0
+        assert isinstance(event, events.Wakeup) and event.command.delay == SOON
         assert handler.wakeup_timer == set()
 
     _run(main, eager)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
+def test_a_wakeup_due_at_once_is_handed_on_by_its_own_task_after_the_turn(eager):
+    async def main():
+        turn = asyncio.get_running_loop().create_future()
+        handler = Handler(turn)
+        task = await _request(handler, 0)
+        await asyncio.sleep(0)  # (the task's first step: not synchronisation)
+        await asyncio.sleep(0)  # (and its second, into the turn: not synchronisation)
+        assert handler.wakeup_timer == {task} and handler.events == []  # waiting for its turn, in the set
+        turn.set_result(None)
+        await task
+        assert isinstance(handler.events[0], events.Wakeup) and handler.wakeup_timer == set()
+
+    _run(main, eager)
+
+
+def test_a_close_during_the_turn_of_a_wakeup_due_at_once_cancels_it():
+    async def main():
+        turn = asyncio.get_running_loop().create_future()
+        handler = Handler(turn)
+        task = await _request(handler, 0)
+        await asyncio.sleep(0)  # (the task's first step: not synchronisation)
+        await asyncio.sleep(0)  # (and its second, into the turn: not synchronisation)
+        handler.close()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert handler.events == [] and handler.wakeup_timer == set()
+
+    _run(main)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
@@ -206,7 +240,7 @@ def test_the_event_waits_for_the_sandbox_s_turn_and_a_close_meanwhile_cancels_it
     async def main():
         turn = asyncio.get_running_loop().create_future()
         handler = Handler(turn)
-        await (await _request(handler, 0))
+        await (await _request(handler, SOON))
         (timer,) = handler.wakeup_timer
         while timer.task is None:
             await asyncio.sleep(0)  # (the loop runs the timer out: not synchronisation)
@@ -225,7 +259,7 @@ def test_after_its_turn_the_event_is_handed_on(eager):
     async def main():
         turn = asyncio.get_running_loop().create_future()
         handler = Handler(turn)
-        await (await _request(handler, 0))
+        await (await _request(handler, SOON))
         (timer,) = handler.wakeup_timer
         while timer.task is None:
             await asyncio.sleep(0)  # (the loop runs the timer out: not synchronisation)
@@ -239,7 +273,7 @@ def test_after_its_turn_the_event_is_handed_on(eager):
 def test_a_wakeup_task_closed_before_its_first_step_arms_nothing():
     async def main():
         handler = Handler()
-        task = await _request(handler, 0)
+        task = await _request(handler, SOON)
         handler.close()  # cancels the task itself: it had not yet given its place
         with pytest.raises(asyncio.CancelledError):
             await task
