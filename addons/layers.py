@@ -42,6 +42,7 @@ from .http_stream import END_STREAM_ATTR, BodyIdleCheck, BodyLimits, GatewayHttp
 
 TARGET_FORM_ATTR = "_egress_target_form"  # "origin" | "absolute" | "authority" | "asterisk"
 RAW_AUTHORITY_ATTR = "_egress_raw_authority"
+_NONE_ENDED: frozenset = frozenset()  # the ended connections of every layer with none waiting to be dropped
 
 
 class _NotHeld:
@@ -82,7 +83,7 @@ class GatewayHttpLayer(HttpLayer):
         self.max_head_bytes = max_head_bytes
         self.head_timeout = head_timeout
         self.body_limits = body_limits or BodyLimits()
-        self._ended: set = set()  # upstream connections whose close was handled, not yet dropped
+        self._ended: set | frozenset = _NONE_ENDED  # upstream connections whose close was handled, not yet dropped
         self._recent: dict = {}  # upstream connections, the least recently handed to a stream first
 
     _idle_wakeup: commands.RequestWakeup | None = None
@@ -143,6 +144,8 @@ class GatewayHttpLayer(HttpLayer):
             return
         yield from super()._handle_event(event)
         if isinstance(event, events.ConnectionClosed) and event.connection is not self.context.client:
+            if self._ended is _NONE_ENDED:  # (a set of its own only while one waits to be dropped)
+                self._ended = set()
             self._ended.add(event.connection)
             self._forget_ended()
 
@@ -163,6 +166,8 @@ class GatewayHttpLayer(HttpLayer):
                 self._ended.discard(conn)
                 if conn.error is None:
                     self.connections.pop(conn, None)
+        if not self._ended:
+            self._ended = _NONE_ENDED
 
     def get_connection(self, event: GetHttpConnection, *, reuse: bool = True) -> layer.CommandGenerator[None]:
         """No upstream connection for a stream the client already reset: mitmproxy opens one per

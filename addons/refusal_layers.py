@@ -79,6 +79,11 @@ class RefusalLayer(layer.Layer):
 
 
 TLS_ALERT_HANDSHAKE_FAILURE = b"\x15\x03\x03\x00\x02\x02\x28"  # fatal handshake_failure (RFC 8446 6)
+# What a decided hold keeps for the rest of its connection: shared empties instead of its own.
+_NOTHING_HELD = b""
+_NO_EVENTS: tuple = ()
+_NO_TIMERS: frozenset = frozenset()
+_NO_DEADLINE: tuple = ()
 
 
 class HoldLayer(layer.Layer):
@@ -161,9 +166,11 @@ class HoldLayer(layer.Layer):
         if self.layer is None:
             while self._deadline:
                 yield self._deadline.pop(0)
-        else:
+        elif self._timers is not _NO_TIMERS:
             self._timers.difference_update(self._deadline)
             self._deadline.clear()
+            if not self._timers:  # decided, no timer out: its containers go (a hold lives as long as its connection)
+                self._timers, self._deadline = _NO_TIMERS, _NO_DEADLINE
 
     def _call(self, callback, *args) -> None:
         """Fail closed: a callback that raises leaves the connection refused, never undecided."""
@@ -179,10 +186,10 @@ class HoldLayer(layer.Layer):
         if self.layer is None:
             return
         replay = bytes(self.held) if self.replay is None else self.replay
-        self.held = bytearray()
+        self.held = _NOTHING_HELD
         self.replay = None
         self.feed = self.expire = None  # (a hold calls neither once decided)
-        held, self.events = self.events, []
+        held, self.events = self.events, _NO_EVENTS
         for event in held:
             yield from self.layer.handle_event(event)
         if replay:

@@ -90,3 +90,28 @@ def test_a_settled_hold_ignores_its_old_timer():
     hold.started -= 11
     assert list(hold.handle_event(events.Wakeup(wakeup))) == []
     assert expired == []
+
+
+def test_a_decided_hold_keeps_shared_empties_not_containers_of_its_own():
+    """A hold lives as long as its connection (an SSE stream: minutes): once decided with no timer
+    out, its held bytes, events, timers and deadlines are the module's shared empties."""
+    from addons import refusal_layers
+
+    hold, _ = _hold(data_follows=True, decide_on=b"whole")
+    list(hold.handle_event(events.Start()))
+    list(hold.handle_event(events.DataReceived(hold.context.client, b"whole hello")))
+    assert hold.held is refusal_layers._NOTHING_HELD and hold.events is refusal_layers._NO_EVENTS
+    assert hold._timers is refusal_layers._NO_TIMERS and hold._deadline is refusal_layers._NO_DEADLINE
+    assert hold.data_client() == b""
+    list(hold.handle_event(events.DataReceived(hold.context.client, b"more")))  # handed on, nothing kept
+    assert [type(e) for e in hold.layer.seen] == [events.Start, events.DataReceived, events.DataReceived]
+
+
+def test_a_hold_decided_with_its_timer_out_keeps_the_timer_until_it_comes():
+    hold, expired = _hold(data_follows=False, decide_on=b"whole")
+    (wakeup,) = _wakeups(hold.handle_event(events.Start()))
+    list(hold.handle_event(events.DataReceived(hold.context.client, b"whole")))
+    assert wakeup in hold._timers
+    hold.started -= 11
+    assert list(hold.handle_event(events.Wakeup(wakeup))) == [] and expired == []
+    assert not hold._timers

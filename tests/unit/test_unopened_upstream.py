@@ -75,3 +75,25 @@ def test_only_upstream_connections_are_looked_up_leniently():
     layer_ = GatewayHttpLayer(_context(None), HTTPMode.regular, on_refusal=None)
     with pytest.raises(KeyError):
         layer_.connections[connection.Client(peername=("127.0.0.8", 1), sockname=("127.0.0.1", 2))]
+
+
+def test_ended_upstreams_are_kept_in_a_set_only_while_one_waits_to_be_dropped():
+    """Issue 18: a set per HTTP layer (two a tunnel) for the upstreams that closed and are not yet
+    dropped, empty for nearly all of a connection's life: the shared empty one until one closes."""
+    from mitmproxy.proxy import events
+
+    from addons import layers
+
+    layer_ = GatewayHttpLayer(_context(None), HTTPMode.regular, on_refusal=None)
+    assert layer_._ended is layers._NONE_ENDED
+    upstream = connection.Server(address=("127.0.0.1", 9))
+    upstream.state = connection.ConnectionState.CLOSED
+    layer_.connections[upstream] = held = Recording()
+    stream = _stream_waiting_for_its_answer(layer_)
+    stream.context.server = upstream  # a stream still names it: kept
+    list(layer_._handle_event(events.ConnectionClosed(upstream)))
+    assert layer_._ended == {upstream} and upstream in layer_.connections
+    del layer_.streams[1]
+    layer_._forget_ended()
+    assert layer_._ended is layers._NONE_ENDED and upstream not in layer_.connections
+    assert held.events  # (it heard of its close)
