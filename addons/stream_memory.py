@@ -26,7 +26,8 @@ Wrappers, tabled in addons/patches.py: `FlowControlMixin.__init__` and `_Selecto
 (asyncio's, then the shared deque in place of the new one), `FlowControlMixin._drain_helper` and
 `_SelectorSocketTransport.write` (Python 3.12's, with the deque made where the first item is put
 in; nothing else in them changed), `_SelectorSocketTransport.writelines` (its own deque first), and
-`ConnectionHandler.__init__` (mitmproxy's, then LeanLocks in place of its two asyncio Locks).
+`ConnectionHandler.__init__` (mitmproxy's, then LeanLocks in place of its two asyncio Locks, and
+its per-address semaphores made by one shared function instead of a lambda of each handler's).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class LeanLock(asyncio.Lock):
         super().release()
         if self._waiters is not None and not self._waiters:
             self._waiters = None
+
+
+def _five_at_once() -> asyncio.Semaphore:
+    """mitmproxy's limit of connections a handler opens to one address at a time (12.3's lambda)."""
+    return asyncio.Semaphore(5)
 
 
 def _write(self, data):
@@ -151,5 +157,6 @@ def install() -> None:
         handler_init(self, *args, **kwargs)
         self._server_event_lock = LeanLock()
         self._drain_lock = LeanLock()
+        self.max_conns = collections.defaultdict(_five_at_once)  # (a function shared, not a lambda each)
 
     server.ConnectionHandler.__init__ = handler_init_

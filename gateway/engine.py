@@ -9,11 +9,9 @@ here is deterministic given the policy and the addresses, which is what makes `e
 
 from __future__ import annotations
 
-import functools
-
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .addresses import AddressGuard, AddressVerdict
 from .decision import Decision
@@ -41,7 +39,7 @@ class Pin:
         return None if self.host.is_ip else self.host.value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestFacts:
     host: Host
     port: int
@@ -57,11 +55,18 @@ class RequestFacts:
     # Overrides known otherwise than from headers and target: replay's recorded query overrides
     # (the recorded path is capped and may have lost its query).
     recorded: tuple[methods.Override, ...] = ()
+    # `overrides`, once found. Slots, not a dict: the facts live in the flow for as long as its
+    # response streams (an SSE answer: minutes), and an instance dict was 144 bytes of each.
+    _overrides: tuple[methods.Override, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
-    @functools.cached_property
+    @property
     def overrides(self) -> tuple[methods.Override, ...]:
-        """Found once per request (a frozen dataclass: cached_property writes the instance dict)."""
-        return tuple(dict.fromkeys(methods.overrides(self.headers, self.target) + self.recorded))
+        """Found once per request."""
+        found = self._overrides
+        if found is None:
+            found = tuple(dict.fromkeys(methods.overrides(self.headers, self.target) + self.recorded))
+            object.__setattr__(self, "_overrides", found)  # (frozen: the cache is not a fact)
+        return found
 
     @property
     def body(self) -> bodies.Framing:

@@ -351,3 +351,18 @@ def test_engine_with_100k_rules():
     assert engine.check_request(facts("h99999.example.com", target="/x")).rule == "r99999"
     assert engine.check_request(facts("a.test", method="POST", target="/x/1")).rule == "x-paths"
     assert engine.check_destination(C("h100000.example.com"), 443).reason == "no_rule"
+
+
+def test_request_facts_keep_no_instance_dict_and_find_their_overrides_once():
+    """The facts live in the flow for as long as its response streams (issue 18): slots, and the
+    overrides found at the first ask are the ones every later ask gets; equal facts stay equal."""
+    facts = RequestFacts(canonical_host("a.example"), 443, "https", "POST", "/x?_method=DELETE",
+                         (("X-HTTP-Method-Override", "PUT"),))
+    assert not hasattr(facts, "__dict__")
+    first = facts.overrides
+    assert {o.name for o in first} == {"_method", "X-HTTP-Method-Override"} and facts.overrides is first
+    twin = RequestFacts(canonical_host("a.example"), 443, "https", "POST", "/x?_method=DELETE",
+                        (("X-HTTP-Method-Override", "PUT"),))
+    assert twin == facts and hash(twin) == hash(facts)
+    with pytest.raises(AttributeError):
+        facts.method = "GET"

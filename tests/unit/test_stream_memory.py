@@ -226,3 +226,6 @@ def test_a_connection_handler_s_locks_are_lean():
     client = connection.Client(peername=("127.0.0.1", 1), sockname=("127.0.0.1", 2))
     handler = Bare(context.Context(client, options.Options()))
     assert type(handler._server_event_lock) is LeanLock and type(handler._drain_lock) is LeanLock
+    limit = handler.max_conns[("127.0.0.1", 443)]
+    assert isinstance(limit, asyncio.Semaphore) and limit._value == 5  # mitmproxy's five at once, per address
+    assert handler.max_conns.default_factory is stream_memory._five_at_once
