@@ -28,7 +28,7 @@ from mitmproxy.tls import ClientHello
 from gateway.decision import Decision, verdict_fields
 from gateway.session import PASSTHROUGH, ClientSession
 
-from . import conn_timers, instance_layout, layer_memory, passthrough, stream_memory
+from . import conn_timers, instance_layout, layer_memory, passthrough, stream_memory, task_info
 from .audit_fields import connection_fields
 from .failclosed import fail_closed
 from .first_bytes import FirstBytes
@@ -137,6 +137,7 @@ class LayerGuard:
         layer_memory.install()  # every layer's queue of paused events made only when first used
         stream_memory.install()  # every connection's list of drain waiters made only when a writer waits
         conn_timers.install()  # a connection's watchdog and wakeups are loop timers, not sleeping tasks
+        task_info.install()  # tasks keep their names, not debug attributes nothing here reads
         instance_layout.install()  # per-connection objects keep their attributes inline, without dicts
         self.state = state
         self.http = HttpLayerMaker(state)

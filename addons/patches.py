@@ -91,6 +91,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("mitmproxy.proxy.server:ConnectionHandler.__init__", "addons.stream_memory",
           "the handler's locks let their deque of waiters go when released with none waiting "
           "(760 bytes per stream, kept for the connection's life)"),
+    Patch("mitmproxy.utils.asyncio_utils:set_task_debug_info", "addons.task_info",
+          "a task keeps its name, not the creation time and client address only mitmproxy's SIGUSR1 dump reads "
+          "(an instance dict of ~300 bytes on each of a stream's tasks)"),
     Patch("mitmproxy.addons.tlsconfig:TlsConfig.tls_start_client", "addons.tls_memory",
           "the sandbox's TLS connection releases idle buffers from its first record and shares one OpenSSL "
           "copy of its leaf certificate and key (32 KiB and 11 KiB per idle tunnel)"),
