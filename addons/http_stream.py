@@ -37,7 +37,7 @@ from .body_redaction import BUFFER_ACCOUNT
 from .credentials import BOUND
 from .decode_pool import DecodeSteps, EgressDecodeStepsHook
 from .fair_share import EgressPaceHook
-from .method_body import BODY_CHECK
+from .method_body import BODY_CHECK, CheckInFront
 from .refusals import REFUSAL_ATTR, OnRefusal, _report, protocol_error_decision
 
 END_STREAM_ATTR = "_egress_end_stream"  # whether the request's head ended it (no body follows)
@@ -517,7 +517,16 @@ class GatewayHttpStream(HttpStream):
         """One step of the body's check, `data` or the body's end (None). A body decoded to be
         scanned has its decoder calls run off the event loop (addons/decode_pool.py: one call may
         cost tens of ms, a brotli window 50): the stream starts a blocking hook, and mitmproxy holds
-        its later events (charged, see handle_event) until it completes."""
+        its later events (charged, see handle_event) until it completes. The checks in front of the
+        scan (an upload budget, an empty body's refusal) decide the piece first, on the loop."""
+        while isinstance(check, CheckInFront):
+            if (refusal := check.front(data)) is not None:
+                return refusal
+            if check.stopped:
+                return None
+            check = check.then
+        if check is None:
+            return None
         if not getattr(check, "decodes", False):
             return check.feed(data) if data is not None else check.finish()
         if self._windows is None and data:

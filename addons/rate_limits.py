@@ -355,7 +355,7 @@ class UploadCheck(CheckInFront):
     def stopped(self) -> bool:
         return self.refused
 
-    def _front(self, data: bytes | None) -> Decision | None:
+    def front(self, data: bytes | None) -> Decision | None:
         if self.refused or not data:
             return None
         try:
