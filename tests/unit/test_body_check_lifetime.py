@@ -6,15 +6,8 @@ and closures). A refused body's check stays (its refusal is the flow's answer)."
 from __future__ import annotations
 
 import pytest
-from mitmproxy import connection, http
-from mitmproxy.addons import proxyserver
-from mitmproxy.proxy import context
-from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.http._events import RequestData, RequestEndOfMessage
-from mitmproxy.test import taddons
 
-from addons.http_stream import GatewayHttpStream
-from addons.layers import GatewayHttpLayer
 from addons.method_body import BODY_CHECK
 from gateway.decision import Decision
 
@@ -45,16 +38,18 @@ class Check:
 
 
 @pytest.fixture
-def stream():
-    with taddons.context(proxyserver.Proxyserver()) as tctx:
-        client = connection.Client(peername=("127.0.0.9", 40000), sockname=("127.0.0.1", 8080),
-                                   state=connection.ConnectionState.OPEN)
-        layer_ = GatewayHttpLayer(context.Context(client, tctx.options), HTTPMode.regular, on_refusal=None)
-        s = GatewayHttpStream(layer_.context.fork(), 1)
-        s.flow = http.HTTPFlow(layer_.context.client, s.context.server)
-        s.flow.request = http.Request.make("POST", "http://allowed.test/", b"")
-        s.flow.metadata["egress_decision"] = Decision(True, "allowed", "", "r")
-        yield s
+def stream(http_stream):
+    http_stream.flow.metadata["egress_decision"] = Decision(True, "allowed", "", "r")
+    return http_stream
+
+
+def _receiving(stream, streamed: bool) -> None:
+    """The stream as mitmproxy leaves it to receive its request body: streamed on, or buffered."""
+    if streamed:
+        stream.flow.request.stream = True
+        stream.client_state = stream.state_stream_request_body
+    else:
+        stream.client_state = stream.state_consume_request_body
 
 
 def _drive(stream, *events) -> list:
@@ -69,11 +64,7 @@ def _drive(stream, *events) -> list:
 @pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
 def test_a_body_that_passed_its_check_lets_the_check_go(stream, streamed):
     check = stream.flow.metadata[BODY_CHECK] = Check()
-    if streamed:
-        stream.flow.request.stream = True
-        stream.client_state = stream.state_stream_request_body
-    else:
-        stream.client_state = stream.state_consume_request_body
+    _receiving(stream, streamed)
     _drive(stream, RequestData(1, b"a=1"), RequestEndOfMessage(1))
     assert check.fed == [b"a=1"]
     assert BODY_CHECK not in stream.flow.metadata and check.closed
@@ -83,11 +74,7 @@ def test_a_body_that_passed_its_check_lets_the_check_go(stream, streamed):
 def test_a_refused_body_keeps_its_check(stream, streamed):
     refusal = Decision.deny("method_not_allowed", "a `_method` field", "r")
     check = stream.flow.metadata[BODY_CHECK] = Check(refusal)
-    if streamed:
-        stream.flow.request.stream = True
-        stream.client_state = stream.state_stream_request_body
-    else:
-        stream.client_state = stream.state_consume_request_body
+    _receiving(stream, streamed)
     _drive(stream, RequestData(1, b"_method=DELETE"), RequestEndOfMessage(1))
     assert stream.flow.metadata.get(BODY_CHECK) is check
 
@@ -107,11 +94,7 @@ def test_an_error_in_the_stream_s_handling_fails_it_closed(stream, streamed):
     from addons.http_stream import REFUSAL_ATTR
 
     stream.flow.metadata[BODY_CHECK] = Failing()
-    if streamed:
-        stream.flow.request.stream = True
-        stream.client_state = stream.state_stream_request_body
-    else:
-        stream.client_state = stream.state_consume_request_body
+    _receiving(stream, streamed)
     commands = list(stream.handle_event(RequestData(1, b"a=1")))
     sent = [c.event for c in commands if isinstance(c, SendHttp)]
     refusals = [e for e in sent if isinstance(e, ResponseProtocolError)]

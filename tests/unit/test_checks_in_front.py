@@ -14,15 +14,9 @@ import gzip
 
 import brotli
 import pytest
-from mitmproxy import connection, http
-from mitmproxy.addons import proxyserver
-from mitmproxy.proxy import context
-from mitmproxy.proxy.layers.http import HTTPMode
-from mitmproxy.test import taddons
 
 from addons import decode_pool
-from addons.http_stream import EgressDecodeStepsHook, GatewayHttpStream
-from addons.layers import GatewayHttpLayer
+from addons.http_stream import EgressDecodeStepsHook
 from addons.method_body import BodyOverrideCheck, CheckInFront, EmptyBodyCheck
 from addons.rate_limits import Charge, UploadCheck
 from gateway.decision import Decision
@@ -89,15 +83,8 @@ def _empty(then, report: bool, recorded: list) -> EmptyBodyCheck:
 
 
 @pytest.fixture
-def stream():
-    with taddons.context(proxyserver.Proxyserver()) as tctx:
-        client = connection.Client(peername=("127.0.0.9", 40000), sockname=("127.0.0.1", 8080),
-                                   state=connection.ConnectionState.OPEN)
-        layer_ = GatewayHttpLayer(context.Context(client, tctx.options), HTTPMode.regular, on_refusal=None)
-        s = GatewayHttpStream(layer_.context.fork(), 1)
-        s.flow = http.HTTPFlow(layer_.context.client, s.context.server)
-        s.flow.request = http.Request.make("POST", "http://allowed.test/", b"")
-        yield s
+def stream(http_stream):
+    return http_stream
 
 
 def _checked(stream, check, data, room: int = 64 * 1024 * 1024) -> tuple[Decision | None, list, _Account]:

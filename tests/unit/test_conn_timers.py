@@ -235,17 +235,23 @@ def test_a_close_before_the_delay_cancels_the_wakeup(eager):
     _run(main, eager)
 
 
+async def _waiting_for_its_turn() -> tuple[Handler, asyncio.Future, object]:
+    """A wakeup whose timer ran out and whose task waits for the sandbox's turn."""
+    turn = asyncio.get_running_loop().create_future()
+    handler = Handler(turn)
+    await (await _request(handler, SOON))
+    (timer,) = handler.wakeup_timer
+    while timer.task is None:
+        await asyncio.sleep(0)  # (the loop runs the timer out: not synchronisation)
+    assert timer in handler.wakeup_timer and handler.events == []  # waiting for its turn, still a timer
+    return handler, turn, timer
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
 def test_the_event_waits_for_the_sandbox_s_turn_and_a_close_meanwhile_cancels_it(eager):
     async def main():
-        turn = asyncio.get_running_loop().create_future()
-        handler = Handler(turn)
-        await (await _request(handler, SOON))
-        (timer,) = handler.wakeup_timer
-        while timer.task is None:
-            await asyncio.sleep(0)  # (the loop runs the timer out: not synchronisation)
+        handler, _, timer = await _waiting_for_its_turn()
         waiting = timer.task
-        assert timer in handler.wakeup_timer and handler.events == []  # waiting for its turn, still a timer
         handler.close()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -257,12 +263,7 @@ def test_the_event_waits_for_the_sandbox_s_turn_and_a_close_meanwhile_cancels_it
 @pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
 def test_after_its_turn_the_event_is_handed_on(eager):
     async def main():
-        turn = asyncio.get_running_loop().create_future()
-        handler = Handler(turn)
-        await (await _request(handler, SOON))
-        (timer,) = handler.wakeup_timer
-        while timer.task is None:
-            await asyncio.sleep(0)  # (the loop runs the timer out: not synchronisation)
+        handler, turn, _ = await _waiting_for_its_turn()
         turn.set_result(None)
         assert isinstance(await handler.delivered, events.Wakeup)
         assert handler.wakeup_timer == set()
