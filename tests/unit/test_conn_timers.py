@@ -67,10 +67,13 @@ class Handler:
         self.timed_out = asyncio.get_running_loop().create_future()
         self.delivered = asyncio.get_running_loop().create_future()
         self._turn = turn
+        self.in_turn = asyncio.get_running_loop().create_future()
         if turn is not None:
             self.egress_turn = self._take_turn
 
     async def _take_turn(self) -> None:
+        if not self.in_turn.done():
+            self.in_turn.set_result(True)  # (what the tests wait on: the event is held at the turn now)
         await self._turn
 
     async def on_timeout(self) -> None:
@@ -196,8 +199,7 @@ def test_a_wakeup_due_at_once_is_handed_on_by_its_own_task_after_the_turn(eager)
         turn = asyncio.get_running_loop().create_future()
         handler = Handler(turn)
         task = await _request(handler, 0)
-        await asyncio.sleep(0)  # (the task's first step: not synchronisation)
-        await asyncio.sleep(0)  # (and its second, into the turn: not synchronisation)
+        await handler.in_turn
         assert handler.wakeup_timer == {task} and handler.events == []  # waiting for its turn, in the set
         turn.set_result(None)
         await task
@@ -211,8 +213,7 @@ def test_a_close_during_the_turn_of_a_wakeup_due_at_once_cancels_it():
         turn = asyncio.get_running_loop().create_future()
         handler = Handler(turn)
         task = await _request(handler, 0)
-        await asyncio.sleep(0)  # (the task's first step: not synchronisation)
-        await asyncio.sleep(0)  # (and its second, into the turn: not synchronisation)
+        await handler.in_turn
         handler.close()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -241,9 +242,8 @@ async def _waiting_for_its_turn() -> tuple[Handler, asyncio.Future, object]:
     handler = Handler(turn)
     await (await _request(handler, SOON))
     (timer,) = handler.wakeup_timer
-    while timer.task is None:
-        await asyncio.sleep(0)  # (the loop runs the timer out: not synchronisation)
-    assert timer in handler.wakeup_timer and handler.events == []  # waiting for its turn, still a timer
+    await handler.in_turn  # the timer ran out and its task takes the turn
+    assert timer.task is not None and timer in handler.wakeup_timer and handler.events == []  # waiting for its turn, still a timer
     return handler, turn, timer
 
 
