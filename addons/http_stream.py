@@ -5,7 +5,6 @@ body fed to its method override check, large bodies sent in paced pieces.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -291,20 +290,6 @@ class GatewayHttpStream(HttpStream):
     _trailers_charged = False  # the request's trailers were charged as they were queued
 
     def handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
-        """Fail closed: an error in the stream's handling ends it, 500 `internal_error` (audited),
-        instead of mitmproxy logging a crash and going on without the event (review 47: a check's
-        error let an HTTP/2 GET's unexpected body go upstream unrefused)."""
-        try:
-            yield from self._handle_charged(event)
-        except Exception as exc:
-            if self.flow is None or self.client_state == self.state_errored:
-                raise
-            logging.getLogger("egress.failclosed").error(
-                "egress gateway: a request's stream failed closed: %s", type(exc).__name__, exc_info=exc)
-            yield from self._abort(Decision.deny("internal_error", "the gateway failed while handling this "
-                                                 "request; it was not completed"), upstream=True)
-
-    def _handle_charged(self, event: events.Event) -> layer.CommandGenerator[None]:
         """While the stream waits (for an upstream connection, a hook), mitmproxy queues what
         arrives: body bytes queued are charged too. Past the budget a stream may queue
         QUEUE_ALLOWANCE more (what comes with its head, before it could switch to streaming); past

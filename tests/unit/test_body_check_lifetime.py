@@ -77,27 +77,3 @@ def test_a_refused_body_keeps_its_check(stream, streamed):
     _receiving(stream, streamed)
     _drive(stream, RequestData(1, b"_method=DELETE"), RequestEndOfMessage(1))
     assert stream.flow.metadata.get(BODY_CHECK) is check
-
-
-class Failing(Check):
-    def feed(self, data):
-        raise RuntimeError("a bug in a check")
-
-
-@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
-def test_an_error_in_the_stream_s_handling_fails_it_closed(stream, streamed):
-    """Review 47: mitmproxy logged a crash and went on without the event; the stream now ends with a
-    500 `internal_error` refusal, sent to the client and upstream."""
-    from mitmproxy.proxy.layers.http import SendHttp
-    from mitmproxy.proxy.layers.http._events import RequestProtocolError, ResponseProtocolError
-
-    from addons.http_stream import REFUSAL_ATTR
-
-    stream.flow.metadata[BODY_CHECK] = Failing()
-    _receiving(stream, streamed)
-    commands = list(stream.handle_event(RequestData(1, b"a=1")))
-    sent = [c.event for c in commands if isinstance(c, SendHttp)]
-    refusals = [e for e in sent if isinstance(e, ResponseProtocolError)]
-    assert refusals and getattr(refusals[0], REFUSAL_ATTR).reason == "internal_error"
-    assert any(isinstance(e, RequestProtocolError) for e in sent)  # the upstream stream is aborted too
-    assert stream.client_state == stream.state_errored
