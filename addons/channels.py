@@ -133,6 +133,9 @@ ATTRIBUTES: tuple[Attribute, ...] = (
     Attribute("_egress_deferred", "the event loop's __dict__", "addons.fair_share:DEFERRED", "addons.fair_share",
               "addons.fair_share", "callbacks set aside, per sandbox in order, put back a few at each poll "
               "(fair_share._SetAside): one connection's order is kept"),
+    Attribute("_egress_failed", "ConnectionHandler (class default)", "addons.crash_close:FAILED_ATTR",
+              "addons.crash_close", "addons.crash_close", "its handling raised: its sockets were reset and its "
+              "later events are dropped (also a row of patches.py)"),
     Attribute("_egress_write_backlog", "ConnectionHandler", "addons.write_backlog:ATTR", "addons.write_backlog",
               "addons.write_backlog", "the ledger account its client's unsent write buffers are charged to"),
     Attribute("_egress_write_backlog_task", "ConnectionHandler", "addons.write_backlog:ATTR + '_task'",

@@ -40,8 +40,12 @@ class Patch:
 PATCHES: tuple[Patch, ...] = (
     Patch("mitmproxy.proxy.server:ConnectionHandler.handle_connection", "addons.conn_close",
           "close the socket on every path, cancellation too (a refused burst leaked a descriptor each)"),
-    Patch("mitmproxy.proxy.server:ConnectionHandler.server_event", "addons.write_backlog",
-          "charge what waits in a connection's write buffers to its sandbox's buffer budget"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler.server_event", "addons.crash_close, addons.write_backlog",
+          "mitmproxy's, with an event that raises failing its connection closed (every socket reset, no later "
+          "event, audited) instead of logged and passed over; wrapped to charge what waits in a connection's "
+          "write buffers to its sandbox's buffer budget"),
+    Patch("mitmproxy.proxy.server:ConnectionHandler._egress_failed", "addons.crash_close",
+          "added: the handler's handling raised, its later events are dropped"),
     Patch("mitmproxy.proxy.server:ConnectionHandler.drain_writers", "addons.read_ahead, addons.h2_backpressure",
           "readers wait at a closed gate; upstream readers wait while their HTTP/2 client does not read"),
     Patch("mitmproxy.proxy.server:ConnectionHandler.handle_client", "addons.fair_share",

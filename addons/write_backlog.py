@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from . import conn_close
+from . import conn_close, crash_close
 
 _state = None  # the GatewayState of the running gateway (install)
 ATTR = "_egress_write_backlog"
@@ -219,6 +219,7 @@ def install(state) -> None:
     """Wrap ConnectionHandler.server_event once; `state` is the gateway whose ledger is charged."""
     global _state
     _state = state
+    crash_close.install(state)  # the server_event wrapped below: an event that raises fails its connection closed
     conn_close.on_linger("buffer budget", closing)
     from mitmproxy.proxy import server
 
@@ -234,4 +235,5 @@ def install(state) -> None:
             logging.getLogger("egress").exception("egress gateway: could not charge a client's write backlog")
 
     server_event._egress_backlog = True
+    server_event.__wrapped__ = original
     server.ConnectionHandler.server_event = server_event
