@@ -24,6 +24,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from . import crash_close
+
 
 # A closed connection's socket goes on sending what was queued while its peer reads: at least
 # MIN_DRAIN_BYTES every CLOSE_DRAIN_SECONDS, else it is aborted (what the kernel already holds is
@@ -115,6 +117,9 @@ def install() -> None:
                     await self.drain_writers()
                 except asyncio.CancelledError as e:  # mitmproxy lets this one escape the close
                     cancelled = e
+                    break
+                except Exception as exc:  # a bug in the turn or a drain: the connection fails closed
+                    crash_close.fail(self, exc)
                     break
 
             if cancelled is None and connection.transport_protocol == "tcp":

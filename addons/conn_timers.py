@@ -35,6 +35,8 @@ from contextlib import contextmanager
 
 from mitmproxy.proxy import events, server
 
+from . import crash_close
+
 
 class TimerWatchdog:
     """mitmproxy's TimeoutWatchdog (12.3) as one loop timer."""
@@ -108,6 +110,7 @@ class _Wakeup:
     def _fire(self) -> None:
         self.handle = None  # (the handle refers to this object: no cycle left behind)
         self.task = asyncio.ensure_future(_hand_on(self.handler, self.request, self))
+        crash_close.watch(self.handler, self.task)  # (a turn that raises fails the connection closed)
 
     def cancel(self) -> None:
         if self.handle is not None:

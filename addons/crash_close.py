@@ -24,16 +24,22 @@ event raises:
 - **No later event reaches the layers.** An upstream's close, a hook's completion, a wakeup or
   bytes already read all go to the failed handler and are dropped there. A paused stream is never
   resumed, and nothing more is sent.
+- **The connection's own tasks too.** An upstream's connect and reader, a hook's task and a wakeup
+  run outside `server_event`; each is watched (`watch`), and the client's reader (addons/conn_close.py)
+  catches what its turn and drains raise. Left alone, such a task's error was logged only when the
+  task was collected, and the layer waiting for it held the client until `tcp_timeout`, then gave it
+  a clean end (review 49).
 - **It is said.** There is one `connection` audit line with reason `internal_error` (counted in
   metrics like any refusal). The log keeps mitmproxy's "mitmproxy has crashed!" line with the
-  traceback, at most one a second (the next says how many were withheld: one sandbox must not flood
-  the log), unless the error is the audit log being unwritable. That error is expected, and it is
+  traceback (at most one a second for each place that raises; the others get the line with the
+  place, and the next traceback counts them), unless the error is the audit log being unwritable. That error is expected, and it is
   counted once a second instead (addons/failclosed.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import struct
@@ -78,6 +84,7 @@ async def server_event(self, event) -> None:
                         client=self.client.peername,
                     )
                     self.transports[command.connection] = ConnectionIO(handler=handler)
+                    watch(self, handler)
                 elif isinstance(command, commands.RequestWakeup):
                     task = asyncio_utils.create_task(
                         self.wakeup(command),
@@ -87,6 +94,7 @@ async def server_event(self, event) -> None:
                     )
                     assert task is not None
                     self.wakeup_timer.add(task)
+                    watch(self, task)
                 elif (
                     isinstance(command, commands.ConnectionCommand)
                     and command.connection not in self.transports
@@ -102,12 +110,13 @@ async def server_event(self, event) -> None:
                 elif isinstance(command, commands.CloseConnection):
                     self.close_connection(command.connection, False)
                 elif isinstance(command, commands.StartHook):
-                    asyncio_utils.create_task(
+                    task = asyncio_utils.create_task(
                         self.hook_task(command),
                         name=f"handle_hook({command.name})",
                         keep_ref=True,
                         client=self.client.peername,
                     )
+                    watch(self, task)
                 elif isinstance(command, commands.Log):
                     self.log(command.message, command.level)
                 else:
@@ -116,9 +125,23 @@ async def server_event(self, event) -> None:
             fail(self, exc)
 
 
+def watch(handler, task) -> None:
+    """A task the handler started (an upstream's connect and reader, a hook's, a wakeup's) fails the
+    connection closed if it ends by raising: mitmproxy only logged it when the task was collected,
+    and the layer waiting for it hung until `tcp_timeout` (review 49)."""
+    task.add_done_callback(functools.partial(_task_ended, handler))
+
+
+def _task_ended(handler, task) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        fail(handler, exc)  # (after a failure: nothing more, the connection is already reset)
+
+
 def fail(handler, exc: BaseException) -> None:
     """Fail the handler's connection closed: mark it, reset its sockets, audit and log why. Each
-    step on its own: one that raises does not keep the next from running."""
+    step on its own: one that raises does not keep the next from running. Once per handler."""
+    if getattr(handler, FAILED_ATTR):
+        return
     setattr(handler, FAILED_ATTR, True)
     try:
         _reset_all(handler)
@@ -147,24 +170,39 @@ def _reset_all(handler) -> None:
 
 
 class TracebackBudget:
-    """At most one traceback every `interval` seconds: a sandbox that can make its connections fail
-    must not be able to flood the log. The failures in between are counted in the next line (each
-    has its audit line)."""
+    """At most one traceback every `interval` seconds for each place that raised (the exception's
+    type, file and line): a sandbox that can make its connections fail must not flood the log with
+    tracebacks, nor keep another bug's traceback out of it (review 49: one budget for the whole
+    process did). Each failure still gets its one line, and its audit line."""
+
+    MAX_PLACES = 256  # places followed at once; past it the oldest are forgotten
 
     def __init__(self, interval: float = 1.0, clock=time.monotonic) -> None:
         self.interval, self.clock = interval, clock
-        self.withheld = 0
-        self._last = float("-inf")
+        self._places: dict[tuple, list] = {}  # place -> [time of its last traceback, withheld since]
 
-    def take(self) -> int | None:
-        """The count withheld since the last traceback when one may be logged now, else None."""
+    def take(self, exc: BaseException) -> int | None:
+        """The count withheld at `exc`'s place since its last traceback when one may be logged now,
+        else None."""
         now = self.clock()
-        if now - self._last < self.interval:
-            self.withheld += 1
+        place = _place(exc)
+        seen = self._places.get(place)
+        if seen is not None and now - seen[0] < self.interval:
+            seen[1] += 1
             return None
-        self._last = now
-        withheld, self.withheld = self.withheld, 0
+        if seen is None and len(self._places) >= self.MAX_PLACES:
+            del self._places[next(iter(self._places))]
+        withheld = seen[1] if seen is not None else 0
+        self._places[place] = [now, 0]
         return withheld
+
+
+def _place(exc: BaseException) -> tuple:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else ("?", 0)
+    return (type(exc).__qualname__, *where)
 
 
 tracebacks = TracebackBudget()
@@ -173,11 +211,16 @@ tracebacks = TracebackBudget()
 def _say(handler, exc: BaseException) -> None:
     if is_audit_failure(exc):
         unwritable.note(exc)  # (expected, and counted: one warning a second)
-    elif (withheld := tracebacks.take()) is not None:
-        since = f"; {withheld} more since the last one, tracebacks withheld" if withheld else ""
+    elif (withheld := tracebacks.take(exc)) is not None:
+        since = f"; {withheld} more at this place since the last traceback" if withheld else ""
         handler.log("mitmproxy has crashed! The egress gateway reset every socket of this connection (fail "
                     f"closed; audited as internal_error{since})", logging.ERROR,
                     exc_info=(type(exc), exc, exc.__traceback__))
+    else:
+        type_, file, line = _place(exc)
+        handler.log("mitmproxy has crashed! The egress gateway reset every socket of this connection (fail "
+                    f"closed; audited as internal_error): {type_} at {file}:{line}, its traceback logged at "
+                    "most once a second", logging.ERROR)
     state = _state
     if state is None:
         return

@@ -25,7 +25,7 @@ from mitmproxy import options as moptions
 from mitmproxy.connection import Server
 from mitmproxy.proxy import commands, events, layer, mode_specs, server, server_hooks
 
-from addons import crash_close
+from addons import conn_close, conn_timers, crash_close
 from addons.state import GatewayState
 from gateway.audit import AuditWriteError
 
@@ -47,8 +47,26 @@ def test_mitmproxy_s_server_event_is_the_one_copied():
         "copy, then update the hash")
 
 
+class _Ours(ast.NodeTransformer):
+    """The copy's additions undone: the `watch` of each task it starts, and the name it gives the
+    hook's task for that."""
+
+    def visit_Expr(self, node):
+        call = node.value
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "watch":
+            return None
+        return self.generic_visit(node)
+
+    def visit_Assign(self, node):
+        if (isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "asyncio_utils.create_task"
+                and "hook_task" in ast.unparse(node.value.args[0])):
+            return ast.Expr(node.value)
+        return self.generic_visit(node)
+
+
 def test_the_copy_differs_from_mitmproxy_s_only_in_the_failure_branch():
-    """The copied body, statement for statement, but for the dropped events and the except branch."""
+    """The copied body, statement for statement, but for the dropped events, the tasks watched and
+    the except branch."""
     def locked(source: str) -> list[ast.stmt]:  # the statements in the `async with`
         return next(n for n in ast.parse(source).body[0].body if isinstance(n, ast.AsyncWith)).body
 
@@ -58,8 +76,9 @@ def test_the_copy_differs_from_mitmproxy_s_only_in_the_failure_branch():
     assert len(ours) == len(theirs) == 2
     assert ast.unparse(ours[0]) == ast.unparse(theirs[0])  # register_activity
     our_try, their_try = ours[1], theirs[1]
-    body = ast.unparse(ast.Module(our_try.body, [])).replace("ConnectionIO(handler=handler)", "ConnectionIO(\nhandler=handler)")
-    assert ast.dump(ast.parse(body)) == ast.dump(ast.Module(their_try.body, []))
+    assert ast.unparse(our_try.body).count("watch(self,") == 3  # the upstream's, the wakeup's and the hook's tasks
+    normalised = ast.fix_missing_locations(_Ours().visit(ast.Module(our_try.body, [])))
+    assert ast.dump(ast.parse(ast.unparse(normalised))) == ast.dump(ast.parse(ast.unparse(ast.Module(their_try.body, []))))
     assert ast.unparse(our_try.handlers[0]) == "except Exception as exc:\n    fail(self, exc)"
 
 
@@ -116,6 +135,8 @@ class Scripted(layer.Layer):
                     yield commands.SendData(self.server, b"GET / HTTP/1.1\r\n\r\n")
             if b"wake" in event.data:
                 yield commands.RequestWakeup(0)
+            if b"later" in event.data:  # (a timer: the wakeup is handed on by addons/conn_timers.py's _Wakeup)
+                yield commands.RequestWakeup(0.001)
             if b"bad" in event.data:
                 yield object()  # the handler's own failure: "Unexpected command"
             if b"echo" in event.data:
@@ -133,13 +154,26 @@ class Handler(server.LiveConnectionHandler):
             self.gate.set_result(None)
         self.hold_connect = hold_connect
         self.hooks: list[str] = []
+        self.raise_in: str | None = None  # a hook's name, "drain" or "turn": raise there, outside server_event
 
     async def handle_hook(self, hook) -> None:
         self.hooks.append(hook.name)
+        if hook.name == self.raise_in:
+            raise Crash(f"injected: the {hook.name} hook's task raised")
         if isinstance(hook, server_hooks.ServerConnectHook) and self.hold_connect is not None:
             await self.hold_connect
         if isinstance(hook, CrashCloseTestGate):
             await self.gate
+
+
+    async def drain_writers(self):
+        if self.raise_in == "drain":
+            raise Crash("injected: a drain raised in the connection's reader")
+        await super().drain_writers()
+
+    async def egress_turn(self):  # (the sandbox's turn, addons/fair_share.py; awaited by a reader and a wakeup)
+        if self.raise_in == "turn":
+            raise Crash("injected: the sandbox's turn raised")
 
 
 @pytest.fixture
@@ -150,6 +184,8 @@ def installed(monkeypatch):
     previous = server.ConnectionHandler.server_event
     monkeypatch.setattr(crash_close, "tracebacks", crash_close.TracebackBudget())
     crash_close.install(state)
+    conn_close.install()  # the gateway's reader (it catches what its turn and drains raise)
+    conn_timers.install()  # the gateway's wakeups (a turn taken before the event)
     yield recorded
     assert server.ConnectionHandler.server_event is previous or crash_close._mitmproxys is not None
 
@@ -395,21 +431,89 @@ def test_installed_in_mitmproxy_s_place_and_wrapped_by_the_write_backlog(install
     assert server.ConnectionHandler.server_event is current
 
 
-def test_one_traceback_a_second_the_others_counted_in_the_next(installed, caplog, monkeypatch):
-    """A sandbox that can make its connections fail cannot flood the log: each failure is audited,
-    one traceback a second is logged, and the next says how many were withheld."""
+def test_one_traceback_a_second_for_each_place_the_others_a_line_each(installed, caplog, monkeypatch):
+    """A sandbox that can make its connections fail can neither flood the log with tracebacks nor
+    keep another bug's traceback out of it (review 49: one budget for the process did): every
+    failure is audited and has its line; one traceback a second for each place that raised, the next
+    saying how many were withheld there."""
     now = [100.0]
     monkeypatch.setattr(crash_close, "tracebacks", crash_close.TracebackBudget(clock=lambda: now[0]))
+
+    def elsewhere(layer_, event):
+        if isinstance(event, events.DataReceived) and b"other" in event.data:
+            raise KeyError("a different bug")
+        return False
 
     async def main():
         for _ in range(5):
             await _session(_data(b"boom"), [b"boom"])
+        await _session(elsewhere, [b"other"])  # another place, within the same second
         now[0] += 1.0
         await _session(_data(b"boom"), [b"boom"])
 
     with caplog.at_level(logging.ERROR):
         _run(main)
-    assert len(installed) == 6  # every failure audited
+    assert len(installed) == 7  # every failure audited
     lines = [r for r in caplog.records if "mitmproxy has crashed" in r.getMessage()]
-    assert len(lines) == 2 and all(r.exc_info for r in lines), [r.getMessage() for r in lines]
-    assert "4 more since the last one" in lines[1].getMessage()
+    assert len(lines) == 7, [r.getMessage() for r in lines]
+    with_traceback = [r for r in lines if r.exc_info]
+    assert [type(r.exc_info[1]).__name__ for r in with_traceback] == ["Crash", "KeyError", "Crash"]
+    assert "4 more at this place since the last traceback" in with_traceback[2].getMessage()
+    assert all("Crash at " in r.getMessage() and "test_crash_close.py:" in r.getMessage()
+               for r in lines if not r.exc_info)
+
+
+def test_the_places_followed_are_bounded():
+    budget = crash_close.TracebackBudget(clock=lambda: 0.0)
+    for n in range(budget.MAX_PLACES * 3):
+        try:
+            exec(compile("raise ValueError()", f"<place {n}>", "exec"))
+        except ValueError as exc:
+            assert budget.take(exc) == 0
+    assert len(budget._places) == budget.MAX_PLACES
+
+
+# -- raised outside server_event: in a task the handler started, or in its reader ---------------------------
+
+OUTSIDE = {
+    # where it raises: (what the client sends, what the test makes raise)
+    "a hook's task": ([b"hook"], CrashCloseTestGate.name),
+    "an upstream's connect hook": ([b"open"], "server_connect"),
+    "the reader's drain": ([b"echo"], "drain"),
+    "a wakeup's turn": ([b"wake"], "turn"),
+    "a timed wakeup's turn": ([b"later"], "turn"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTSIDE))
+def test_a_task_of_the_connection_that_raises_fails_it_closed_too(case, installed, caplog):
+    """Review 49: these ran in tasks of their own; mitmproxy logged the error when the task was
+    collected, the layer waited for a reply that never came, and the client got a clean end after
+    `tcp_timeout`, with no audit line."""
+    send, where = OUTSIDE[case]
+
+    async def main():
+        made: list[Handler] = []
+        original = Handler.__init__
+
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.raise_in = where
+            made.append(self)
+
+        Handler.__init__ = init
+        try:
+            return await _session(lambda l, e: False, send, serve_upstream=False)
+        finally:
+            Handler.__init__ = original
+
+    with caplog.at_level(logging.ERROR):
+        handler, read, upstream = _run(main)
+    assert handler._egress_failed
+    assert isinstance(read, ConnectionResetError), f"the sandbox's socket ended with {read!r}, not a reset"
+    assert "hook completed" not in handler.layer.seen and "connected" not in handler.layer.seen
+    [line] = installed
+    assert (line["reason"], line["status"]) == ("internal_error", None)
+    [crash] = [r for r in caplog.records if "mitmproxy has crashed" in r.getMessage()]
+    assert "injected" in str(crash.exc_info[1])
+    assert upstream.none_pending
