@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from . import crash_close
+from . import crash_close, stream_memory
 
 
 # A closed connection's socket goes on sending what was queued while its peer reads: at least
@@ -98,10 +98,21 @@ def install() -> None:
         try:
             reader = self.transports[connection].reader
             assert reader
-            read_size = getattr(self, "egress_read_size", None)  # (addons/fair_share.py)
+            # (flags, not the bound methods: a coroutine's locals are kept while it waits)
+            sized = hasattr(self, "egress_read_size")  # how much one read may take (addons/fair_share.py)
+            turns = hasattr(self, "egress_turn")  # its sandbox's turn on the loop (addons/fair_share.py)
+            lean = type(reader) is asyncio.StreamReader  # waited on here (addons/stream_memory.py)
             while True:
                 try:
-                    data = await reader.read(read_size() if read_size is not None else 65535)
+                    size = self.egress_read_size() if sized else 65535
+                    if lean:
+                        while (data := stream_memory.read_now(reader, size)) is None:
+                            try:
+                                await stream_memory.data_waiter(reader)
+                            finally:
+                                reader._waiter = None
+                    else:  # (mitmproxy_rs streams: transparent and local-redirect clients, UDP)
+                        data = await reader.read(size)
                     if not data:
                         raise OSError("Connection closed by peer.")
                 except OSError:
@@ -110,9 +121,8 @@ def install() -> None:
                     cancelled = e
                     break
                 try:
-                    turn = getattr(self, "egress_turn", None)  # its sandbox's turn on the loop (addons/fair_share.py)
-                    if turn is not None:
-                        await turn()
+                    if turns:
+                        await self.egress_turn()
                     await self.server_event(events.DataReceived(connection, data))
                     await self.drain_writers()
                 except asyncio.CancelledError as e:  # mitmproxy lets this one escape the close

@@ -24,23 +24,28 @@ from .state import GatewayState
 class HttpLayerMaker:
     def __init__(self, state: GatewayState):
         self.state = state
+        # What every layer is handed, made once: each read of a method makes a new bound method (64
+        # bytes), and a layer keeps what it was handed for its connection's life (8 per open stream).
+        self._on_refusal, self._page = self.on_refusal, self.page
+        self._body_limits = BodyLimits(state.buffer_account, DEFAULT_BODY_IDLE_TIMEOUT, self._sandbox_key)
 
     def inspected(self, nextlayer: layer.NextLayer) -> None:
         """HTTP inside a tunnel, TLS or a redirected connection: its destination is already pinned."""
-        nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self.on_refusal,
-                                           *self._limits(), page_for=self.page)
+        nextlayer.layer = GatewayHttpLayer(nextlayer.context, HTTPMode.transparent, self._on_refusal,
+                                           *self._limits(), page_for=self._page)
 
     def proxy_port(self, nextlayer: layer.NextLayer) -> None:
         """HTTP/1 requests to the proxy port itself (CONNECT, absolute form)."""
-        nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self.on_refusal,
-                                              *self._limits(), page_for=self.page)
+        nextlayer.layer = TargetFormHttpLayer(nextlayer.context, HTTPMode.regular, self._on_refusal,
+                                              *self._limits(), page_for=self._page)
 
     def _limits(self) -> tuple[int, float, BodyLimits]:
         """The limits of an HTTP layer: head size and time (its HTTP/1 server), and the bodies'
-        buffer budget and idle timeout (its streams)."""
+        buffer budget and idle timeout (its streams; one frozen BodyLimits while the option holds)."""
         idle = float(getattr(ctx.options, "egress_body_idle_timeout", DEFAULT_BODY_IDLE_TIMEOUT))
-        return (ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout),
-                BodyLimits(self.state.buffer_account, idle, self._sandbox_key))
+        if self._body_limits.idle_timeout != idle:
+            self._body_limits = dataclasses.replace(self._body_limits, idle_timeout=idle)
+        return (ctx.options.egress_max_head_bytes, float(ctx.options.egress_head_timeout), self._body_limits)
 
     def _sandbox_key(self, context) -> str:
         return self.state.sandbox_key(self.state.connections.get(context.client.id))

@@ -14,6 +14,11 @@ Each of these is a `collections.deque()`, 760 bytes however empty, and nearly al
   events meet (a hook's completion while a read's event is handled: every stream) and keeps it for
   the connection's life.
 
+Besides the queues, a connection's reader (addons/conn_close.py) waits for its next bytes through
+`read_now` and `data_waiter` (Python 3.12's `StreamReader.read` and `_wait_for_data`, split where they
+wait): the reader's own coroutine awaits the StreamReader's Future, where `reader.read` kept two more
+coroutines suspended for as long as the connection is quiet (~1 KB per open stream, two readers).
+
 Each starts with a shared empty deque that refuses writes (addons/empty_deque.py): a protocol gets a
 deque of its own where `_drain_helper` first waits and lets it go once no writer waits; a transport
 where `write` or `writelines` must keep bytes, and goes back to the shared one at a write that finds
@@ -101,6 +106,33 @@ def _write(self, data):
         self._buffer = collections.deque()
     self._buffer.append(data)
     self._maybe_pause_protocol()
+
+
+def read_now(reader: streams.StreamReader, n: int) -> bytes | None:
+    """What `reader.read(n)` (Python 3.12, n > 0) returns when it need not wait: the next bytes, or
+    b"" at the end; None when it must wait (`data_waiter`); the reader's error raised."""
+    if reader._exception is not None:
+        raise reader._exception
+    if not reader._buffer and not reader._eof:
+        return None
+    data = bytes(memoryview(reader._buffer)[:n])
+    del reader._buffer[:n]
+    reader._maybe_resume_transport()
+    return data
+
+
+def data_waiter(reader: streams.StreamReader) -> asyncio.Future:
+    """The Future `reader._wait_for_data` (Python 3.12) awaits, set on the reader, for the caller to
+    await and then clear (`reader._waiter = None`, in a finally, as it does): done when bytes, the
+    end or an error come."""
+    if reader._waiter is not None:
+        raise RuntimeError("read() called while another coroutine is already waiting for incoming data")
+    assert not reader._eof, "_wait_for_data after EOF"
+    if reader._paused:  # (waiting while paused would never end)
+        reader._paused = False
+        reader._transport.resume_reading()
+    reader._waiter = reader._loop.create_future()
+    return reader._waiter
 
 
 def install() -> None:

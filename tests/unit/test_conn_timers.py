@@ -281,3 +281,52 @@ def test_a_wakeup_task_closed_before_its_first_step_arms_nothing():
         assert handler.wakeup_timer == set() and handler.events == []
 
     _run(main)
+
+
+# -- handle_client ----------------------------------------------------------------------------------------
+
+class _Theirs(ast.NodeTransformer):
+    """mitmproxy's handle_client with the three changes conn_timers makes, for the comparison."""
+
+    def visit_Assign(self, node):
+        if ast.unparse(node.targets[0]) == "watch":  # the watchdog's task -> armed in place
+            return ast.Expr(ast.Await(ast.parse("self.timeout_watchdog.watch()", mode="eval").body))
+        return self.generic_visit(node)
+
+    def visit_Expr(self, node):
+        text = ast.unparse(node)
+        if text == "watch.cancel()":
+            return None
+        if text == "await asyncio.wait([handler])":
+            return ast.Expr(ast.Await(ast.parse("_ended(handler)", mode="eval").body))
+        return self.generic_visit(node)
+
+
+def test_handle_client_is_mitmproxy_s_but_for_the_watchdog_and_the_wait():
+    theirs = ast.parse(_source("ConnectionHandler", "handle_client").strip()).body[0]
+    ours = ast.parse(inspect.getsource(conn_timers.handle_client)).body[0]
+    ours.body = [s for s in ours.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]  # docstring
+    expected = ast.fix_missing_locations(_Theirs().visit(theirs))
+    assert ast.unparse(ours.body) == ast.unparse(expected.body)
+
+
+def test_the_client_s_reader_is_awaited_on_one_future_that_its_end_resolves():
+    async def main():
+        gate = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(gate)
+        waiter = conn_timers._ended(task)
+        assert not waiter.done()
+        gate.set_result(None)
+        await waiter
+        assert task.done()
+        # cancelled while waiting: the task goes on, as with asyncio.wait
+        other = asyncio.ensure_future(asyncio.get_running_loop().create_future())
+        waiting = asyncio.ensure_future(conn_timers._ended(other))
+        await asyncio.sleep(0)  # not synchronisation: one loop step, the waiter is awaited
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not other.done()
+        other.cancel()
+
+    _run(main)

@@ -28,6 +28,9 @@ stream_memory.install()
 PYTHON_DRAIN_HELPER = "3aaf494dc68cc7af023abd7b44a1f11872cd77f028748ac317ce62a89446e2f9"
 # sha256 of Python 3.12's _SelectorSocketTransport.write source, which stream_memory copies
 PYTHON_TRANSPORT_WRITE = "96f23c287e7ba63acccb59abaadf87f231e9de0c96e06f3ee9deac00ae4c85f1"
+# sha256 of Python 3.12's StreamReader.read and _wait_for_data, which read_now and data_waiter split
+PYTHON_READER = {"read": "07b3e362bedf72a44cf0b21d1743bfeae88f7126f27860be189e31c2cd1a6e3c",
+                 "_wait_for_data": "29182a2d89ea041fbb4b148dcb4c5e9041bd50553fe4dab14af1c6e2c774e401"}
 
 
 def _with_pair(body) -> None:
@@ -229,3 +232,88 @@ def test_a_connection_handler_s_locks_are_lean():
     limit = handler.max_conns[("127.0.0.1", 443)]
     assert isinstance(limit, asyncio.Semaphore) and limit._value == 5  # mitmproxy's five at once, per address
     assert handler.max_conns.default_factory is stream_memory._five_at_once
+
+
+# -- a reader's wait ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PYTHON_READER))
+def test_the_split_read_is_of_this_python_s_stream_reader(name):
+    text = _python_method(streams, "StreamReader", name)
+    assert hashlib.sha256(text.encode()).hexdigest() == PYTHON_READER[name], (
+        f"Python's StreamReader.{name} changed: carry it into addons/stream_memory.py's read_now and "
+        "data_waiter, then update the hash")
+
+
+async def _lean_read(reader, n: int) -> bytes:
+    """How addons/conn_close.py reads."""
+    while (data := stream_memory.read_now(reader, n)) is None:
+        try:
+            await stream_memory.data_waiter(reader)
+        finally:
+            reader._waiter = None
+    return data
+
+
+def test_the_split_read_gives_what_read_gives():
+    """Bytes in pieces of at most n, the end as b"", an error raised, a paused reader resumed: the
+    same as StreamReader.read on a twin reader fed the same."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ours, theirs = asyncio.StreamReader(limit=8), asyncio.StreamReader(limit=8)
+        for reader in (ours, theirs):
+            reader.feed_data(b"0123456789abcdef")
+        assert await _lean_read(ours, 5) == await theirs.read(5) == b"01234"
+        assert await _lean_read(ours, 100) == await theirs.read(100) == b"56789abcdef"
+        # waiting: bytes fed later wake both
+        waiting = [asyncio.ensure_future(_lean_read(ours, 3)), asyncio.ensure_future(theirs.read(3))]
+        await asyncio.sleep(0)  # not synchronisation: one loop step, both are waiting
+        assert ours._waiter is not None and theirs._waiter is not None
+        for reader in (ours, theirs):
+            reader.feed_data(b"xyz!")
+        assert [await w for w in waiting] == [b"xyz", b"xyz"]
+        assert ours._waiter is None
+        # the end
+        waiting = [asyncio.ensure_future(_lean_read(ours, 9)), asyncio.ensure_future(theirs.read(9))]
+        await asyncio.sleep(0)  # not synchronisation: one loop step, both are waiting
+        for reader in (ours, theirs):
+            reader.feed_eof()
+        assert [await w for w in waiting] == [b"!", b"!"]
+        assert await _lean_read(ours, 9) == await theirs.read(9) == b""
+        # an error
+        ours, theirs = asyncio.StreamReader(), asyncio.StreamReader()
+        for reader in (ours, theirs):
+            reader.set_exception(ConnectionResetError("reset"))
+        for read in (_lean_read(ours, 1), theirs.read(1)):
+            with pytest.raises(ConnectionResetError):
+                await read
+        # cancelled while waiting: the reader can be waited on again
+        ours = asyncio.StreamReader()
+        waiting = asyncio.ensure_future(_lean_read(ours, 1))
+        await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert ours._waiter is None
+        ours.feed_data(b"q")
+        assert await _lean_read(ours, 1) == b"q"
+        assert loop is asyncio.get_running_loop()
+
+    asyncio.run(main())
+
+
+def test_a_paused_reader_is_resumed_when_waited_on():
+    def body(writer, reader):
+        async def run():
+            reader._paused = True  # (as after a full buffer)
+            resumed = []
+            transport = reader._transport
+            original = transport.resume_reading
+            transport.resume_reading = lambda: (resumed.append(True), original())
+            waiting = asyncio.ensure_future(_lean_read(reader, 4))
+            await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+            assert resumed == [True] and not reader._paused
+            writer.write(b"ping")
+            assert await waiting == b"ping"
+        return run()
+
+    _with_pair(body)
