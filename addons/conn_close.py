@@ -120,6 +120,9 @@ def install() -> None:
                 except asyncio.CancelledError as e:
                     cancelled = e
                     break
+                except Exception as exc:  # a bug in the read (its size, the reader): fails closed (review 50)
+                    crash_close.fail(self, exc)
+                    break
                 try:
                     if turns:
                         await self.egress_turn()

@@ -26,8 +26,11 @@ stream"). Here each is one `loop.call_later` handle:
 - `handle_client` (mitmproxy's, 12.3) arms the watchdog in place, where mitmproxy made a task for
   it (a task done at once, kept by the handler for the connection's life), and waits for the
   client's reader on one Future its end resolves, where `asyncio.wait` kept two coroutines, a
-  Future, a set and a closure for as long (~1.1 KB per open connection together). The rest is
-  mitmproxy's, statement for statement (tests/unit/test_conn_timers.py compares them).
+  Future, a set and a closure for as long (~1.1 KB per open connection together). What raises in
+  it fails the connection closed (addons/crash_close.py), and the connection still ends as
+  mitmproxy ends it: mitmproxy let the error end the task, with no audit line, and a disconnect
+  hook that raised left the upstreams open (review 50). The rest is mitmproxy's, statement for
+  statement (tests/unit/test_conn_timers.py compares them).
 
 A timer's callback runs in the context of the task that armed it, so the loop time of what it does
 is charged to the connection's sandbox like any other (addons/fair_share.py).
@@ -180,28 +183,31 @@ async def handle_client(self) -> None:
     await self.timeout_watchdog.watch()  # (arms its timer and returns)
 
     self.log("client connect")
-    await self.handle_hook(server_hooks.ClientConnectedHook(self.client))
-    if self.client.error:
-        self.log("client kill connection")
-        writer = self.transports.pop(self.client).writer
-        assert writer
-        writer.close()
-    else:
-        await self.server_event(events.Start())
-        handler = asyncio_utils.create_task(
-            self.handle_connection(self.client),
-            name=f"client connection handler",
-            keep_ref=False,
-            client=self.client.peername,
-        )
-        self.transports[self.client].handler = handler
-        await _ended(handler)
-        if not handler.cancelled() and (e := handler.exception()):
-            self.log(
-                f"connection handler has crashed: {e}",
-                logging.ERROR,
-                exc_info=(type(e), e, e.__traceback__),
+    try:
+        await self.handle_hook(server_hooks.ClientConnectedHook(self.client))
+        if self.client.error:
+            self.log("client kill connection")
+            writer = self.transports.pop(self.client).writer
+            assert writer
+            writer.close()
+        else:
+            await self.server_event(events.Start())
+            handler = asyncio_utils.create_task(
+                self.handle_connection(self.client),
+                name=f"client connection handler",
+                keep_ref=False,
+                client=self.client.peername,
             )
+            self.transports[self.client].handler = handler
+            await _ended(handler)
+            if not handler.cancelled() and (e := handler.exception()):
+                self.log(
+                    f"connection handler has crashed: {e}",
+                    logging.ERROR,
+                    exc_info=(type(e), e, e.__traceback__),
+                )
+    except Exception as exc:  # the connection fails closed, and still ends as below (addons/crash_close.py)
+        crash_close.fail(self, exc)
 
     while self.wakeup_timer:
         timer = self.wakeup_timer.pop()
@@ -209,7 +215,10 @@ async def handle_client(self) -> None:
 
     self.log("client disconnect")
     self.client.timestamp_end = time.time()
-    await self.handle_hook(server_hooks.ClientDisconnectedHook(self.client))
+    try:
+        await self.handle_hook(server_hooks.ClientDisconnectedHook(self.client))
+    except Exception as exc:  # (the transports below are still closed)
+        crash_close.fail(self, exc)
 
     if self.transports:
         self.log("closing transports...", logging.DEBUG)

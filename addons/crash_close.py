@@ -210,7 +210,7 @@ tracebacks = TracebackBudget()
 
 def _say(handler, exc: BaseException) -> None:
     if is_audit_failure(exc):
-        unwritable.note(exc)  # (expected, and counted: one warning a second)
+        unwritable.note(exc, refused=False)  # (expected; counted in its one warning a second: no 500 was sent)
     elif (withheld := tracebacks.take(exc)) is not None:
         since = f"; {withheld} more at this place since the last traceback" if withheld else ""
         handler.log("mitmproxy has crashed! The egress gateway reset every socket of this connection (fail "

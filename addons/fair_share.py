@@ -46,7 +46,7 @@ from mitmproxy.proxy import commands
 
 from gateway.fairshare import MAX_WAIT, LoopShare, ReadyOrder, yields_to
 
-from . import accept_gate
+from . import accept_gate, crash_close
 from .options import declare
 
 ATTR = "_egress_share_key"
@@ -548,9 +548,12 @@ def install(state) -> None:
     async def marked_handle_client(self) -> None:
         accepted = serving()  # its setup's (_Accepted), if the connection was accepted here
         holder = serve(self)  # this task's context, and every task it starts (connections, hooks)
-        adopt(self, accepted)
         try:
+            adopt(self, accepted)
             _mark_reader(self)
+        except Exception as exc:  # the connection fails closed, and still ends as it ends (review 50)
+            crash_close.fail(self, exc)
+        try:
             await handle_client(self)
         finally:
             holder.handler = None

@@ -27,8 +27,11 @@ class LogRedaction(logging.Filter):
         if cls._installed is None:
             cls._installed = cls(get_redactor)
         cls._installed.get_redactor = get_redactor
-        for handler in logging.getLogger().handlers:
-            if cls._installed not in handler.filters:
+        # logging.lastResort prints WARNING and above once mitmproxy's handlers are gone (after its
+        # `done`, while open connections are still cancelled): unfiltered, a line then went out as
+        # it was (review 50).
+        for handler in [*logging.getLogger().handlers, logging.lastResort]:
+            if handler is not None and cls._installed not in handler.filters:
                 handler.addFilter(cls._installed)
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -38,12 +41,15 @@ class LogRedaction(logging.Filter):
                 message = record.getMessage()
                 clean, hits = redactor.redact_text(message)
                 if hits:
-                    record.msg, record.args = clean, ()
+                    record.msg, record.args, message = clean, (), clean
                 if record.exc_info and record.exc_info[1] is not None:
                     text = record.exc_text or _FORMATTER.formatException(record.exc_info)
-                    clean, hits = redactor.redact_text(text)
-                    if hits:  # printed from exc_text by every formatter (it is only built when absent)
-                        record.exc_info, record.exc_text = None, clean
+                    traceback, hits = redactor.redact_text(text)
+                    if hits:
+                        # Into the message: mitmproxy's formatter prints exc_info, never exc_text,
+                        # and the traceback is what the operator needs (review 50).
+                        record.msg, record.args = f"{message}\n{traceback}", ()
+                        record.exc_info = record.exc_text = None
                 elif record.exc_text:
                     record.exc_text = redactor.redact_text(record.exc_text)[0]
                 if record.stack_info:

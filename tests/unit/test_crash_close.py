@@ -166,6 +166,14 @@ class Handler(server.LiveConnectionHandler):
             await self.gate
 
 
+    handle_client = conn_timers.handle_client  # the gateway's (installed under fair_share's wrapper)
+
+    def egress_read_size(self) -> int:  # (how much one read may take, addons/fair_share.py)
+        self.reads = getattr(self, "reads", 0) + 1
+        if self.raise_in == "read size" and self.reads > 1:
+            raise Crash("injected: the read size raised in the connection's reader")
+        return 65535
+
     async def drain_writers(self):
         if self.raise_in == "drain":
             raise Crash("injected: a drain raised in the connection's reader")
@@ -391,7 +399,12 @@ def test_an_upstream_still_connecting_never_connects(installed):
     assert not any(isinstance(e, events.OpenConnectionCompleted) for e in handler.layer.seen)
 
 
-def test_an_unwritable_audit_log_fails_the_connection_without_a_traceback(installed, caplog):
+def test_an_unwritable_audit_log_fails_the_connection_without_a_traceback(installed, caplog, monkeypatch):
+    """Counted in the one warning a second as a traceback withheld, not as a 500 refusal: none was sent."""
+    from addons import failclosed
+
+    monkeypatch.setattr(crash_close, "unwritable", failclosed._Unwritable())
+
     def crash_on(layer_, event):
         if isinstance(event, events.DataReceived) and b"boom" in event.data:
             raise AuditWriteError(28, "No space left on device")
@@ -400,11 +413,12 @@ def test_an_unwritable_audit_log_fails_the_connection_without_a_traceback(instal
     async def main():
         return await _session(crash_on, [b"boom"])
 
-    before = crash_close.unwritable.total
     with caplog.at_level(logging.DEBUG):
         handler, read, _ = _run(main)
     assert isinstance(read, ConnectionResetError), read
-    assert crash_close.unwritable.total == before + 1
+    assert crash_close.unwritable.total == 0  # no decision was refused with a 500
+    [warning] = [r.getMessage() for r in caplog.records if "audit log is not writable" in r.getMessage()]
+    assert "0 decision(s) refused" in warning and "1 traceback(s) withheld" in warning, warning
     assert not [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], AuditWriteError)]
     assert not [r for r in caplog.records if "mitmproxy has crashed" in r.getMessage()]
 
@@ -482,6 +496,8 @@ OUTSIDE = {
     "the reader's drain": ([b"echo"], "drain"),
     "a wakeup's turn": ([b"wake"], "turn"),
     "a timed wakeup's turn": ([b"later"], "turn"),
+    "the reader's read size": ([b"echo"], "read size"),
+    "the client's connect hook": ([], "client_connected"),
 }
 
 
@@ -517,3 +533,23 @@ def test_a_task_of_the_connection_that_raises_fails_it_closed_too(case, installe
     [crash] = [r for r in caplog.records if "mitmproxy has crashed" in r.getMessage()]
     assert "injected" in str(crash.exc_info[1])
     assert upstream.none_pending
+
+
+def test_a_disconnect_hook_that_raises_still_closes_the_upstreams(installed):
+    """Review 50: mitmproxy's handle_client skipped the closing of the transports when the
+    client_disconnected hook raised: the upstreams stayed open."""
+    async def after(handler, upstream):
+        while handler.layer.server is None or handler.transports.get(handler.layer.server) is None \
+                or handler.transports[handler.layer.server].writer is None:
+            await asyncio.sleep(0)  # not synchronisation: a loop step until the upstream is connected
+        handler.raise_in = "client_disconnected"
+        handler.transports[handler.client].handler.cancel()  # the client goes
+
+    async def main():
+        return await _session(lambda l, e: False, [b"open"], after=after)
+
+    handler, read, upstream = _run(main)
+    assert handler._egress_failed
+    received = upstream.received.result()  # (the session waited for the upstream's end)
+    assert received == b"" or isinstance(received, ConnectionResetError), received
+    assert not handler.transports
