@@ -39,36 +39,38 @@ class Gate:
         # at once cannot share. By peer address, a sandbox reconnecting from the same port before
         # the first connection's setup claimed it made the two share one entry, and one count was
         # never given back (review 41: 340 of a worker's 448 held for good, by no socket).
-        self._ahead: dict[int, tuple[str, object]] = {}  # fd -> (sandbox key, token)
+        self._ahead: dict[int, tuple[str, object]] = {}  # fd -> (sandbox key, its finalizer)
 
     def admit(self, conn, addr, listening: tuple | None = None) -> bool:
         """`listening`: the address of the socket that accepted it (which listener: its mode)."""
         fd = conn.fileno()
         stale = self._ahead.pop(fd, None)
         if stale is not None:  # the kernel gave its number again: that socket is closed, never claimed
+            stale[1].detach()
             self._uncount(stale[0])
         peer = tuple(addr[:2])
         key, refusal = self._refusal(peer)
         if refusal is not None:
             self._refused(peer, refusal, listening)
             return False
-        token = object()
-        self._ahead[fd] = (key, token)
+        finalizer = weakref.finalize(conn, self._never_claimed, fd)
+        self._ahead[fd] = (key, finalizer)
         self._count(key)
-        weakref.finalize(conn, self._never_claimed, fd, token)
         return True
 
     def claim(self, fd: int | None) -> None:
-        """The connection on socket `fd` reached its setup: its count is the setup's now."""
+        """The connection on socket `fd` reached its setup: its count is the setup's now, and its
+        finalizer goes (kept until the socket went, it held ~400 bytes for every open connection)."""
         entry = self._ahead.pop(fd, None) if fd is not None else None
         if entry is not None:
+            entry[1].detach()
             self._uncount(entry[0])
 
-    def _never_claimed(self, fd: int, token: object) -> None:
-        """The socket object is gone, never claimed (its setup failed): its count goes with it."""
-        entry = self._ahead.get(fd)
-        if entry is not None and entry[1] is token:
-            del self._ahead[fd]
+    def _never_claimed(self, fd: int) -> None:
+        """The socket object is gone, never claimed (its setup failed): its count goes with it. (A
+        finalizer runs once and is detached with its entry: the entry under `fd` is its own.)"""
+        entry = self._ahead.pop(fd, None)
+        if entry is not None:
             self._uncount(entry[0])
 
     @property

@@ -7,7 +7,9 @@ marks them `BOUND`); log lines too (addons/log_redaction.py).
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 
 from mitmproxy import ctx, http
 from mitmproxy.utils import human
@@ -38,6 +40,9 @@ class ResponseRedactor:
 
     def __init__(self, state: GatewayState):
         self.state = state
+        # Handed to every streamed body's redactor, made once: each read of a method makes a new
+        # bound method, kept by the stream for as long as it is open (docs/performance.md).
+        self._current, self._on_cut_off = self.redactor, self._cut_off
         install_websocket_redaction(self.redactor)
 
     def redactor(self) -> Redactor | None:
@@ -47,6 +52,12 @@ class ResponseRedactor:
         # Whatever a log line quotes (mitmproxy logs WebSocket pings, protocol errors), never a secret.
         LogRedaction.install(self.redactor)
         QuietAuditFailures.install()  # a full audit disk: counted warnings, not a traceback per refusal
+
+    def _count_body(self, flow_ref: weakref.ref, hits: list[str]) -> None:
+        """A streamed body's hits (`flow_ref`: the stream's flow holds its redactor, which holds this)."""
+        flow = flow_ref()
+        if flow is not None:
+            self._count(flow, hits, "body")
 
     def _count(self, flow, hits: list[str], where: str) -> None:
         for name in dict.fromkeys(hits):
@@ -73,9 +84,9 @@ class ResponseRedactor:
         plan, why = response_plan(method=flow.request.method, status=response.status_code,
                                   headers=response.headers.items(multi=True), bound=True, buffer_limit=limit)
         # The current redactor for every chunk: a value rotated while the stream is open counts.
-        body_redactor = StreamRedactor(self.redactor, on_hit=lambda found: self._count(flow, found, "body"))
+        body_redactor = StreamRedactor(self._current, on_hit=functools.partial(self._count_body, weakref.ref(flow)))
         if plan in (Plan.NO_BODY, Plan.REDACT):
-            response.stream = BodyRedactor(flow, body_redactor, on_failure=self._cut_off)
+            response.stream = BodyRedactor(flow, body_redactor, on_failure=self._on_cut_off)
         elif plan is Plan.DECODE_BUFFERED:
             response.stream = False  # decoded and redacted in `response`, or a clean 502
         elif plan is Plan.DECODE_STREAM:
@@ -84,7 +95,7 @@ class ResponseRedactor:
             response.headers.pop("content-length", None)
             if not (flow.request.is_http2 or flow.request.is_http3):
                 response.headers["transfer-encoding"] = "chunked"
-            response.stream = BodyRedactor(flow, body_redactor, decoder, on_failure=self._cut_off, encoding=why)
+            response.stream = BodyRedactor(flow, body_redactor, decoder, on_failure=self._on_cut_off, encoding=why)
         else:
             self._refuse_body(flow, Decision.deny(
                 "undecodable_response",
