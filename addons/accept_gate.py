@@ -53,9 +53,8 @@ class Gate:
         if refusal is not None:
             self._refused(peer, refusal, listening)
             return False
-        finalizer = weakref.finalize(conn, self._never_claimed, fd)
-        self._ahead[fd] = (key, finalizer)
-        self._count(key)
+        self._count(key)  # (first: a count that raised leaves no entry to give back, review 51)
+        self._ahead[fd] = (key, weakref.finalize(conn, self._never_claimed, fd))
         return True
 
     def claim(self, fd: int | None) -> None:

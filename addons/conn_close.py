@@ -106,11 +106,14 @@ def install() -> None:
                 try:
                     size = self.egress_read_size() if sized else 65535
                     if lean:
-                        while (data := stream_memory.read_now(reader, size)) is None:
+                        data = stream_memory.read_now(reader, size)
+                        if data is None:
+                            waiter = stream_memory.data_waiter(reader)
                             try:
-                                await stream_memory.data_waiter(reader)
+                                await waiter
                             finally:
                                 reader._waiter = None
+                            data = stream_memory.buffered(reader, size)
                     else:  # (mitmproxy_rs streams: transparent and local-redirect clients, UDP)
                         data = await reader.read(size)
                     if not data:

@@ -15,8 +15,8 @@ Each of these is a `collections.deque()`, 760 bytes however empty, and nearly al
   the connection's life.
 
 Besides the queues, a connection's reader (addons/conn_close.py) waits for its next bytes through
-`read_now` and `data_waiter` (Python 3.12's `StreamReader.read` and `_wait_for_data`, split where they
-wait): the reader's own coroutine awaits the StreamReader's Future, where `reader.read` kept two more
+`read_now`, `data_waiter` and `buffered` (Python 3.12's `StreamReader.read` and `_wait_for_data`,
+split where they wait): the reader's own coroutine awaits the StreamReader's Future, where `reader.read` kept two more
 coroutines suspended for as long as the connection is quiet (~1 KB per open stream, two readers).
 
 Each starts with a shared empty deque that refuses writes (addons/empty_deque.py): a protocol gets a
@@ -110,11 +110,18 @@ def _write(self, data):
 
 def read_now(reader: streams.StreamReader, n: int) -> bytes | None:
     """What `reader.read(n)` (Python 3.12, n > 0) returns when it need not wait: the next bytes, or
-    b"" at the end; None when it must wait (`data_waiter`); the reader's error raised."""
+    b"" at the end; None when it must wait (`data_waiter`, then `buffered`); the reader's error raised."""
     if reader._exception is not None:
         raise reader._exception
     if not reader._buffer and not reader._eof:
         return None
+    return buffered(reader, n)
+
+
+def buffered(reader: streams.StreamReader, n: int) -> bytes:
+    """The rest of `read(n)` once its wait is over: up to n bytes of what is buffered (b"" when the
+    wait ended with none), before any error: bytes that came with a reset are read first, as
+    Python's read gives them (review 51)."""
     data = bytes(memoryview(reader._buffer)[:n])
     del reader._buffer[:n]
     reader._maybe_resume_transport()
@@ -123,8 +130,8 @@ def read_now(reader: streams.StreamReader, n: int) -> bytes | None:
 
 def data_waiter(reader: streams.StreamReader) -> asyncio.Future:
     """The Future `reader._wait_for_data` (Python 3.12) awaits, set on the reader, for the caller to
-    await and then clear (`reader._waiter = None`, in a finally, as it does): done when bytes, the
-    end or an error come."""
+    await and then clear (`reader._waiter = None`, in a finally around the await only, as it does:
+    a refusal here leaves another waiter's Future alone): done when bytes, the end or an error come."""
     if reader._waiter is not None:
         raise RuntimeError("read() called while another coroutine is already waiting for incoming data")
     assert not reader._eof, "_wait_for_data after EOF"

@@ -126,3 +126,42 @@ def test_the_mode_of_a_listener_is_found_by_its_address():
     assert mode_of_listener(listeners, ("127.0.0.1", 8080)) == "regular"
     assert mode_of_listener(listeners, ("127.0.0.1", 9999)) == "regular"  # (none matches)
     assert mode_of_listener(listeners, None) == "regular"
+
+
+def test_a_count_that_raises_leaves_nothing_to_give_back():
+    """Review 51: the entry and its finalizer were registered before the count; a count that raised
+    (the socket then closed as refused) was given back when the socket went: -1."""
+    ledger = _Ledger()
+
+    def failing(key):
+        raise RuntimeError("the ledger failed")
+
+    ledger.count = failing
+    gate = ledger.gate()
+    sock, peer = socket.socketpair()
+    try:
+        gate.admit(sock, ("10.0.0.7", 7000))
+    except RuntimeError:
+        pass
+    sock.close()
+    del sock
+    gc.collect()
+    assert ledger.counts["address:10.0.0.7"] == 0 and gate.ahead == 0
+    peer.close()
+
+
+def test_a_claimed_socket_keeps_no_finalizer():
+    """Its finalizer goes at the claim (it held ~400 bytes for the connection's life)."""
+    import weakref
+
+    ledger = _Ledger()
+    gate = ledger.gate()
+    sock, peer = socket.socketpair()
+    before = len(weakref.finalize._registry)
+    assert gate.admit(sock, ("10.0.0.8", 8000))
+    assert len(weakref.finalize._registry) == before + 1
+    gate.claim(sock.fileno())
+    assert len(weakref.finalize._registry) == before
+    assert ledger.counts["address:10.0.0.8"] == 0
+    sock.close()
+    peer.close()

@@ -246,12 +246,49 @@ def test_the_split_read_is_of_this_python_s_stream_reader(name):
 
 async def _lean_read(reader, n: int) -> bytes:
     """How addons/conn_close.py reads."""
-    while (data := stream_memory.read_now(reader, n)) is None:
+    data = stream_memory.read_now(reader, n)
+    if data is None:
+        waiter = stream_memory.data_waiter(reader)
         try:
-            await stream_memory.data_waiter(reader)
+            await waiter
         finally:
             reader._waiter = None
+        data = stream_memory.buffered(reader, n)
     return data
+
+
+def test_bytes_that_came_with_a_reset_are_read_before_it():
+    """Review 51: fed bytes and then an error while the reader waited, read gives the bytes (the
+    error at the next read); the split read raised at once and lost them."""
+    async def main():
+        results = []
+        for read in (_lean_read, lambda r, n: r.read(n)):
+            reader = asyncio.StreamReader()
+            waiting = asyncio.ensure_future(read(reader, 100))
+            await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+            reader.feed_data(b"GET / HTTP/1.1\r\n\r\n")
+            reader.set_exception(ConnectionResetError("reset"))
+            results.append(await waiting)
+            with pytest.raises(ConnectionResetError):
+                await read(reader, 100)
+        assert results == [b"GET / HTTP/1.1\r\n\r\n"] * 2
+
+    asyncio.run(main())
+
+
+def test_a_second_waiter_is_refused_and_leaves_the_first_one_s_future():
+    async def main():
+        reader = asyncio.StreamReader()
+        first = asyncio.ensure_future(_lean_read(reader, 10))
+        await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+        waiting_on = reader._waiter
+        with pytest.raises(RuntimeError):
+            await _lean_read(reader, 10)
+        assert reader._waiter is waiting_on
+        reader.feed_data(b"x")
+        assert await first == b"x"
+
+    asyncio.run(main())
 
 
 def test_the_split_read_gives_what_read_gives():
