@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-seconds", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--configs", default="mitmdump,gateway",
-                   help="mitmdump, gateway (this tree's), baseline (the gateway of the tree --baseline names)")
+                   help="mitmdump, gateway (this tree's), baseline (the gateway of the tree --baseline names), floor "
+                        "(mitmproxy with only the addons serving needs: bench/mitmproxy_floor.py)")
     p.add_argument("--baseline", help="another checkout of the gateway (e.g. `git archive` of an older commit)")
     p.add_argument("--profile", action="store_true", help="py-spy profiles of each configuration instead of the rounds")
     p.add_argument("--native", action="store_true",

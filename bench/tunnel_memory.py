@@ -320,7 +320,8 @@ class Run:
         self.origin_port = args.port_base
         self.ports = {"mitmdump": args.port_base + 1, "gateway": args.port_base + 2, "gateway_tm": args.port_base + 3,
                       "baseline": args.port_base + 4, "gateway_bound": args.port_base + 5,
-                      "baseline_bound": args.port_base + 6, "gateway_w2": args.port_base + 7}
+                      "baseline_bound": args.port_base + 6, "gateway_w2": args.port_base + 7,
+                      "floor": args.port_base + 8}
         for port in (self.origin_port, self.ports["gateway_tm"], *(self.ports[c] for c in configs)):
             if not port_free(port):  # (only the ports this run listens on: the others may be clients' now)
                 raise RuntimeError(f"port {port} is taken (use --port-base)")
@@ -411,6 +412,10 @@ rules:
                    "--mode", f"regular@127.0.0.1:{port}", "--confdir", str(confdir),
                    "--set", f"ssl_verify_upstream_trusted_ca={self.ca}"]
             env["PYTHONPATH"] = str(root)
+        elif key == "floor":  # mitmproxy with only the addons serving needs (bench/mitmproxy_floor.py)
+            cmd = self.hosts_prefix + [
+                self.python, str(BENCH_DIR / "mitmproxy_floor.py"), "--listen", f"127.0.0.1:{port}",
+                "--confdir", str(confdir), "--upstream-ca", str(self.ca)]
         else:
             cmd = self.hosts_prefix + [
                 self.mitmdump, "-q", "--mode", f"regular@127.0.0.1:{port}", "--set", f"confdir={confdir}",

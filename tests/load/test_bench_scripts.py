@@ -51,8 +51,8 @@ def _run(*argv: str) -> str:
 def test_cpu_per_request_completes_a_round():
     base = _free_block()
     out = _run(str(BENCH / "cpu_per_request.py"), "--rounds", "1", "--seconds", "1", "--warmup-seconds", "0.5",
-               "--configs", "gateway", "--port-base", str(base), "--port-last", str(base + 11))
-    assert "| gateway |" in out, out
+               "--configs", "gateway,floor", "--port-base", str(base), "--port-last", str(base + 11))
+    assert "| gateway |" in out and "| floor |" in out, out
 
 
 @pytest.mark.parametrize("sse", [False, True], ids=["idle", "sse"])
