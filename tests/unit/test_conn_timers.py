@@ -342,8 +342,7 @@ def test_the_client_s_reader_is_awaited_on_one_future_that_its_end_resolves():
         assert task.done()
         # cancelled while waiting: the task goes on, as with asyncio.wait
         other = asyncio.ensure_future(asyncio.get_running_loop().create_future())
-        waiting = asyncio.ensure_future(conn_timers._ended(other))
-        await asyncio.sleep(0)  # not synchronisation: one loop step, the waiter is awaited
+        waiting = conn_timers._ended(other)  # (a Future: what handle_client awaits)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting

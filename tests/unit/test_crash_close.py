@@ -105,9 +105,12 @@ class Scripted(layer.Layer):
         self.upstream = upstream
         self.server: Server | None = None
         self.seen: list = []
+        self.progress: asyncio.Event | None = None  # set at every step (the handler's: `_until`)
 
     def _step(self, what) -> None:
         self.seen.append(what)
+        if self.progress is not None:
+            self.progress.set()
         if self.crash_on(self, what):
             raise Crash(f"injected: the layer raised at {what}")
 
@@ -148,7 +151,9 @@ class Handler(server.LiveConnectionHandler):
                  hold_hook: bool = False) -> None:
         opts = moptions.Options()
         super().__init__(reader, writer, opts, mode_specs.ProxyMode.parse("regular"))
+        self.progress = asyncio.Event()  # something happened: a step of the layer, a hook, the failure
         self.layer = Scripted(self.layer.context, crash_on, upstream)
+        self.layer.progress = self.progress
         self.gate = asyncio.get_running_loop().create_future()
         if not hold_hook:
             self.gate.set_result(None)
@@ -156,8 +161,20 @@ class Handler(server.LiveConnectionHandler):
         self.hooks: list[str] = []
         self.raise_in: str | None = None  # a hook's name, "drain" or "turn": raise there, outside server_event
 
+    _failed = False
+
+    @property
+    def _egress_failed(self) -> bool:  # (addons/crash_close.py's mark, seen as it is set)
+        return self._failed
+
+    @_egress_failed.setter
+    def _egress_failed(self, value: bool) -> None:
+        self._failed = value
+        self.progress.set()
+
     async def handle_hook(self, hook) -> None:
         self.hooks.append(hook.name)
+        self.progress.set()
         if hook.name == self.raise_in:
             raise Crash(f"injected: the {hook.name} hook's task raised")
         if isinstance(hook, server_hooks.ServerConnectHook) and self.hold_connect is not None:
@@ -235,6 +252,14 @@ class Upstream:
         return False
 
 
+async def _until(handler: Handler, done) -> None:
+    """Until `done()`: woken by each step of the layer, each hook and the failure (a deadline only
+    if the test broke)."""
+    while not done():
+        handler.progress.clear()
+        await asyncio.wait_for(handler.progress.wait(), TIMEOUT)
+
+
 async def _session(crash_on, send: list[bytes], *, hold_connect=None, hold_hook=False, after=None, greeting=None,
                    serve_upstream=True):
     """Serve one client with a Handler; send `send` one piece per event; returns (handler, what the
@@ -271,8 +296,7 @@ async def _session(crash_on, send: list[bytes], *, hold_connect=None, hold_hook=
             except ConnectionResetError as reset:  # (already reset: the failure came first)
                 read = reset
                 break
-            while len(handler.layer.seen) == seen and not handler._egress_failed:
-                await asyncio.sleep(0)  # not synchronisation: a loop step until the piece is an event
+            await _until(handler, lambda: len(handler.layer.seen) > seen or handler._egress_failed)
         if after is not None:
             await after(handler, upstream)
         if read is None:
@@ -358,8 +382,7 @@ def test_a_hook_that_completes_after_the_failure_does_not_resume_the_layer(insta
     """The review-48 case: a layer waiting for a hook when its connection fails must not be resumed
     by the hook (here it would send its request head upstream)."""
     async def after(handler, upstream):
-        while CrashCloseTestGate.name not in handler.hooks:
-            await asyncio.sleep(0)  # not synchronisation: a loop step until the layer waits for its hook
+        await _until(handler, lambda: CrashCloseTestGate.name in handler.hooks)  # the layer waits for it
         assert handler.transports[handler.layer.server].writer is not None  # (the upstream is open)
         handler.layer.crash_on = _data(b"boom")
         await handler.server_event(events.DataReceived(handler.client, b"boom"))
@@ -382,8 +405,7 @@ def test_an_upstream_still_connecting_never_connects(installed):
         hold = asyncio.get_running_loop().create_future()
 
         async def after(handler, upstream):
-            while "server_connect" not in handler.hooks:
-                await asyncio.sleep(0)  # not synchronisation: a loop step until the connect waits on its hook
+            await _until(handler, lambda: "server_connect" in handler.hooks)  # the connect waits on it
             await handler.server_event(events.DataReceived(handler.client, b"boom"))
             if not hold.done():  # (cancelled with the connect: what should happen)
                 hold.set_result(None)  # the hook returns: the connect would go on now
@@ -539,9 +561,7 @@ def test_a_disconnect_hook_that_raises_still_closes_the_upstreams(installed):
     """Review 50: mitmproxy's handle_client skipped the closing of the transports when the
     client_disconnected hook raised: the upstreams stayed open."""
     async def after(handler, upstream):
-        while handler.layer.server is None or handler.transports.get(handler.layer.server) is None \
-                or handler.transports[handler.layer.server].writer is None:
-            await asyncio.sleep(0)  # not synchronisation: a loop step until the upstream is connected
+        await _until(handler, lambda: "server_connected" in handler.hooks)  # the upstream is connected
         handler.raise_in = "client_disconnected"
         handler.transports[handler.client].handler.cancel()  # the client goes
 

@@ -257,6 +257,12 @@ async def _lean_read(reader, n: int) -> bytes:
     return data
 
 
+def _waiting(read) -> asyncio.Task:
+    """`read` started at once and run to its wait, if it must wait (an eager task): no loop step to
+    wait for."""
+    return asyncio.eager_task_factory(asyncio.get_running_loop(), read)
+
+
 def test_bytes_that_came_with_a_reset_are_read_before_it():
     """Review 51: fed bytes and then an error while the reader waited, read gives the bytes (the
     error at the next read); the split read raised at once and lost them."""
@@ -264,8 +270,8 @@ def test_bytes_that_came_with_a_reset_are_read_before_it():
         results = []
         for read in (_lean_read, lambda r, n: r.read(n)):
             reader = asyncio.StreamReader()
-            waiting = asyncio.ensure_future(read(reader, 100))
-            await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+            waiting = _waiting(read(reader, 100))
+            assert reader._waiter is not None
             reader.feed_data(b"GET / HTTP/1.1\r\n\r\n")
             reader.set_exception(ConnectionResetError("reset"))
             results.append(await waiting)
@@ -279,9 +285,9 @@ def test_bytes_that_came_with_a_reset_are_read_before_it():
 def test_a_second_waiter_is_refused_and_leaves_the_first_one_s_future():
     async def main():
         reader = asyncio.StreamReader()
-        first = asyncio.ensure_future(_lean_read(reader, 10))
-        await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+        first = _waiting(_lean_read(reader, 10))
         waiting_on = reader._waiter
+        assert waiting_on is not None
         with pytest.raises(RuntimeError):
             await _lean_read(reader, 10)
         assert reader._waiter is waiting_on
@@ -302,16 +308,14 @@ def test_the_split_read_gives_what_read_gives():
         assert await _lean_read(ours, 5) == await theirs.read(5) == b"01234"
         assert await _lean_read(ours, 100) == await theirs.read(100) == b"56789abcdef"
         # waiting: bytes fed later wake both
-        waiting = [asyncio.ensure_future(_lean_read(ours, 3)), asyncio.ensure_future(theirs.read(3))]
-        await asyncio.sleep(0)  # not synchronisation: one loop step, both are waiting
+        waiting = [_waiting(_lean_read(ours, 3)), _waiting(theirs.read(3))]
         assert ours._waiter is not None and theirs._waiter is not None
         for reader in (ours, theirs):
             reader.feed_data(b"xyz!")
         assert [await w for w in waiting] == [b"xyz", b"xyz"]
         assert ours._waiter is None
-        # the end
-        waiting = [asyncio.ensure_future(_lean_read(ours, 9)), asyncio.ensure_future(theirs.read(9))]
-        await asyncio.sleep(0)  # not synchronisation: one loop step, both are waiting
+        # the end (after what is left)
+        waiting = [_waiting(_lean_read(ours, 9)), _waiting(theirs.read(9))]
         for reader in (ours, theirs):
             reader.feed_eof()
         assert [await w for w in waiting] == [b"!", b"!"]
@@ -325,8 +329,8 @@ def test_the_split_read_gives_what_read_gives():
                 await read
         # cancelled while waiting: the reader can be waited on again
         ours = asyncio.StreamReader()
-        waiting = asyncio.ensure_future(_lean_read(ours, 1))
-        await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+        waiting = _waiting(_lean_read(ours, 1))
+        assert ours._waiter is not None
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -346,8 +350,7 @@ def test_a_paused_reader_is_resumed_when_waited_on():
             transport = reader._transport
             original = transport.resume_reading
             transport.resume_reading = lambda: (resumed.append(True), original())
-            waiting = asyncio.ensure_future(_lean_read(reader, 4))
-            await asyncio.sleep(0)  # not synchronisation: one loop step, it is waiting
+            waiting = _waiting(_lean_read(reader, 4))
             assert resumed == [True] and not reader._paused
             writer.write(b"ping")
             assert await waiting == b"ping"
